@@ -1,0 +1,79 @@
+"""How much memory this process may really use: MemAvailable capped by any cgroup limit.
+
+MemAvailable alone ignores container and cgroup limits, which is how naive sizing gets a
+process OOM-killed; both cgroup v1 and v2 files are read where present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+SAFE_SHARE = 0.75
+_NO_LIMIT = 1 << 60  # cgroup v1 reports "unlimited" as a huge page-rounded number
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _NO_LIMIT else value
+
+
+def _own_cgroup_dirs(proc_root: Path, cgroup_root: Path) -> list[tuple[Path, str]]:
+    """(directory, version) of this process's memory cgroup(s)."""
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            found.append((cgroup_root / rel.lstrip("/"), "v2"))
+        elif "memory" in controllers.split(","):
+            found.append((cgroup_root / "memory" / rel.lstrip("/"), "v1"))
+    return found
+
+
+def cgroup_headroom(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(limit, usage) of the tightest memory cgroup above this process, or None."""
+    best: tuple[int, int] | None = None
+    for directory, version in _own_cgroup_dirs(proc_root, cgroup_root):
+        d = directory
+        while True:
+            if version == "v1":
+                limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+            else:
+                limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+            if limit is not None and (best is None or limit - (usage or 0) < best[0] - best[1]):
+                best = (limit, usage or 0)
+            if d == cgroup_root or d.parent == d or cgroup_root not in d.parents:
+                break
+            d = d.parent
+    return best
+
+
+def available_memory() -> int:
+    avail = int(psutil.virtual_memory().available)
+    cg = cgroup_headroom()
+    if cg is not None:
+        limit, usage = cg
+        avail = min(avail, max(0, limit - usage))
+    return avail
+
+
+def default_budget() -> int:
+    """A safe share of what is really available; the streaming engine sizes its pinned set from it."""
+    return int(available_memory() * SAFE_SHARE)

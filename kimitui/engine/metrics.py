@@ -1,0 +1,289 @@
+"""One metrics module for the TUI, bench and the HTTP API.
+
+Two sources meet here: a sampler reading the process through psutil at an interval, and
+events the engine reports (tokens, requests, and the streaming counters of the streaming
+engine). A value nobody has measured stays ``None`` so every consumer shows "—" instead of
+inventing a number.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+HISTORY_SAMPLES = 120
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile; None for no data."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+@dataclass
+class StreamingCounters:
+    """What the streaming engine reports; absent (None) until a streamer attaches."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    prefetch_queue_depth: int = 0
+    prefetch_inflight_bytes: int = 0
+    stall_s: float = 0.0
+
+
+class EngineMetrics:
+    """Thread-safe record of engine events. Written by the engine thread, read by samplers."""
+
+    def __init__(self, latency_window: int = 64) -> None:
+        self._lock = threading.Lock()
+        self.latencies: deque[float] = deque(maxlen=latency_window)
+        self.ttft_s: float | None = None
+        self.tokens_total = 0
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.last_decode_tok_s: float | None = None
+        self.streaming: StreamingCounters | None = None
+        self.budget_bytes: int | None = None
+        self._request_start: float | None = None
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self._request_tokens = 0
+
+    def set_window(self, size: int) -> None:
+        with self._lock:
+            self.latencies = deque(self.latencies, maxlen=size)
+
+    def request_started(self) -> None:
+        with self._lock:
+            self.requests_total += 1
+            self._request_start = time.perf_counter()
+            self._first_token_at = None
+            self._request_tokens = 0
+
+    def prompt_evaluated(self, n_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens_total += n_tokens
+
+    def token(self, wall_s: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.latencies.append(wall_s)
+            self.tokens_total += 1
+            self._request_tokens += 1
+            if self._first_token_at is None:
+                self._first_token_at = now
+                if self._request_start is not None:
+                    self.ttft_s = now - self._request_start
+            self._last_token_at = now
+            if self._request_tokens > 1 and self._last_token_at > self._first_token_at:
+                self.last_decode_tok_s = (self._request_tokens - 1) / (self._last_token_at - self._first_token_at)
+
+    def request_finished(self) -> None:
+        with self._lock:
+            self._request_start = None
+
+    def update_streaming(self, **counters: float) -> None:
+        """Called by the streaming engine; the first call makes the panels show real values."""
+        with self._lock:
+            if self.streaming is None:
+                self.streaming = StreamingCounters()
+            for name, value in counters.items():
+                setattr(self.streaming, name, value)
+
+    def view(self) -> dict:
+        with self._lock:
+            lat = list(self.latencies)
+            streaming = None if self.streaming is None else StreamingCounters(**vars(self.streaming))
+            return {
+                "latencies": lat,
+                "ttft_s": self.ttft_s,
+                "tokens_total": self.tokens_total,
+                "requests_total": self.requests_total,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "decode_tok_s": self.last_decode_tok_s,
+                "streaming": streaming,
+                "budget_bytes": self.budget_bytes,
+            }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    time: float
+    rss_bytes: int
+    rss_peak_bytes: int
+    cpu_percent: float | None
+    process_read_bytes: int | None  # from storage, cumulative
+    process_read_rate: float | None  # bytes/s since the previous sample
+    disk_name: str | None
+    disk_read_rate: float | None  # the model's whole disk, bytes/s
+    budget_bytes: int | None
+    latencies: list[float]
+    p50_s: float | None
+    p95_s: float | None
+    ttft_s: float | None
+    decode_tok_s: float | None
+    tokens_total: int
+    requests_total: int
+    prompt_tokens_total: int
+    streaming: StreamingCounters | None
+    rss_history: list[int] = field(default_factory=list)
+    read_rate_history: list[float] = field(default_factory=list)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        s = self.streaming
+        if s is None or s.cache_hits + s.cache_misses == 0:
+            return None
+        return s.cache_hits / (s.cache_hits + s.cache_misses)
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, Darwin bytes.
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def linux_block_device_of(path: Path, sys_root: Path = Path("/sys")) -> str | None:
+    """Whole-disk name (e.g. ``nvme0n1``) holding ``path``; None on overlay or unknown devices."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    link = sys_root / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        target = link.resolve(strict=True)
+    except OSError:
+        return None
+    if (target / "partition").exists():
+        target = target.parent
+    return target.name
+
+
+class Sampler:
+    """Reads psutil and the engine's events into Snapshots at ``interval`` seconds.
+
+    ``sample()`` may be called directly (bench) or by the background thread (``start``),
+    which hands each snapshot to subscribers.
+    """
+
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        *,
+        interval: float = 0.25,
+        model_path: Path | None = None,
+        process: psutil.Process | None = None,
+        disk_counters: Callable[[], dict] | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.interval = interval
+        self.paused = False
+        self._process = process or psutil.Process()
+        self._disk_counters = disk_counters or (lambda: psutil.disk_io_counters(perdisk=True) or {})
+        self._disk_name = linux_block_device_of(model_path) if (model_path and sys.platform.startswith("linux")) else None
+        self._prev: tuple[float, int | None, int | None] | None = None
+        self._peak_seen = 0
+        self._rss_history: deque[int] = deque(maxlen=HISTORY_SAMPLES)
+        self._rate_history: deque[float] = deque(maxlen=HISTORY_SAMPLES)
+        self._subscribers: list[Callable[[Snapshot], None]] = []
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.latest: Snapshot | None = None
+        self._process.cpu_percent(None)  # first call primes psutil's CPU delta
+
+    def _read_bytes(self) -> int | None:
+        try:
+            return int(self._process.io_counters().read_bytes)
+        except (AttributeError, psutil.Error, NotImplementedError):
+            return None  # psutil has no per-process I/O counters on Darwin
+
+    def _disk_read_bytes(self) -> int | None:
+        if self._disk_name is None:
+            return None
+        counters = self._disk_counters().get(self._disk_name)
+        return None if counters is None else int(counters.read_bytes)
+
+    def sample(self) -> Snapshot:
+        now = time.monotonic()
+        rss = int(self._process.memory_info().rss)
+        self._peak_seen = max(self._peak_seen, rss, _peak_rss_bytes() if self._process.pid == os.getpid() else 0)
+        read_bytes = self._read_bytes()
+        disk_bytes = self._disk_read_bytes()
+        proc_rate = disk_rate = None
+        if self._prev is not None:
+            t0, r0, d0 = self._prev
+            dt = max(now - t0, 1e-6)
+            if read_bytes is not None and r0 is not None:
+                proc_rate = max(0, read_bytes - r0) / dt
+            if disk_bytes is not None and d0 is not None:
+                disk_rate = max(0, disk_bytes - d0) / dt
+        self._prev = (now, read_bytes, disk_bytes)
+        self._rss_history.append(rss)
+        if proc_rate is not None:
+            self._rate_history.append(proc_rate)
+        view = self.metrics.view()
+        lat = view["latencies"]
+        snap = Snapshot(
+            time=now,
+            rss_bytes=rss,
+            rss_peak_bytes=self._peak_seen,
+            cpu_percent=self._process.cpu_percent(None),
+            process_read_bytes=read_bytes,
+            process_read_rate=proc_rate,
+            disk_name=self._disk_name,
+            disk_read_rate=disk_rate,
+            budget_bytes=view["budget_bytes"],
+            latencies=lat,
+            p50_s=percentile(lat, 50),
+            p95_s=percentile(lat, 95),
+            ttft_s=view["ttft_s"],
+            decode_tok_s=view["decode_tok_s"],
+            tokens_total=view["tokens_total"],
+            requests_total=view["requests_total"],
+            prompt_tokens_total=view["prompt_tokens_total"],
+            streaming=view["streaming"],
+            rss_history=list(self._rss_history),
+            read_rate_history=list(self._rate_history),
+        )
+        self.latest = snap
+        return snap
+
+    def subscribe(self, callback: Callable[[Snapshot], None]) -> None:
+        self._subscribers.append(callback)
+
+    def set_interval(self, seconds: float) -> None:
+        self.interval = min(10.0, max(0.05, seconds))
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kimitui-sampler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.paused:
+                snap = self.sample()
+                for callback in list(self._subscribers):
+                    callback(snap)
+            self._wake.wait(self.interval)
+            self._wake.clear()

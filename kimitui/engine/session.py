@@ -1,0 +1,404 @@
+"""The llama-cpp-python session: load with progress, stream tokens with timings, cancel.
+
+Callers run ``load`` and iterate generations on worker threads; nothing here blocks an event
+loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.py).
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import enum
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import psutil
+
+from kimitui.engine.metrics import EngineMetrics
+from kimitui.engine.turns import TurnQueue
+from kimitui.model.gguf_file import ModelInfo, read_model_info
+
+# Used when a GGUF carries no chat template (base models): plain ChatML.
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_params_lock = threading.Lock()
+
+
+class EngineState(enum.Enum):
+    EMPTY = "empty"
+    LOADING = "loading"
+    READY = "ready"
+    GENERATING = "generating"
+    FAILED = "failed"
+
+
+class EngineError(Exception):
+    """A failure while loading or generating; the message is shown to the user as is."""
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    max_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str  # may be "" while a stop string or a multi-byte character is held back
+    token_id: int  # -1 for the final flush of held-back text
+    index: int
+    wall_s: float  # since the previous token (the first: since the request began, prefill included)
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    finish_reason: str = "stop"  # stop | length | cancelled | error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    queued_s: float = 0.0
+    error: str | None = None
+    timings: list[float] = field(default_factory=list)
+
+
+def default_threads() -> int:
+    return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
+
+
+@contextmanager
+def _llama_params(progress: Callable[[float], bool] | None, repack: bool):
+    """Give Llama() a progress callback and the repack switch, which its constructor lacks.
+
+    llama-cpp-python builds its llama_model_params from ``llama_model_default_params()``
+    inside ``Llama.__init__`` and exposes neither field, so the default is wrapped for the
+    duration of one constructor call. The ctypes callback object lives until the load ends.
+    """
+    import llama_cpp.llama_cpp as C
+
+    original = C.llama_model_default_params
+    c_progress = None
+    if progress is not None:
+        c_progress = C.llama_progress_callback(lambda value, _user: bool(progress(float(value))))
+
+    def patched():
+        params = original()
+        if c_progress is not None:
+            params.progress_callback = c_progress
+        params.use_extra_bufts = repack
+        return params
+
+    with _params_lock:
+        C.llama_model_default_params = patched
+        try:
+            yield
+        finally:
+            C.llama_model_default_params = original
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int = 0,
+        n_batch: int = 512,
+        metrics: EngineMetrics | None = None,
+        repack: bool = True,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads or default_threads()
+        self.n_batch = n_batch
+        self.repack = repack
+        self.metrics = metrics or EngineMetrics()
+        self.state = EngineState.EMPTY
+        self.load_progress = 0.0
+        self.load_s: float | None = None
+        self.info: ModelInfo | None = None
+        self.turns = TurnQueue()
+        self._llm = None
+        self._formatter = None
+        self._abort_load = threading.Event()
+
+    # -- loading -------------------------------------------------------------------------
+
+    def inspect(self) -> ModelInfo:
+        """Header checks only (no llama.cpp): raises UserError with one line on a bad file."""
+        if self.info is None:
+            self.info = read_model_info(self.model_path)
+        return self.info
+
+    def load(self, on_progress: Callable[[float], None] | None = None) -> None:
+        """Blocking load; call from a worker thread. Raises EngineError on failure."""
+        self.inspect()
+        self.state = EngineState.LOADING
+        started = time.perf_counter()
+
+        def progress(value: float) -> bool:
+            self.load_progress = value
+            if on_progress is not None:
+                on_progress(value)
+            return not self._abort_load.is_set()
+
+        import llama_cpp
+        import llama_cpp._logger as llama_logger
+
+        # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
+        llama_logger.logger.setLevel(100)
+        try:
+            with _llama_params(progress, self.repack):
+                self._llm = llama_cpp.Llama(
+                    model_path=str(self.model_path),
+                    n_ctx=self.n_ctx,
+                    n_batch=self.n_batch,
+                    n_threads=self.n_threads,
+                    n_threads_batch=self.n_threads,
+                    verbose=False,
+                )
+        except Exception as exc:
+            self.state = EngineState.FAILED
+            if self._abort_load.is_set():
+                raise EngineError("loading cancelled") from None
+            raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
+        self._formatter = self._make_formatter()
+        self.load_s = time.perf_counter() - started
+        self.load_progress = 1.0
+        self.state = EngineState.READY
+
+    def abort_load(self) -> None:
+        self._abort_load.set()
+
+    def close(self) -> None:
+        self.abort_load()
+        with self.turns.turn():
+            if self._llm is not None:
+                self._llm.close()
+                self._llm = None
+        self.state = EngineState.EMPTY
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise EngineError("the model is not loaded yet")
+        return self._llm
+
+    def _make_formatter(self):
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        llm = self._llm
+        template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        eos, bos = llm.token_eos(), llm.token_bos()
+        return Jinja2ChatFormatter(
+            template=template,
+            eos_token=self.token_text(eos) if eos >= 0 else "",
+            bos_token=self.token_text(bos) if bos >= 0 else "",
+            stop_token_ids=[eos] if eos >= 0 else None,
+        )
+
+    # -- tokens --------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.llm.detokenize([token_id], special=True).decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.llm.detokenize(list(tokens)).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+        """Token ids of ``messages`` rendered with the model's template, and its stop strings."""
+        rendered = self._formatter(messages=messages)
+        tokens = self.tokenize(rendered.prompt, add_special=not rendered.added_special)
+        stop = rendered.stop
+        stops = tuple(s for s in ([stop] if isinstance(stop, str) else (stop or [])) if s)
+        return tokens, stops
+
+    def fit_chat(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
+        """Drop the oldest turns (never the system prompt or the last message) until it fits."""
+        msgs = list(messages)
+        while True:
+            tokens, stops = self.chat_prompt(msgs)
+            room = self.n_ctx - len(tokens)
+            if room >= min(max_tokens, 16):
+                return tokens, stops
+            first = 1 if msgs and msgs[0].get("role") == "system" else 0
+            if len(msgs) - first <= 1:
+                raise EngineError(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
+            del msgs[first]
+
+    # -- generation ----------------------------------------------------------------------
+
+    def chat(self, messages: list[dict], sampling: Sampling) -> "Generation":
+        return Generation(self, lambda: self.fit_chat(messages, sampling.max_tokens), sampling)
+
+    def complete(self, prompt: str | list[int], sampling: Sampling) -> "Generation":
+        def build():
+            tokens = list(prompt) if isinstance(prompt, list) else self.tokenize(prompt)
+            if not tokens:
+                raise EngineError("the prompt is empty")
+            if len(tokens) >= self.n_ctx:
+                raise EngineError(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
+            return tokens, ()
+
+        return Generation(self, build, sampling)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that could start a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+class Generation:
+    """One request's token stream. Iterate for TokenEvents; read ``result`` afterwards.
+
+    ``cancel()`` is safe from any thread and takes effect before the next token (or, while
+    queued, gives the turn up at once).
+    """
+
+    def __init__(self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling):
+        self.engine = engine
+        self.sampling = sampling
+        self.result = GenerationResult()
+        self._build = build
+        self._cancel = threading.Event()
+        self.ticket: int | None = None
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def queue_position(self) -> int | None:
+        return None if self.ticket is None else self.engine.turns.position(self.ticket)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        engine = self.engine
+        queued_at = time.perf_counter()
+        self.ticket = engine.turns.take()
+        if not engine.turns.wait(self.ticket, self._cancel):
+            self.result.finish_reason = "cancelled"
+            return
+        try:
+            self.result.queued_s = time.perf_counter() - queued_at
+            engine.state = EngineState.GENERATING
+            try:
+                yield from self._run()
+            finally:
+                engine.state = EngineState.READY
+        finally:
+            engine.turns.release(self.ticket)
+
+    def _run(self) -> Iterator[TokenEvent]:
+        engine, s, result = self.engine, self.sampling, self.result
+        llm = engine.llm
+        metrics = engine.metrics
+        started = time.perf_counter()
+        metrics.request_started()
+        try:
+            prompt_tokens, template_stops = self._build()
+        except EngineError as exc:
+            result.finish_reason, result.error = "error", str(exc)
+            metrics.request_finished()
+            raise
+        stops = tuple(dict.fromkeys(tuple(s.stop) + template_stops))
+        result.prompt_tokens = len(prompt_tokens)
+        budget = max(0, min(s.max_tokens, engine.n_ctx - len(prompt_tokens)))
+        llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        import llama_cpp
+
+        vocab = llm._model.vocab
+        text, emitted, cut = "", 0, -1
+        last = started
+        finish = "length"
+        try:
+            if budget == 0:
+                return
+            tokens = llm.generate(
+                prompt_tokens,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                min_p=s.min_p,
+                temp=s.temperature,
+                repeat_penalty=s.repeat_penalty,
+            )
+            for index, token in enumerate(tokens):
+                now = time.perf_counter()
+                wall = now - last
+                last = now
+                if index == 0:
+                    result.prompt_s = wall
+                    metrics.prompt_evaluated(len(prompt_tokens))
+                if llama_cpp.llama_vocab_is_eog(vocab, token):
+                    finish = "stop"
+                    break
+                result.completion_tokens += 1
+                result.timings.append(wall)
+                metrics.token(wall)
+                text += decoder.decode(llm.detokenize([token]))
+                cut = -1
+                for stop in stops:
+                    at = text.find(stop, max(0, emitted - len(stop)))
+                    if at != -1 and (cut == -1 or at < cut):
+                        cut = at
+                if cut != -1:
+                    text = text[:cut]
+                    yield TokenEvent(text[emitted:], token, index, wall)
+                    emitted = len(text)
+                    finish = "stop"
+                    break
+                safe = len(text) - _held_back(text, stops)
+                yield TokenEvent(text[emitted:safe], token, index, wall)
+                emitted = max(emitted, safe)
+                if self._cancel.is_set():
+                    finish = "cancelled"
+                    break
+                if result.completion_tokens >= budget:
+                    finish = "length"
+                    break
+            else:
+                finish = "stop"
+            if finish != "stop" or cut == -1:
+                # What was held back as a possible stop string, or a dangling byte sequence, is real text.
+                text += decoder.decode(b"", final=True)
+                if len(text) > emitted:
+                    yield TokenEvent(text[emitted:], -1, result.completion_tokens, 0.0)
+                    emitted = len(text)
+        except GeneratorExit:
+            finish = "cancelled"
+            raise
+        except Exception as exc:  # llama_decode failures and the like: stop this reply only
+            finish = "error"
+            result.error = f"generation failed: {exc}"
+            raise EngineError(result.error) from None
+        finally:
+            result.text = text
+            result.finish_reason = finish
+            result.decode_s = max(0.0, last - started - result.prompt_s)
+            metrics.request_finished()
