@@ -1,0 +1,120 @@
+"""The `kimitui` command: the chat app by default, tools as subcommands.
+
+User mistakes end with one line on stderr and exit code 2; tracebacks are for our bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from kimitui.config import Settings, apply_override, load_settings
+from kimitui.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file (default: $KIMITUI_CONFIG or the user config dir)")
+    parser.add_argument("--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--budget", help="memory budget, e.g. 6GiB, or 'auto'")
+    parser.add_argument("--n-ctx", help="context length in tokens")
+    parser.add_argument("--threads", help="compute threads (0 = one per physical core)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    commands = "; ".join(f"{name}: {text}" for name, (_, text) in COMMANDS.items())
+    parser = _Parser(
+        prog="kimitui",
+        description="Chat with a GGUF model while watching how it streams."
+        + (f" Subcommands (kimitui NAME --help): {commands}" if commands else ""),
+    )
+    add_common(parser)
+    parser.add_argument("--theme", help="UI theme (kimitui-dusk, kimitui-paper or any Textual theme)")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    return parser
+
+
+FLAG_KEYS = {
+    "model": ("model.path", "--model"),
+    "budget": ("engine.budget", "--budget"),
+    "n_ctx": ("model.n_ctx", "--n-ctx"),
+    "threads": ("model.n_threads", "--threads"),
+    "theme": ("ui.theme", "--theme"),
+}
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    settings = load_settings(args.config, explicit=args.config is not None)
+    for attr, (dotted, flag) in FLAG_KEYS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            apply_override(settings, dotted, value, flag)
+    return settings
+
+
+def resolve_model(settings: Settings) -> Path:
+    """The model file to open: configured, flagged, or the embedded default; checked before llama.cpp."""
+    from kimitui.model import default_model_path, read_model_info
+
+    raw = settings["model.path"]
+    if not raw:
+        path = default_model_path()
+    else:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise UserError(f"model file not found: {path} (from {settings.origin('model.path')})")
+    read_model_info(path)
+    return path
+
+
+def run_app(args: argparse.Namespace) -> int:
+    settings = resolve_settings(args)
+    model_path = resolve_model(settings)
+    from kimitui.tui.app import KimituiApp
+
+    app = KimituiApp(settings, model_path)
+    app.run()
+    return app.return_code or 0
+
+
+# Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def _run_subcommand(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = _Parser(prog=f"kimitui {name}", description=help_text)
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in COMMANDS:
+            return _run_subcommand(argv[0], argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.version:
+            from kimitui import __version__
+
+            print(f"kimitui {__version__}")
+            return 0
+        return run_app(args)
+    except UserError as exc:
+        print(f"kimitui: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
