@@ -1,0 +1,399 @@
+"""The kimitui Textual app: chat beside live engine panels.
+
+Blocking work (loading, generating) runs in thread workers that post Messages back; the
+event loop only renders, so typing stays responsive while a reply streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from kimitui.config import Settings, data_dir
+from kimitui.engine.memory import default_budget
+from kimitui.engine.metrics import EngineMetrics, Sampler
+from kimitui.engine.session import Engine, EngineError, Generation, GenerationResult, Sampling
+from kimitui.history import HistoryStore
+from kimitui.tui.messages import (
+    LoadFailed,
+    LoadFinished,
+    LoadProgress,
+    ReplyFailed,
+    ReplyFinished,
+    SnapshotReady,
+    TokenReceived,
+)
+from kimitui.tui.screens.history import HistoryScreen
+from kimitui.tui.screens.sampling import SamplingScreen
+from kimitui.tui.themes import DEFAULT_THEME, bundled_themes
+from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
+from kimitui.tui.widgets.panels import PANEL_TYPES, Panel
+from kimitui.tui.widgets.status import StatusBar
+
+PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history database
+
+
+@dataclass
+class Reply:
+    """A reply in flight: its widget, its database row and the engine's generation."""
+
+    id: int
+    view: MessageView
+    message_id: int
+    generation: Generation | None = None
+    last_saved: float = field(default_factory=time.monotonic)
+
+
+class KimituiApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "kimitui"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+
+    BINDINGS = [
+        Binding("escape", "cancel_or_leave", "cancel", priority=True),
+        Binding("ctrl+r", "regenerate", "regenerate"),
+        Binding("ctrl+n", "new_chat", "new chat"),
+        Binding("ctrl+o", "history", "history"),
+        Binding("ctrl+y", "copy_reply", "copy reply"),
+        Binding("ctrl+t", "sampling", "sampling"),
+        Binding("1", "toggle_panel(1)", "cache", group=Binding.Group("panels", compact=True)),
+        Binding("2", "toggle_panel(2)", "prefetch", group=Binding.Group("panels", compact=True)),
+        Binding("3", "toggle_panel(3)", "SSD", group=Binding.Group("panels", compact=True)),
+        Binding("4", "toggle_panel(4)", "memory", group=Binding.Group("panels", compact=True)),
+        Binding("5", "toggle_panel(5)", "latency", group=Binding.Group("panels", compact=True)),
+        Binding("z", "maximize_panel", "maximise"),
+        Binding("p", "pause", "pause"),
+        Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),
+        Binding("minus", "slower", "slower", group=Binding.Group("refresh", compact=True)),
+    ]
+
+    def __init__(self, settings: Settings, model_path: Path, *, engine: Engine | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.model_path = model_path
+        budget = settings["engine.budget"]
+        self.metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
+        self.metrics.budget_bytes = default_budget() if budget == "auto" else budget
+        self.engine = engine or Engine(
+            model_path,
+            n_ctx=settings["model.n_ctx"],
+            n_threads=settings["model.n_threads"],
+            n_batch=settings["model.n_batch"],
+            metrics=self.metrics,
+        )
+        self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
+        self.sampling = Sampling(
+            temperature=settings["sampling.temperature"],
+            top_p=settings["sampling.top_p"],
+            max_tokens=settings["sampling.max_tokens"],
+        )
+        self.system_prompt: str = settings["sampling.system_prompt"]
+        self.store = HistoryStore(data_dir() / "history.sqlite3")
+        self.conversation_id: int | None = None
+        self.ready = False
+        self.reply: Reply | None = None
+        self._reply_ids = itertools.count(1)
+
+    # -- layout --------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status")
+        with Horizontal(id="main"):
+            with Vertical(id="chat-pane"):
+                yield ChatLog(id="chat-log")
+                yield PromptInput(id="prompt")
+            with Vertical(id="panels"):
+                for panel_type in PANEL_TYPES:
+                    yield panel_type(id=f"panel-{panel_type.KEY}")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for theme in bundled_themes():
+            self.register_theme(theme)
+        self.theme = self.settings["ui.theme"] or self.store.get_setting("theme") or DEFAULT_THEME
+        self.theme_changed_signal.subscribe(self, lambda theme: self.store.set_setting("theme", theme.name))
+        status = self.query_one(StatusBar)
+        info = self.engine.inspect()
+        status.model_name = info.name
+        status.model_bytes = info.file_bytes
+        status.budget = self.metrics.budget_bytes or 0
+        status.state = "loading"
+        self._show_sampling()
+        self.sampler.subscribe(lambda snap: self.post_message(SnapshotReady(snap)))
+        self.sampler.start()
+        self.query_one(PromptInput).focus()
+        self.load_model()
+
+    def on_unmount(self) -> None:
+        if self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+        self.engine.abort_load()
+        self.sampler.stop()
+
+    def _show_sampling(self) -> None:
+        s = self.sampling
+        paused = " paused" if self.sampler.paused else ""
+        self.query_one(StatusBar).sampling = (
+            f"T {s.temperature:g} · top_p {s.top_p:g} · max {s.max_tokens} · every {self.sampler.interval:g}s{paused}"
+        )
+
+    # -- loading -------------------------------------------------------------------------
+
+    @work(thread=True, group="load", exit_on_error=False)
+    def load_model(self) -> None:
+        started = time.perf_counter()
+        last = [0.0]
+
+        def progress(fraction: float) -> None:
+            # llama.cpp calls back per tensor; a repaint per whole percent is plenty.
+            if fraction - last[0] >= 0.01 or fraction >= 1.0:
+                last[0] = fraction
+                self.post_message(LoadProgress(fraction))
+
+        try:
+            self.engine.load(progress)
+        except EngineError as exc:
+            self.post_message(LoadFailed(str(exc)))
+            return
+        self.post_message(LoadFinished(time.perf_counter() - started))
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        self.query_one(StatusBar).detail = f"{message.fraction:.0%}"
+
+    def on_load_finished(self, message: LoadFinished) -> None:
+        self.ready = True
+        status = self.query_one(StatusBar)
+        status.state, status.detail = "idle", f"(loaded in {message.seconds:.1f}s)"
+
+    def on_load_failed(self, message: LoadFailed) -> None:
+        status = self.query_one(StatusBar)
+        status.state, status.detail = "failed", ""
+        self.notify(message.error, severity="error", timeout=30)
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        for panel in self.query(Panel):
+            if panel.display:
+                panel.render_snapshot(message.snapshot)
+
+    # -- chat ----------------------------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    async def send(self, event: PromptInput.Submitted) -> None:
+        if not self.ready:
+            self.notify("the model is still loading; your message stays in the box", severity="warning")
+            return
+        if self.reply is not None:
+            self.notify("a reply is streaming; Esc cancels it", severity="warning")
+            return
+        prompt = self.query_one(PromptInput)
+        prompt.clear()
+        if self.conversation_id is None:
+            self.conversation_id = self.store.create_conversation(event.text.splitlines()[0], self.engine.inspect().name)
+        message_id = self.store.add_message(self.conversation_id, "user", event.text)
+        await self.query_one(ChatLog).add(MessageView("user", event.text, message_id=message_id))
+        await self._start_reply()
+
+    def _history_messages(self) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        for view in self.query_one(ChatLog).query(MessageView):
+            if view.text:
+                msgs.append({"role": view.role, "content": view.text})
+        return msgs
+
+    async def _start_reply(self) -> None:
+        messages = self._history_messages()
+        view = MessageView("assistant", "")
+        await self.query_one(ChatLog).add(view)
+        message_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False)
+        view.message_id = message_id
+        self.reply = Reply(next(self._reply_ids), view, message_id)
+        status = self.query_one(StatusBar)
+        status.state, status.detail = "generating", ""
+        self.generate(self.reply, messages, Sampling(**vars(self.sampling)))
+
+    @work(thread=True, group="generate", exit_on_error=False)
+    def generate(self, reply: Reply, messages: list[dict], sampling: Sampling) -> None:
+        generation = self.engine.chat(messages, sampling)
+        reply.generation = generation
+        try:
+            for event in generation:
+                self.post_message(TokenReceived(reply.id, event))
+        except EngineError as exc:
+            self.post_message(ReplyFailed(reply.id, str(exc), generation.result))
+            return
+        self.post_message(ReplyFinished(reply.id, generation.result))
+
+    async def on_token_received(self, message: TokenReceived) -> None:
+        reply = self.reply
+        if reply is None or reply.id != message.reply_id:
+            return
+        await reply.view.add_fragment(message.event.text)
+        self.query_one(StatusBar).detail = f"{message.event.index + 1} tok"
+        if time.monotonic() - reply.last_saved >= PERSIST_EVERY_S:
+            self.store.update_message(reply.message_id, reply.view.text, complete=False)
+            reply.last_saved = time.monotonic()
+
+    async def on_reply_finished(self, message: ReplyFinished) -> None:
+        await self._end_reply(message.reply_id, message.result, None)
+
+    async def on_reply_failed(self, message: ReplyFailed) -> None:
+        await self._end_reply(message.reply_id, message.result, message.error)
+
+    async def _end_reply(self, reply_id: int, result: GenerationResult, error: str | None) -> None:
+        reply = self.reply
+        if reply is None or reply.id != reply_id:
+            return
+        self.reply = None
+        tok_s = (result.completion_tokens - 1) / result.decode_s if result.decode_s > 0 and result.completion_tokens > 1 else None
+        stats = {
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "prompt_s": round(result.prompt_s, 4),
+            "decode_tok_s": round(tok_s, 2) if tok_s else None,
+        }
+        note = f"{result.completion_tokens} tok" + (f" · {tok_s:.1f} tok/s" if tok_s else "")
+        if result.finish_reason == "cancelled":
+            note += " · cancelled"
+        elif result.finish_reason == "length":
+            note += " · max tokens reached"
+        if error:
+            note = f"error: {error}"
+            self.notify(error, severity="error", timeout=15)
+        await reply.view.finish(note)
+        self.store.update_message(reply.message_id, reply.view.text, complete=error is None, stats=stats)
+        status = self.query_one(StatusBar)
+        status.state, status.detail = "idle", ""
+
+    # -- actions -------------------------------------------------------------------------
+
+    def action_cancel_or_leave(self) -> None:
+        if self.screen.maximized is not None:
+            self.screen.minimize()
+        elif self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+            self.query_one(StatusBar).state = "cancelling"
+        elif isinstance(self.focused, PromptInput):
+            # Leave the prompt so the panel keys (1-5, p, +, -, z) reach the app.
+            self.query_one("#panel-5", Panel).focus()
+        else:
+            self.query_one(PromptInput).focus()
+
+    async def action_regenerate(self) -> None:
+        if not self.ready or self.reply is not None:
+            return
+        last = self.query_one(ChatLog).last_reply()
+        views = list(self.query_one(ChatLog).query(MessageView))
+        if last is None or not views or views[-1] is not last:
+            self.notify("nothing to regenerate yet")
+            return
+        if last.message_id is not None:
+            self.store.delete_message(last.message_id)
+        await last.remove()
+        await self._start_reply()
+
+    async def action_new_chat(self) -> None:
+        if self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+        self.conversation_id = None
+        await self.query_one(ChatLog).remove_children()
+        self.query_one(PromptInput).focus()
+
+    def action_history(self) -> None:
+        self.push_screen(HistoryScreen(self.store, Path.cwd()), self._open_conversation)
+
+    async def _open_conversation(self, conversation_id: int | None) -> None:
+        if conversation_id is None or self.store.get_conversation(conversation_id) is None:
+            return
+        if self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+        self.reply = None
+        log = self.query_one(ChatLog)
+        await log.remove_children()
+        self.conversation_id = conversation_id
+        for msg in self.store.messages(conversation_id):
+            note = "" if msg.complete else "interrupted"
+            await log.add(MessageView(msg.role, msg.content, message_id=msg.id, note=note))
+        self.query_one(PromptInput).focus()
+
+    def action_copy_reply(self) -> None:
+        last = self.query_one(ChatLog).last_reply()
+        if last is None or not last.text:
+            self.notify("no reply to copy yet")
+            return
+        # OSC 52: the terminal on the user's side of SSH receives it.
+        self.copy_to_clipboard(last.text)
+        self.notify(f"copied {len(last.text)} characters")
+
+    def action_sampling(self) -> None:
+        def applied(result: tuple[Sampling, str] | None) -> None:
+            if result is not None:
+                self.sampling, self.system_prompt = result
+                self._show_sampling()
+                self.notify("sampling settings apply from the next reply")
+
+        self.push_screen(SamplingScreen(self.sampling, self.system_prompt), applied)
+
+    def action_toggle_panel(self, key: int) -> None:
+        panel = self.query_one(f"#panel-{key}", Panel)
+        panel.display = not panel.display
+
+    def action_maximize_panel(self) -> None:
+        focused = self.focused
+        key = int(focused.id.removeprefix("panel-")) if isinstance(focused, Panel) and focused.id else 5
+        if self.screen.maximized is not None:
+            self.screen.minimize()
+        else:
+            self._maximize(key)
+
+    def action_pause(self) -> None:
+        self.sampler.paused = not self.sampler.paused
+        self._show_sampling()
+
+    def action_faster(self) -> None:
+        self.sampler.set_interval(self.sampler.interval / 2)
+        self._show_sampling()
+
+    def action_slower(self) -> None:
+        self.sampler.set_interval(self.sampler.interval * 2)
+        self._show_sampling()
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New chat", "Start a new conversation", self.action_new_chat)
+        yield SystemCommand("History", "Open, delete or export saved conversations", self.action_history)
+        yield SystemCommand("Regenerate", "Replace the last reply with a new one", self.action_regenerate)
+        yield SystemCommand("Cancel reply", "Stop the reply that is streaming", self.action_cancel_or_leave)
+        yield SystemCommand("Copy reply", "Copy the last reply to the clipboard (OSC 52)", self.action_copy_reply)
+        yield SystemCommand("Sampling settings", "Temperature, top_p, max tokens, system prompt", self.action_sampling)
+        yield SystemCommand("Pause sampling", "Freeze or resume the live panels", self.action_pause)
+        yield SystemCommand("Refresh faster", "Halve the sampling interval", self.action_faster)
+        yield SystemCommand("Refresh slower", "Double the sampling interval", self.action_slower)
+        for panel_type in PANEL_TYPES:
+            key = int(panel_type.KEY)
+            yield SystemCommand(
+                f"Toggle panel: {panel_type.TITLE}", f"Show or hide the {panel_type.TITLE} panel (key {key})",
+                lambda key=key: self.action_toggle_panel(key),
+            )
+            yield SystemCommand(
+                f"Maximise panel: {panel_type.TITLE}", "Fill the screen with it (Esc restores)",
+                lambda key=key: self._maximize(key),
+            )
+
+    def _maximize(self, key: int) -> None:
+        panel = self.query_one(f"#panel-{key}", Panel)
+        panel.display = True
+        self.screen.maximize(panel, container=False)
+

@@ -1,0 +1,79 @@
+"""Saved conversations: open, delete, export to Markdown."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Label, OptionList
+from textual.widgets.option_list import Option
+
+from kimitui.history import HistoryStore, export_filename
+
+
+class HistoryScreen(ModalScreen[int | None]):
+    """Dismisses with the id of the conversation to open, or None."""
+
+    BINDINGS = [
+        Binding("escape", "dismiss(None)", "close"),
+        Binding("d", "delete", "delete"),
+        Binding("e", "export", "export .md"),
+    ]
+
+    def __init__(self, store: HistoryStore, export_dir: Path) -> None:
+        super().__init__()
+        self.store = store
+        self.export_dir = export_dir
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="history-box"):
+            yield Label("Conversations  [dim]enter open · d delete · e export · esc close[/]")
+            yield OptionList(id="history-list")
+
+    def on_mount(self) -> None:
+        self._fill()
+        self.query_one(OptionList).focus()
+
+    def _fill(self) -> None:
+        options = self.query_one(OptionList)
+        options.clear_options()
+        for conv in self.store.list_conversations():
+            when = time.strftime("%m-%d %H:%M", time.localtime(conv.updated))
+            options.add_option(Option(f"{when}  {conv.title}  [dim]({conv.n_messages} msgs)[/]", id=str(conv.id)))
+        if options.option_count == 0:
+            options.add_option(Option("no saved conversations yet", disabled=True))
+
+    def _selected_id(self) -> int | None:
+        options = self.query_one(OptionList)
+        if options.highlighted is None:
+            return None
+        option = options.get_option_at_index(options.highlighted)
+        return int(option.id) if option.id else None
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id:
+            self.dismiss(int(event.option.id))
+
+    def action_delete(self) -> None:
+        conv_id = self._selected_id()
+        if conv_id is not None:
+            self.store.delete_conversation(conv_id)
+            self.notify("conversation deleted")
+            self._fill()
+
+    def action_export(self) -> None:
+        conv_id = self._selected_id()
+        conv = self.store.get_conversation(conv_id) if conv_id is not None else None
+        if conv is None:
+            return
+        target = self.export_dir / export_filename(conv)
+        try:
+            target.write_text(self.store.export_markdown(conv.id), encoding="utf-8")
+        except OSError as exc:
+            self.notify(f"export failed: {exc.strerror}: {target}", severity="error")
+            return
+        self.notify(f"exported to {target}")

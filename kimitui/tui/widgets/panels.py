@@ -1,0 +1,132 @@
+"""The live panels. Each renders one metrics Snapshot; missing values show "—" with the reason."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Sparkline, Static
+
+from kimitui.engine.metrics import Snapshot
+from kimitui.units import format_bytes, format_ms, format_rate
+
+NO_STREAMING = "model fits in memory: nothing streams"
+
+
+def _bar(fraction: float, width: int) -> str:
+    width = max(4, width)
+    filled = round(min(1.0, max(0.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def _level(fraction: float | None) -> str:
+    if fraction is None:
+        return ""
+    return "error" if fraction >= 0.95 else "warning" if fraction >= 0.8 else "success"
+
+
+class Panel(Vertical, can_focus=True):
+    """A bordered panel: a text body and, for some, a sparkline under it."""
+
+    TITLE = ""
+    KEY = ""
+    HAS_SPARKLINE = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = f"{self.KEY} {self.TITLE}"
+        self.body = Static("—", classes="panel-body")
+        self.note = Static("", classes="panel-note")
+
+    def compose(self) -> ComposeResult:
+        yield self.body
+        yield self.note
+        if self.HAS_SPARKLINE:
+            yield Sparkline([], summary_function=max, classes="panel-spark")
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        raise NotImplementedError
+
+    def set_level(self, level: str) -> None:
+        for name in ("success", "warning", "error"):
+            self.set_class(name == level, f"-{name}")
+
+
+class CachePanel(Panel):
+    TITLE = "shard cache"
+    KEY = "1"
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        s = snap.streaming
+        if s is None:
+            self.body.update("hits —  misses —\nhit rate —")
+            self.note.update(NO_STREAMING)
+            return
+        rate = snap.cache_hit_rate
+        self.body.update(
+            f"hits {s.cache_hits:,}  misses {s.cache_misses:,}\n"
+            f"hit rate {'—' if rate is None else f'{rate:.0%}'}"
+        )
+        self.note.update("")
+
+
+class PrefetchPanel(Panel):
+    TITLE = "prefetch"
+    KEY = "2"
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        s = snap.streaming
+        if s is None:
+            self.body.update("queue —  stall —\nin flight —")
+            self.note.update(NO_STREAMING)
+            return
+        self.body.update(
+            f"queue {s.prefetch_queue_depth}  stall {format_ms(s.stall_s)}\n"
+            f"in flight {format_bytes(s.prefetch_inflight_bytes)}"
+        )
+        self.note.update("")
+
+
+class DiskPanel(Panel):
+    TITLE = "SSD"
+    KEY = "3"
+    HAS_SPARKLINE = True
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        disk = "disk —" if snap.disk_name is None else f"{snap.disk_name} {format_rate(snap.disk_read_rate)}"
+        self.body.update(
+            f"read {format_rate(snap.process_read_rate)}\n"
+            f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
+        )
+        self.query_one(Sparkline).data = snap.read_rate_history or [0.0]
+
+
+class MemoryPanel(Panel):
+    TITLE = "memory"
+    KEY = "4"
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        budget = snap.budget_bytes
+        fraction = snap.rss_bytes / budget if budget else None
+        bar = _bar(fraction, self.content_size.width - 1) if fraction is not None else "—"
+        self.body.update(
+            f"RSS {format_bytes(snap.rss_bytes)}\npeak {format_bytes(snap.rss_peak_bytes)}\n"
+            f"of {format_bytes(budget)}{'' if fraction is None else f' ({fraction:.0%})'}\n{bar}"
+        )
+        self.set_level(_level(fraction))
+
+
+class LatencyPanel(Panel):
+    TITLE = "token latency"
+    KEY = "5"
+    HAS_SPARKLINE = True
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        tok_s = "—" if snap.decode_tok_s is None else f"{snap.decode_tok_s:.1f}"
+        self.body.update(
+            f"p50 {format_ms(snap.p50_s)}\np95 {format_ms(snap.p95_s)}\n"
+            f"TTFT {format_ms(snap.ttft_s)} · {tok_s} tok/s"
+        )
+        self.query_one(Sparkline).data = [x * 1000 for x in snap.latencies] or [0.0]
+
+
+PANEL_TYPES: tuple[type[Panel], ...] = (CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel)

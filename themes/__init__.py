@@ -1,0 +1,1 @@
+"""Theme files shipped with kimitui; installed as the package kimitui.themes."""
