@@ -84,7 +84,9 @@ def run_app(args: argparse.Namespace) -> int:
 
 
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kimitui.server.cli", "run the llama-server/OpenAI compatible HTTP API headless"),
+}
 
 
 def _run_subcommand(name: str, argv: list[str]) -> int:

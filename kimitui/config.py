@@ -57,6 +57,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "ui": {
         "theme": Key("str", ""),
     },
+    "server": {
+        "host": Key("str", "127.0.0.1"),
+        "port": Key("int", 8080, 0, 65535),
+        "api_key": Key("str", ""),
+        "max_body": Key("size", 1 << 20),
+        "max_n_predict": Key("int", 2048, 1, 1 << 20),
+    },
 }
 
 

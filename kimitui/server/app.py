@@ -1,0 +1,603 @@
+"""The HTTP API: llama-server and OpenAI compatible routes over one shared Engine.
+
+Generations run on their own threads (the engine blocks); the event loop only moves tokens.
+The engine's TurnQueue serves requests first come first served, API and TUI alike, so the
+app never decodes two replies at once and never needs a lock of its own. A client that goes
+away cancels its generation, which frees the engine before the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kimitui import __version__
+from kimitui.config import Settings
+from kimitui.engine.metrics import Sampler
+from kimitui.engine.session import Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
+from kimitui.server import prom
+from kimitui.server.params import ApiError, Fields, Limits, chat_messages, parse_body, prompt_of, sampling_from, token_ids
+
+log = logging.getLogger("kimitui.server")
+
+# /health stays reachable without a key, as in llama-server, so load balancers can probe it.
+OPEN_PATHS = frozenset({"/health"})
+QUEUE_HEADER = "X-Queue-Position"
+
+
+def error_response(status: int, kind: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": status, "type": kind, "message": message}}, status, headers=headers)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class _Done:
+    pass
+
+
+async def run_generation(generation: Generation) -> AsyncIterator[TokenEvent]:
+    """Iterate ``generation`` on a thread of its own and yield its events on the event loop.
+
+    Leaving early for any reason (client gone, server stopping) cancels the generation, which
+    gives up its turn while queued or stops within one token while decoding.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody will read the rest
+            generation.cancel()
+
+    def work() -> None:
+        try:
+            for event in generation:
+                put(event)
+            put(_Done)
+        except Exception as exc:  # EngineError, or a bug: re-raised on the event loop
+            put(exc)
+
+    threading.Thread(target=work, name="kimitui-api-generation", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _Done:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        generation.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def timings(r: GenerationResult) -> dict:
+    """llama-server's timings block. A rate over zero time is null, not a made-up number."""
+
+    def per_token(s: float, n: int) -> float | None:
+        return s * 1000 / n if n else None
+
+    def per_second(n: int, s: float) -> float | None:
+        return n / s if s > 0 else None
+
+    return {
+        "prompt_n": r.prompt_tokens,
+        "prompt_ms": r.prompt_s * 1000,
+        "prompt_per_token_ms": per_token(r.prompt_s, r.prompt_tokens),
+        "prompt_per_second": per_second(r.prompt_tokens, r.prompt_s),
+        "predicted_n": r.completion_tokens,
+        "predicted_ms": r.decode_s * 1000,
+        "predicted_per_token_ms": per_token(r.decode_s, r.completion_tokens),
+        "predicted_per_second": per_second(r.completion_tokens, r.decode_s),
+    }
+
+
+def usage(r: GenerationResult) -> dict:
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+    }
+
+
+def openai_finish(r: GenerationResult) -> str:
+    return "length" if r.finish_reason == "length" else "stop"
+
+
+def _engine_error(generation: Generation, exc: EngineError) -> ApiError:
+    # A failure before the prompt was accepted is about the request; later ones are ours.
+    if generation.result.prompt_tokens == 0:
+        return ApiError(str(exc))
+    return ApiError(str(exc), 500, "server_error")
+
+
+class _Guard:
+    """Outermost app middleware: the API key check and the per-request report to ``on_request``."""
+
+    def __init__(self, app, api_key: str | None, on_request: Callable[[dict], None] | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.on_request = on_request
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # if the app fails before answering, ServerErrorMiddleware sends a 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+                response = error_response(
+                    401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send_status)
+            else:
+                await self.app(scope, receive, send_status)
+        finally:
+            if self.on_request is not None:
+                self._report(scope, status, time.perf_counter() - started)
+
+    def _report(self, scope, status: int, duration_s: float) -> None:
+        state = scope.get("state") or {}
+        client = scope.get("client")
+        record = {
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "client": f"{client[0]}:{client[1]}" if client else None,
+            "prompt_tokens": state.get("prompt_tokens"),
+            "tokens": state.get("tokens"),
+            "queue_position": state.get("queue_position"),
+            "duration_s": duration_s,
+        }
+        try:
+            self.on_request(record)
+        except Exception:  # a display callback must never break the API
+            log.exception("on_request callback failed")
+
+
+class Api:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        cap = settings["server.max_n_predict"]
+        self.limits = Limits(
+            max_n_predict=cap,
+            default_n_predict=min(settings["sampling.max_tokens"], cap),
+            defaults=Sampling(temperature=settings["sampling.temperature"], top_p=settings["sampling.top_p"]),
+        )
+        # Its own sampler: scraping must not disturb the rates and history the TUI's sampler keeps.
+        self.sampler = Sampler(engine.metrics, model_path=engine.model_path)
+        self.model_id = engine.model_path.name
+        self.created = int(time.time())
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def require_ready(self) -> None:
+        state = self.engine.state
+        if state in (EngineState.READY, EngineState.GENERATING):
+            return
+        if state is EngineState.FAILED:
+            raise ApiError("the model failed to load", 503, "unavailable_error")
+        raise ApiError("the model is still loading", 503, "unavailable_error")
+
+    def queue(self) -> tuple[int, int]:
+        """(processing, deferred): the turn holder and those waiting behind it."""
+        waiting = self.engine.turns.waiting
+        processing = min(1, waiting)
+        return processing, waiting - processing
+
+    @property
+    def n_vocab(self) -> int:
+        return self.engine.llm.n_vocab()
+
+    async def body(self, request: Request) -> Fields:
+        return Fields(parse_body(await request.body()))
+
+    async def prompt_tokens(self, prompt: str | list[int], name: str) -> list[int]:
+        tokens = prompt if isinstance(prompt, list) else await run_in_threadpool(self.engine.tokenize, prompt)
+        if not tokens:
+            raise ApiError(f"{name}: the prompt is empty")
+        if len(tokens) >= self.engine.n_ctx:
+            raise ApiError(f"{name}: the prompt is {len(tokens)} tokens; the context holds {self.engine.n_ctx}")
+        return tokens
+
+    async def chat_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
+        from jinja2 import TemplateError
+
+        try:
+            tokens, stops = await run_in_threadpool(self.engine.chat_prompt, messages)
+        except TemplateError as exc:
+            raise ApiError(f"messages: the model's chat template refused them: {exc}") from None
+        # Engine.chat would drop old turns to make room; an API client gets told instead.
+        if self.engine.n_ctx - len(tokens) < min(max_tokens, 16):
+            raise ApiError(f"messages: the prompt is {len(tokens)} tokens; the context holds {self.engine.n_ctx}")
+        return tokens, stops
+
+    def start(self, request: Request, tokens: list[int], sampling: Sampling) -> tuple[Generation, dict]:
+        generation = self.engine.complete(tokens, sampling)
+        position = self.engine.turns.waiting  # ahead of this request when it arrives; 0 = starts now
+        request.state.queue_position = position
+        return generation, {QUEUE_HEADER: str(position)}
+
+    async def collect(self, request: Request, generation: Generation) -> list[TokenEvent] | None:
+        """Every event of a non-streamed reply, or None when the client left first (then cancelled)."""
+
+        async def drain() -> list[TokenEvent]:
+            return [event async for event in run_generation(generation)]
+
+        collector = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler itself is cancelled (server stopping)
+            watcher.cancel()
+            if not collector.done():
+                generation.cancel()
+                collector.cancel()
+        if not collector.done():
+            return None
+        try:
+            return collector.result()
+        except EngineError as exc:
+            raise _engine_error(generation, exc) from None
+        finally:
+            self.account(request, generation.result)
+
+    @staticmethod
+    def account(request: Request, result: GenerationResult) -> None:
+        request.state.prompt_tokens = result.prompt_tokens
+        request.state.tokens = result.completion_tokens
+
+    def stop_type(self, result: GenerationResult, stops: tuple[str, ...], ids: list[int]) -> tuple[str, str]:
+        """llama-server's stop_type and stopping_word. The engine cuts a stop string out of the
+        text, so the raw tokens tell a stop word from an end-of-generation token."""
+        if result.finish_reason == "length":
+            return "limit", ""
+        if result.finish_reason != "stop":
+            return "none", ""
+        raw = self.engine.detokenize(ids) if stops else ""
+        found = [(raw.find(s), s) for s in stops if s in raw]
+        return ("word", min(found)[1]) if found else ("eos", "")
+
+    # -- llama-server routes ---------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        state = self.engine.state
+        if state in (EngineState.READY, EngineState.GENERATING):
+            return JSONResponse({"status": "ok"})
+        status = "error" if state is EngineState.FAILED else "loading model"
+        message = "the model failed to load" if state is EngineState.FAILED else "Loading model"
+        return JSONResponse(
+            {
+                "status": status,
+                "progress": self.engine.load_progress,
+                "error": {"code": 503, "type": "unavailable_error", "message": message},
+            },
+            503,
+        )
+
+    def generation_settings(self, s: Sampling) -> dict:
+        return {
+            "n_predict": s.max_tokens,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "min_p": s.min_p,
+            "repeat_penalty": s.repeat_penalty,
+            "seed": -1 if s.seed is None else s.seed,
+            "stop": list(s.stop),
+        }
+
+    async def completion(self, request: Request) -> Response:
+        self.require_ready()
+        fields = await self.body(request)
+        sampling = sampling_from(fields, self.limits, openai=False)
+        for name, default in (("grammar", ""), ("json_schema", {}), ("n_probs", 0), ("mirostat", 0)):
+            fields.unsupported(name, default)
+        stream = fields.boolean("stream", False)
+        prompt = prompt_of(fields.body.get("prompt"), "prompt", self.n_vocab)
+        tokens = await self.prompt_tokens(prompt, "prompt")
+        generation, headers = self.start(request, tokens, sampling)
+
+        def final(content: str, ids: list[int]) -> dict:
+            r = generation.result
+            stop_type, word = self.stop_type(r, sampling.stop, ids)
+            return {
+                "content": content,
+                "id_slot": 0,
+                "stop": True,
+                "model": self.model_id,
+                "tokens_predicted": r.completion_tokens,
+                "tokens_evaluated": r.prompt_tokens,
+                "generation_settings": self.generation_settings(sampling),
+                "prompt": prompt if isinstance(prompt, str) else self.engine.detokenize(prompt),
+                "has_new_line": "\n" in r.text,
+                "truncated": False,
+                "stop_type": stop_type,
+                "stopping_word": word,
+                "timings": timings(r),
+            }
+
+        if not stream:
+            events = await self.collect(request, generation)
+            if events is None:
+                return Response(status_code=499)
+            return JSONResponse(final(generation.result.text, [e.token_id for e in events if e.token_id >= 0]), headers=headers)
+
+        async def sse() -> AsyncIterator[str]:
+            ids: list[int] = []
+            try:
+                async for event in run_generation(generation):
+                    if event.token_id >= 0:
+                        ids.append(event.token_id)
+                    yield _dumps({"content": event.text, "stop": False, "id_slot": 0, "index": 0,
+                                  "tokens": [event.token_id] if event.token_id >= 0 else []})
+            except EngineError as exc:
+                yield _dumps({"error": {"code": 500, "type": "server_error", "message": str(exc)}})
+                return
+            finally:
+                self.account(request, generation.result)
+            yield _dumps(final("", ids))
+
+        return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
+
+    async def tokenize(self, request: Request) -> Response:
+        self.require_ready()
+        fields = await self.body(request)
+        content = fields.string("content")
+        if content is None:
+            raise ApiError("content: required")
+        add_special = fields.boolean("add_special", False)
+        parse_special = fields.boolean("parse_special", True)
+        with_pieces = fields.boolean("with_pieces", False)
+        tokens = await run_in_threadpool(self.engine.tokenize, content, add_special=add_special, parse_special=parse_special)
+        if not with_pieces:
+            return JSONResponse({"tokens": tokens})
+        llm = self.engine.llm
+        pieces = []
+        for t in tokens:
+            raw = llm.detokenize([t], special=True)
+            try:
+                piece: str | list[int] = raw.decode("utf-8")
+            except UnicodeDecodeError:  # part of a multi-byte character: bytes, as llama-server does
+                piece = list(raw)
+            pieces.append({"id": t, "piece": piece})
+        return JSONResponse({"tokens": pieces})
+
+    async def detokenize(self, request: Request) -> Response:
+        self.require_ready()
+        fields = await self.body(request)
+        if not fields.has("tokens"):
+            raise ApiError("tokens: required")
+        ids = token_ids(fields.body["tokens"], "tokens", self.n_vocab)
+        return JSONResponse({"content": await run_in_threadpool(self.engine.detokenize, ids)})
+
+    async def props(self, request: Request) -> Response:
+        self.require_ready()
+        processing, deferred = self.queue()
+        defaults = Sampling(**{**vars(self.limits.defaults), "max_tokens": self.limits.default_n_predict})
+        return JSONResponse(
+            {
+                "default_generation_settings": {
+                    "n_ctx": self.engine.n_ctx,
+                    "is_processing": processing > 0,
+                    "params": self.generation_settings(defaults),
+                },
+                "total_slots": 1,
+                "model_path": str(self.engine.model_path),
+                "n_ctx": self.engine.n_ctx,
+                "chat_template": self.engine.llm.metadata.get("tokenizer.chat_template", ""),
+                "build_info": f"kimitui {__version__}",
+                "max_n_predict": self.limits.max_n_predict,
+                "queue": {"processing": processing, "deferred": deferred},
+            }
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        processing, deferred = self.queue()
+        text = prom.render(self.sampler.sample(), processing=processing, deferred=deferred)
+        return Response(text, media_type=prom.CONTENT_TYPE)
+
+    # -- OpenAI routes ---------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.require_ready()
+        info = self.engine.inspect()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_id,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kimitui",
+                        "meta": {
+                            "name": info.name,
+                            "size": info.file_bytes,
+                            "n_vocab": self.n_vocab,
+                            "n_ctx_train": info.context_length,
+                            "n_ctx": self.engine.n_ctx,
+                        },
+                    }
+                ],
+            }
+        )
+
+    async def openai_completions(self, request: Request) -> Response:
+        self.require_ready()
+        fields = await self.body(request)
+        sampling = sampling_from(fields, self.limits, openai=True)
+        fields.unsupported("echo", False)
+        fields.unsupported("suffix", "")
+        fields.unsupported("best_of", 1)
+        stream = fields.boolean("stream", False)
+        include_usage = self._include_usage(fields)
+        prompt = prompt_of(fields.body.get("prompt"), "prompt", self.n_vocab)
+        tokens = await self.prompt_tokens(prompt, "prompt")
+        generation, headers = self.start(request, tokens, sampling)
+        return await self._openai_reply(request, generation, headers, stream, include_usage, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.require_ready()
+        fields = await self.body(request)
+        sampling = sampling_from(fields, self.limits, openai=True)
+        stream = fields.boolean("stream", False)
+        include_usage = self._include_usage(fields)
+        messages = chat_messages(fields.body.get("messages"))
+        tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens)
+        sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
+        generation, headers = self.start(request, tokens, sampling)
+        return await self._openai_reply(request, generation, headers, stream, include_usage, chat=True)
+
+    @staticmethod
+    def _include_usage(fields: Fields) -> bool:
+        options = Fields(fields.obj("stream_options"))
+        try:
+            return options.boolean("include_usage", False)
+        except ApiError as exc:
+            raise ApiError(f"stream_options.{exc.message}") from None
+
+    async def _openai_reply(self, request, generation: Generation, headers: dict, stream: bool, include_usage: bool, *, chat: bool) -> Response:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+
+        def envelope(choices: list, **extra) -> dict:
+            return {"id": ident, "object": obj + (".chunk" if chat and stream else ""), "created": created,
+                    "model": self.model_id, "choices": choices, **extra}
+
+        if not stream:
+            events = await self.collect(request, generation)
+            if events is None:
+                return Response(status_code=499)
+            r = generation.result
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                          "finish_reason": openai_finish(r)}
+            else:
+                choice = {"index": 0, "text": r.text, "logprobs": None, "finish_reason": openai_finish(r)}
+            return JSONResponse(envelope([choice], usage=usage(r), timings=timings(r)), headers=headers)
+
+        # With include_usage, OpenAI sends "usage": null on every chunk but the extra last one.
+        extra = {"usage": None} if include_usage else {}
+
+        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        async def sse() -> AsyncIterator[str]:
+            if chat:
+                yield _dumps(envelope([choice("", None, first=True)], **extra))
+            try:
+                async for event in run_generation(generation):
+                    yield _dumps(envelope([choice(event.text, None)], **extra))
+            except EngineError as exc:
+                yield _dumps({"error": {"code": 500, "type": "server_error", "message": str(exc)}})
+                return
+            finally:
+                self.account(request, generation.result)
+            r = generation.result
+            yield _dumps(envelope([choice(None, openai_finish(r))], **extra, timings=timings(r)))
+            if include_usage:
+                yield _dumps(envelope([], usage=usage(r)))
+            yield "[DONE]"
+
+        return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return error_response(exc.status, exc.kind, exc.message)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+    messages = {
+        404: f"no route {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}",
+        413: "request body too large",
+    }
+    return error_response(
+        exc.status_code, kinds.get(exc.status_code, "invalid_request_error"),
+        messages.get(exc.status_code, exc.detail), headers=exc.headers,
+    )
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, "server_error", f"internal error: {type(exc).__name__}")
+
+
+def create_app(
+    engine: Engine,
+    settings: Settings,
+    *,
+    api_key: str | None = None,
+    on_request: Callable[[dict], None] | None = None,
+) -> Starlette:
+    """The API over ``engine``. ``api_key`` None means the configured server.api_key ("" = none).
+
+    ``on_request(record)`` is called on the event loop's thread after every request with
+    method, path, status, client, prompt_tokens, tokens, queue_position and duration_s.
+    """
+    api = Api(engine, settings)
+    key = settings["server.api_key"] if api_key is None else api_key
+    post, get = ["POST"], ["GET"]
+    routes = [
+        Route("/health", api.health, methods=get),
+        Route("/completion", api.completion, methods=post),
+        Route("/tokenize", api.tokenize, methods=post),
+        Route("/detokenize", api.detokenize, methods=post),
+        Route("/props", api.props, methods=get),
+        Route("/metrics", api.metrics, methods=get),
+        Route("/v1/models", api.models, methods=get),
+        Route("/v1/completions", api.openai_completions, methods=post),
+        Route("/v1/chat/completions", api.chat_completions, methods=post),
+        # llama-server's aliases, for clients configured with a base URL without /v1.
+        Route("/models", api.models, methods=get),
+        Route("/completions", api.openai_completions, methods=post),
+        Route("/chat/completions", api.chat_completions, methods=post),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(_Guard, api_key=key or None, on_request=on_request)],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        max_body_size=settings["server.max_body"],
+    )

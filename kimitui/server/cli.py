@@ -1,0 +1,96 @@
+"""``kimitui serve``: the HTTP API without the TUI.
+
+The socket is bound and the key rule checked before anything else, so mistakes end with one
+line; the model then loads in the background while /health answers 503, as llama-server does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from kimitui.config import apply_override
+
+API_KEY_ENV = "KIMITUI_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kimitui.cli import add_common
+
+    add_common(parser)
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1; others need an API key)")
+    parser.add_argument("--port", help="TCP port (default 8080; 0 = any free port)")
+    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+    parser.add_argument("--max-n-predict", help="most tokens one request may ask for")
+    parser.add_argument("--max-body", help="largest request body, e.g. 1MiB")
+
+
+def resolve(args: argparse.Namespace):
+    from kimitui.cli import resolve_settings
+
+    settings = resolve_settings(args)
+    overrides = (  # later ones win: the flag over the environment over the file
+        ("server.host", "--host", args.host),
+        ("server.port", "--port", args.port),
+        ("server.api_key", f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)),
+        ("server.api_key", "--api-key", args.api_key),
+        ("server.max_n_predict", "--max-n-predict", args.max_n_predict),
+        ("server.max_body", "--max-body", args.max_body),
+    )
+    for dotted, flag, value in overrides:
+        if value is not None:
+            apply_override(settings, dotted, value, flag)
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    from kimitui.cli import resolve_model
+    from kimitui.engine.metrics import EngineMetrics
+    from kimitui.engine.session import Engine, EngineError
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import base_url, bind_socket, check_bind, uvicorn_server
+
+    settings = resolve(args)
+    host, api_key = settings["server.host"], settings["server.api_key"]
+    check_bind(host, api_key)
+    model_path = resolve_model(settings)
+    sock = bind_socket(host, settings["server.port"])
+    engine = Engine(
+        model_path,
+        n_ctx=settings["model.n_ctx"],
+        n_threads=settings["model.n_threads"],
+        n_batch=settings["model.n_batch"],
+        metrics=EngineMetrics(settings["metrics.latency_window"]),
+    )
+    server = uvicorn_server(create_app(engine, settings, api_key=api_key), quiet=False)
+    failure: list[str] = []
+
+    def load() -> None:
+        try:
+            engine.load()
+        except EngineError as exc:
+            if not server.should_exit:  # else: stopped while loading, nothing to report
+                failure.append(str(exc))
+                server.should_exit = True
+            return
+        print(f"kimitui: {engine.info.name} ready (context {engine.n_ctx} tokens)", file=sys.stderr, flush=True)
+
+    url = base_url(sock)
+    print(
+        f"kimitui: serving {model_path.name} on {url} (OpenAI base URL {url}/v1"
+        f"{', API key required' if api_key else ''}); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    threading.Thread(target=load, name="kimitui-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.abort_load()
+        sock.close()
+    if failure:
+        print(f"kimitui: {failure[0]}", file=sys.stderr)
+        return 1
+    return 0
