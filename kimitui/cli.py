@@ -85,6 +85,8 @@ def run_app(args: argparse.Namespace) -> int:
 
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("kimitui.model.inspect_cmd", "show a GGUF's layers, shards, expert sizes and the tok/s its bytes allow"),
+    "synth": ("kimitui.model.synth", "write a synthetic GGUF (dense llama or MoE deepseek2) of a given size"),
     "serve": ("kimitui.server.cli", "run the llama-server/OpenAI compatible HTTP API headless"),
 }
 

@@ -1,0 +1,526 @@
+"""Where every weight of a GGUF lives: file, byte range, layer, role; grouped into shards.
+
+The streaming engine reads weights by byte range, so this map answers the questions it
+asks: which ranges make up layer L, which range is expert E of layer L, which ranges are
+the trunk every token needs. Single files and llama.cpp split sets
+(`name-0000N-of-0000M.gguf`) are handled alike; offsets are absolute within each file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable
+
+from kimitui.errors import UserError
+from kimitui.units import format_bytes
+
+DEFAULT_SHARD_SIZE = 64 * 1024**2
+MIN_SHARD_SIZE = 4 * 1024**2
+MAX_SHARD_SIZE = 1024**3
+
+ATTENTION = "attention"
+DENSE_FFN = "dense_ffn"
+ROUTED_EXPERTS = "routed_experts"
+SHARED_EXPERTS = "shared_experts"
+ROUTER = "router"
+NORM = "norm"
+EMBEDDING = "embedding"
+OUTPUT = "output"
+OTHER = "other"  # names no rule knows (rope_freqs, MTP heads, ...): kept, counted as trunk
+ROLES = (ATTENTION, DENSE_FFN, ROUTED_EXPERTS, SHARED_EXPERTS, ROUTER, NORM, EMBEDDING, OUTPUT, OTHER)
+
+_SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_LAYER_RE = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<base>[^.]+)")
+
+
+def classify(name: str) -> tuple[int | None, str]:
+    """(layer index or None, role) from a llama.cpp tensor name."""
+    match = _LAYER_RE.match(name)
+    if match is None:
+        base = name.split(".", 1)[0]
+        if "norm" in base:
+            return None, NORM
+        if base == "output":
+            return None, OUTPUT
+        if "embd" in base:
+            return None, EMBEDDING
+        return None, OTHER
+    layer, base = int(match["layer"]), match["base"]
+    if "norm" in base:
+        role = NORM
+    elif "exps" in base:  # ffn_{gate,up,down,gate_up}_exps and their biases: one slice per expert
+        role = ROUTED_EXPERTS
+    elif "shexp" in base:
+        role = SHARED_EXPERTS
+    elif base.startswith("ffn_gate_inp") or base == "exp_probs_b":
+        role = ROUTER
+    elif base.startswith("attn"):
+        role = ATTENTION
+    elif base.startswith("ffn"):
+        role = DENSE_FFN
+    else:
+        role = OTHER
+    return layer, role
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    file: int  # index into ModelMap.files
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    index: int
+    name: str
+    file: int
+    offset: int  # absolute byte offset of the data in its file
+    n_bytes: int
+    layer: int | None
+    role: str
+    ggml_type: str
+    shape: tuple[int, ...]  # ggml order: ne0 (contiguous) first
+    n_expert: int = 0  # routed-expert tensors only: the last ggml dimension
+
+    @property
+    def range(self) -> ByteRange:
+        return ByteRange(self.file, self.offset, self.n_bytes)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's slice: the expert index is the outermost dimension."""
+        return self.n_bytes // self.n_expert if self.n_expert else 0
+
+    def expert_range(self, expert: int) -> ByteRange:
+        if not 0 <= expert < self.n_expert:
+            raise IndexError(f"{self.name}: expert {expert} not in 0..{self.n_expert - 1}")
+        size = self.expert_bytes
+        return ByteRange(self.file, self.offset + expert * size, size)
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    file: int
+    offset: int
+    length: int  # the whole range, alignment padding between its tensors included
+    tensor_bytes: int
+    layer: int | None
+    routed: bool  # holds routed-expert tensors only; shards never mix them with trunk tensors
+    tensors: tuple[int, ...]  # indices into ModelMap.tensors, in file order
+
+    @property
+    def range(self) -> ByteRange:
+        return ByteRange(self.file, self.offset, self.length)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    index: int
+    n_bytes: int
+    trunk_bytes: int
+    routed_bytes: int
+    n_expert: int  # 0 for a dense layer
+    expert_bytes: int  # one expert's bytes over all its routed tensors in this layer
+    shards: tuple[int, ...]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+
+@dataclass(frozen=True)
+class ModelMap:
+    files: tuple[Path, ...]
+    file_sizes: tuple[int, ...]
+    architecture: str
+    name: str
+    n_expert_used: int
+    n_expert_shared: int
+    tensors: tuple[TensorInfo, ...]
+    shard_size: int
+    shards: tuple[Shard, ...] = field(repr=False)
+    layers: tuple[LayerInfo, ...] = field(repr=False)
+    alignment: int = 32  # GGUF data alignment: the most padding that separates adjacent tensors
+
+    # --- totals -------------------------------------------------------------------------
+    @cached_property
+    def tensor_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    @cached_property
+    def routed_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors if t.role == ROUTED_EXPERTS)
+
+    @property
+    def trunk_bytes(self) -> int:
+        """Everything but routed experts: what a streaming engine wants pinned first."""
+        return self.tensor_bytes - self.routed_bytes
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.is_moe for layer in self.layers)
+
+    @property
+    def n_expert(self) -> int:
+        return max((layer.n_expert for layer in self.layers), default=0)
+
+    @cached_property
+    def bytes_per_expert(self) -> int:
+        """One expert of one MoE layer (all its routed tensors); 0 for a dense model."""
+        return max((layer.expert_bytes for layer in self.layers), default=0)
+
+    @cached_property
+    def nonlayer_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors if t.layer is None)
+
+    @cached_property
+    def _embedding_split(self) -> tuple[int, int]:
+        """(table bytes, bytes one token reads) of the token embeddings.
+
+        A token reads one row of the table (get_rows), unless the table doubles as the
+        output matrix (no `output` tensor: tied embeddings), when every byte is used.
+        """
+        tied = not any(t.role == OUTPUT for t in self.tensors)
+        table = row = 0
+        for t in self.tensors:
+            if t.role == EMBEDDING and t.layer is None:
+                table += t.n_bytes
+                row += t.n_bytes if tied or len(t.shape) < 2 else t.n_bytes // t.shape[-1]
+        return table, row
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        """Bytes one token's forward pass touches: the trunk (one embedding row) plus
+        n_expert_used experts in every MoE layer; all of a dense model but the embedding rows."""
+        table, row = self._embedding_split
+        experts = sum(self.n_expert_used * layer.expert_bytes for layer in self.layers if layer.is_moe)
+        return self.trunk_bytes - table + row + experts
+
+    def read_bytes_per_token(self, budget: int) -> int:
+        """Bytes a token must read from storage when `budget` bytes stay pinned, pinned in
+        order of use per byte: the trunk every token walks, then routed experts (uniform
+        routing: a pinned expert byte saves n_used/n_expert of a byte per token), then the
+        embedding table (one row per token)."""
+        table, row = self._embedding_split
+        every_token = self.trunk_bytes - table
+        left = max(0, budget)
+        pinned = min(left, every_token)
+        read = every_token - pinned
+        left -= pinned
+        expert_active = self.active_bytes_per_token - every_token - row
+        if self.routed_bytes:
+            pinned = min(left, self.routed_bytes)
+            read += expert_active - expert_active * pinned // self.routed_bytes
+            left -= pinned
+        if left < table:
+            read += row
+        return read
+
+    def tok_s_floor(self, bandwidth: float, budget: int) -> float | None:
+        """Tokens/s that reading the unpinned active bytes at `bandwidth` B/s allows; None
+        when nothing needs reading (compute-bound)."""
+        read = self.read_bytes_per_token(budget)
+        return None if read == 0 else bandwidth / read
+
+    # --- what a streaming engine asks ---------------------------------------------------
+    def tensor(self, name: str) -> TensorInfo:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def layer_tensors(self, layer: int) -> list[TensorInfo]:
+        self._check_layer(layer)
+        return [t for t in self.tensors if t.layer == layer]
+
+    def layer_ranges(self, layer: int, *, experts: bool = True) -> list[ByteRange]:
+        """Byte ranges holding layer `layer`, adjacent tensors merged; `experts=False`
+        leaves out the routed experts (the layer's trunk)."""
+        chosen = [t.range for t in self.layer_tensors(layer) if experts or t.role != ROUTED_EXPERTS]
+        return merge_ranges(chosen, gap=self.alignment)
+
+    def nonlayer_ranges(self) -> list[ByteRange]:
+        return merge_ranges([t.range for t in self.tensors if t.layer is None], gap=self.alignment)
+
+    def expert_ranges(self, layer: int, expert: int) -> list[ByteRange]:
+        """One range per routed tensor of `layer` (gate, up, down, ...) for expert `expert`."""
+        routed = [t for t in self.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
+        if not routed:
+            raise IndexError(f"layer {layer} has no routed experts")
+        return [t.expert_range(expert) for t in routed]
+
+    def layer_shards(self, layer: int | None) -> list[Shard]:
+        return [s for s in self.shards if s.layer == layer]
+
+    def regroup(self, shard_size: int) -> ModelMap:
+        """The same tensors grouped for another shard size (a live tuning knob)."""
+        shards = group_shards(self.tensors, shard_size)
+        return ModelMap(
+            files=self.files,
+            file_sizes=self.file_sizes,
+            architecture=self.architecture,
+            name=self.name,
+            n_expert_used=self.n_expert_used,
+            n_expert_shared=self.n_expert_shared,
+            tensors=self.tensors,
+            shard_size=shard_size,
+            shards=shards,
+            layers=_layer_infos(self.tensors, shards, len(self.layers)),
+            alignment=self.alignment,
+        )
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < len(self.layers):
+            raise IndexError(f"layer {layer} not in 0..{len(self.layers) - 1}")
+
+
+def merge_ranges(ranges: Iterable[ByteRange], gap: int = 0) -> list[ByteRange]:
+    """Sort and merge ranges of one file that touch or sit less than `gap` bytes apart
+    (alignment padding), so a reader issues fewer, larger requests."""
+    merged: list[ByteRange] = []
+    for r in sorted(ranges, key=lambda r: (r.file, r.offset)):
+        last = merged[-1] if merged else None
+        if last is not None and last.file == r.file and r.offset <= last.end + gap:
+            merged[-1] = ByteRange(last.file, last.offset, max(last.end, r.end) - last.offset)
+        else:
+            merged.append(r)
+    return merged
+
+
+def check_shard_size(size: int) -> int:
+    if not MIN_SHARD_SIZE <= size <= MAX_SHARD_SIZE:
+        raise UserError(
+            f"shard size {format_bytes(size)} is outside {format_bytes(MIN_SHARD_SIZE)}.."
+            f"{format_bytes(MAX_SHARD_SIZE)}"
+        )
+    return size
+
+
+def group_shards(tensors: tuple[TensorInfo, ...], shard_size: int) -> tuple[Shard, ...]:
+    """Consecutive tensors (file order) of one file, one layer and one kind (trunk or
+    routed experts) fill a shard up to `shard_size`; a bigger tensor is a shard of its own."""
+    check_shard_size(shard_size)
+    shards: list[Shard] = []
+    current: list[TensorInfo] = []
+
+    def close() -> None:
+        if current:
+            first, last = current[0], current[-1]
+            shards.append(
+                Shard(
+                    index=len(shards),
+                    file=first.file,
+                    offset=first.offset,
+                    length=last.offset + last.n_bytes - first.offset,
+                    tensor_bytes=sum(t.n_bytes for t in current),
+                    layer=first.layer,
+                    routed=first.role == ROUTED_EXPERTS,
+                    tensors=tuple(t.index for t in current),
+                )
+            )
+            current.clear()
+
+    for t in sorted(tensors, key=lambda t: (t.file, t.offset)):
+        if current:
+            head = current[0]
+            same_group = (
+                head.file == t.file
+                and head.layer == t.layer
+                and (head.role == ROUTED_EXPERTS) == (t.role == ROUTED_EXPERTS)
+            )
+            if not same_group or t.offset + t.n_bytes - head.offset > shard_size:
+                close()
+        current.append(t)
+    close()
+    return tuple(shards)
+
+
+def _layer_infos(tensors: tuple[TensorInfo, ...], shards: tuple[Shard, ...], n_layers: int) -> tuple[LayerInfo, ...]:
+    infos = []
+    for layer in range(n_layers):
+        own = [t for t in tensors if t.layer == layer]
+        routed = [t for t in own if t.role == ROUTED_EXPERTS]
+        n_expert = max((t.n_expert for t in routed), default=0)
+        routed_bytes = sum(t.n_bytes for t in routed)
+        total = sum(t.n_bytes for t in own)
+        infos.append(
+            LayerInfo(
+                index=layer,
+                n_bytes=total,
+                trunk_bytes=total - routed_bytes,
+                routed_bytes=routed_bytes,
+                n_expert=n_expert,
+                expert_bytes=sum(t.expert_bytes for t in routed),
+                shards=tuple(s.index for s in shards if s.layer == layer),
+            )
+        )
+    return tuple(infos)
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def split_set(path: Path) -> list[Path]:
+    """All files of the split set `path` belongs to (just `path` for a single file)."""
+    if not path.exists():
+        raise UserError(f"model file not found: {path}")
+    match = _SPLIT_RE.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    if count < 1 or not 1 <= int(match["no"]) <= count:
+        raise UserError(f"{path}: split number {match['no']} of {match['count']} makes no sense")
+    files = [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f for f in files if not f.exists()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(f"split set of {count} files is incomplete: {missing[0]} is missing{more}")
+    return files
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader  # heavy import (numpy); only when a model is opened
+
+    class HeaderReader(GGUFReader):
+        # GGUFReader builds a numpy view per tensor, which fails without naming the tensor
+        # on a truncated file; keep the raw tensor infos and check bounds ourselves.
+        def _build_tensors(self, start_offs, fields):  # noqa: ANN001 - gguf's own hook
+            self.tensor_fields = fields
+
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise UserError(f"cannot read model file {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise UserError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return HeaderReader(str(path), "r")
+    except Exception as exc:  # the gguf package raises ValueError, IndexError, ... on damage
+        raise UserError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from None
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # a field of a type this gguf version cannot render: treat as absent
+        return None
+
+
+def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> ModelMap:
+    """Parse `path` (a single GGUF or any file of a split set) into a ModelMap."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    check_shard_size(shard_size)
+    files = split_set(Path(path))
+    tensors: list[TensorInfo] = []
+    sizes: list[int] = []
+    arch = name = None
+    n_layers_kv = n_used = n_shared = n_expert_kv = None
+    seen: set[str] = set()
+    alignment = 32
+    for file_index, file in enumerate(files):
+        reader = _open_reader(file)
+        size = os.path.getsize(file)
+        sizes.append(size)
+        if len(files) > 1:
+            split_no, split_count = _field(reader, "split.no"), _field(reader, "split.count")
+            if split_count is not None and (split_count != len(files) or split_no != file_index):
+                raise UserError(
+                    f"{file}: says it is split {split_no} of {split_count}, its name says "
+                    f"{file_index} of {len(files)} (files from different sets?)"
+                )
+        if file_index == 0:
+            arch = _field(reader, "general.architecture") or "unknown"
+            name = _field(reader, "general.name") or files[0].stem
+            n_layers_kv = _field(reader, f"{arch}.block_count")
+            n_expert_kv = _field(reader, f"{arch}.expert_count")
+            n_used = _field(reader, f"{arch}.expert_used_count")
+            n_shared = _field(reader, f"{arch}.expert_shared_count")
+            alignment = int(reader.alignment)
+        for info in reader.tensor_fields:
+            _, name_data, _, dims, raw_dtype, rel_offset = info.parts
+            tname = bytes(name_data).decode("utf-8", errors="replace")
+            if tname in seen:
+                raise UserError(f"{file}: tensor {tname} appears twice")
+            seen.add(tname)
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise UserError(f"{file}: tensor {tname} has unknown type {int(raw_dtype[0])}") from None
+            shape = tuple(int(d) for d in dims)
+            n_elements = 1
+            for d in shape:
+                n_elements *= d
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_bytes = n_elements // block * type_size
+            offset = reader.data_offset + int(rel_offset[0])
+            if offset + n_bytes > size:
+                raise UserError(
+                    f"{file}: tensor {tname} ends at byte {offset + n_bytes} but the file has "
+                    f"{size} bytes (truncated copy?)"
+                )
+            layer, role = classify(tname)
+            n_expert = shape[-1] if role == ROUTED_EXPERTS and len(shape) >= 2 else 0
+            if n_expert and n_bytes % n_expert:
+                raise UserError(f"{file}: routed tensor {tname} does not split into {n_expert} equal experts")
+            tensors.append(
+                TensorInfo(
+                    index=len(tensors),
+                    name=tname,
+                    file=file_index,
+                    offset=offset,
+                    n_bytes=n_bytes,
+                    layer=layer,
+                    role=role,
+                    ggml_type=qtype.name,
+                    shape=shape,
+                    n_expert=n_expert,
+                )
+            )
+    if not tensors:
+        raise UserError(f"{files[0]}: the GGUF holds no tensors")
+
+    max_layer = max((t.layer for t in tensors if t.layer is not None), default=-1)
+    n_layers = int(n_layers_kv) if n_layers_kv is not None else max_layer + 1
+    if max_layer >= n_layers:
+        raise UserError(f"{files[0]}: tensor of layer {max_layer} but {arch}.block_count is {n_layers}")
+    routed_counts = {t.n_expert for t in tensors if t.n_expert}
+    if routed_counts:
+        if n_expert_kv is not None and routed_counts != {int(n_expert_kv)}:
+            raise UserError(f"{files[0]}: routed tensors hold {sorted(routed_counts)} experts, {arch}.expert_count says {n_expert_kv}")
+        if not n_used:
+            raise UserError(f"{files[0]}: MoE model without {arch}.expert_used_count")
+
+    frozen = tuple(tensors)
+    shards = group_shards(frozen, shard_size)
+    return ModelMap(
+        files=tuple(files),
+        file_sizes=tuple(sizes),
+        architecture=str(arch),
+        name=str(name),
+        n_expert_used=int(n_used or 0) if routed_counts else 0,
+        n_expert_shared=int(n_shared or 0),
+        tensors=frozen,
+        shard_size=shard_size,
+        shards=shards,
+        layers=_layer_infos(frozen, shards, n_layers),
+        alignment=alignment,
+    )

@@ -1,0 +1,699 @@
+"""`kimitui synth`: synthetic GGUF models of any size that llama.cpp loads and runs.
+
+Benchmarks need models larger than memory, in real shapes, without downloading them:
+random but valid quantized weights (finite logits), the default model's tokenizer (so
+chat works), a dense `llama` or an MoE `deepseek2` (Kimi's architecture) sized to hit
+`--size`. Written streaming: a few pools of pre-generated random blocks are copied out
+at random offsets, so memory stays bounded and throughput is the disk's, not numpy's RNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+
+from kimitui.errors import UserError
+from kimitui.units import format_bytes, format_rate, parse_size
+
+QUANTS = {
+    "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
+# Q4_1 by default: llama.cpp's CPU backend repacks Q4_0/Q8_0 into anonymous memory, which
+# would stop the weights streaming from the file (ANCHORS.md).
+DEFAULT_QUANT = "q4_1"
+F32 = GGMLQuantizationType.F32
+ALIGNMENT = 32  # GGUF default data alignment; GGUFWriter uses it too
+CONTEXT_LENGTH = 8192  # the SmolLM2 tokenizer's model was trained at 8k
+POOL_BYTES = 8 * 1024**2
+CHUNK_BYTES = 1024**2
+# exp_probs_b = -ROUTER_SKEW * ln(rank + 1), added to sigmoid probabilities (spread ~0.2)
+# for expert selection. Simulated with Gaussian router inputs, 384 experts, top-8: the
+# hottest expert takes ~30% of tokens, the top 10% of experts ~55% of selections, half the
+# experts ~95%: a Zipf-like hot set (s ~ 0.9), not a fixed one.
+ROUTER_SKEW = 0.06
+
+
+# --- what a model is made of ----------------------------------------------------------------
+
+WEIGHT = "weight"  # a matrix from a block pool, std 1/sqrt(fan-in)
+EMBED = "embed"  # token embeddings from a block pool, std 1
+ONES = "ones"  # norm weights
+ROUTER = "router"  # ffn_gate_inp, f32, fresh random per layer
+ROUTER_BIAS = "router_bias"  # exp_probs_b, f32, Zipf-like per layer
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # ggml order: ne0 (contiguous, the dot-product axis) first
+    qtype: GGMLQuantizationType
+    fill: str
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_bytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.n_elements // block * type_size
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    description: str
+    kv: tuple[tuple[str, Any, GGUFValueType], ...]
+    tensors: tuple[TensorSpec, ...]
+    tokenizer: Tokenizer = field(repr=False)
+
+    def file_bytes(self) -> int:
+        """The exact size of the single-file GGUF this spec writes."""
+        head = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
+        head += sum(_kv_bytes(k, v, t) for k, v, t in self.kv) + self.tokenizer.encoded_bytes
+        head += sum(8 + len(t.name.encode()) + 4 + 8 * len(t.shape) + 4 + 8 for t in self.tensors)
+        return _pad(head) + sum(_pad(t.n_bytes) for t in self.tensors)
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _kv_bytes(key: str, value: Any, vtype: GGUFValueType) -> int:
+    size = 8 + len(key.encode()) + 4
+    if vtype == GGUFValueType.STRING:
+        return size + 8 + len(str(value).encode())
+    return size + {GGUFValueType.UINT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1}[vtype]
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    fields: tuple[tuple[str, Any, GGUFValueType, GGUFValueType | None], ...]
+    n_vocab: int
+    encoded_bytes: int  # the fields' exact size inside a GGUF header
+
+
+@lru_cache(maxsize=1)
+def default_tokenizer() -> Tokenizer:
+    """The tokenizer.* fields (vocabulary, merges, chat template) of the default model."""
+    from gguf import GGUFReader
+
+    from kimitui.model.default import default_model_path
+
+    reader = GGUFReader(str(default_model_path()), "r")
+    fields = []
+    size = 0
+    n_vocab = 0
+    for key, f in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = f.contents()
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        fields.append((key, value, f.types[0], sub))
+        size += sum(int(part.nbytes) for part in f.parts)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+    if not n_vocab:
+        raise UserError(f"{default_model_path()}: holds no tokenizer.ggml.tokens to copy")
+    return Tokenizer(tuple(fields), n_vocab, size)
+
+
+# --- shapes -----------------------------------------------------------------------------
+
+
+def _round(x: float, multiple: int, minimum: int | None = None) -> int:
+    value = max(multiple, int(round(x / multiple)) * multiple)
+    return max(value, minimum) if minimum is not None else value
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def llama_spec(d: LlamaDims, qtype: GGMLQuantizationType, ftype: LlamaFileType, tok: Tokenizer) -> ModelSpec:
+    a, v = "llama", tok.n_vocab
+    kv = [
+        (f"{a}.vocab_size", v, GGUFValueType.UINT32),
+        (f"{a}.context_length", CONTEXT_LENGTH, GGUFValueType.UINT32),
+        (f"{a}.embedding_length", d.n_embd, GGUFValueType.UINT32),
+        (f"{a}.feed_forward_length", d.n_ff, GGUFValueType.UINT32),
+        (f"{a}.block_count", d.n_layer, GGUFValueType.UINT32),
+        (f"{a}.attention.head_count", d.n_head, GGUFValueType.UINT32),
+        (f"{a}.attention.head_count_kv", d.n_head_kv, GGUFValueType.UINT32),
+        (f"{a}.rope.dimension_count", d.head_dim, GGUFValueType.UINT32),
+        (f"{a}.rope.freq_base", 500000.0, GGUFValueType.FLOAT32),
+        (f"{a}.attention.layer_norm_rms_epsilon", 1e-5, GGUFValueType.FLOAT32),
+    ]
+    kv_width = d.n_head_kv * d.head_dim
+    tensors = [TensorSpec("token_embd.weight", (d.n_embd, v), qtype, EMBED)]
+    for i in range(d.n_layer):
+        b = f"blk.{i}."
+        tensors += [
+            TensorSpec(b + "attn_norm.weight", (d.n_embd,), F32, ONES),
+            TensorSpec(b + "attn_q.weight", (d.n_embd, d.n_embd), qtype, WEIGHT),
+            TensorSpec(b + "attn_k.weight", (d.n_embd, kv_width), qtype, WEIGHT),
+            TensorSpec(b + "attn_v.weight", (d.n_embd, kv_width), qtype, WEIGHT),
+            TensorSpec(b + "attn_output.weight", (d.n_embd, d.n_embd), qtype, WEIGHT),
+            TensorSpec(b + "ffn_norm.weight", (d.n_embd,), F32, ONES),
+            TensorSpec(b + "ffn_gate.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
+            TensorSpec(b + "ffn_up.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
+            TensorSpec(b + "ffn_down.weight", (d.n_ff, d.n_embd), qtype, WEIGHT),
+        ]
+    tensors += [
+        TensorSpec("output_norm.weight", (d.n_embd,), F32, ONES),
+        TensorSpec("output.weight", (d.n_embd, v), qtype, WEIGHT),
+    ]
+    desc = (
+        f"llama: {d.n_layer} layers, n_embd {d.n_embd}, n_ff {d.n_ff}, "
+        f"{d.n_head} heads ({d.n_head_kv} kv), vocab {v}"
+    )
+    return _finish_spec(a, desc, kv, tensors, ftype, tok)
+
+
+@dataclass(frozen=True)
+class Deepseek2Dims:
+    n_embd: int
+    n_layer: int
+    n_head: int
+    q_lora: int
+    kv_lora: int
+    n_ff: int  # the leading dense layers' FFN
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    n_dense_lead: int
+    expert_weights_scale: float
+    qk_nope: int = 128
+    qk_rope: int = 64
+    v_head: int = 128
+
+
+def deepseek2_spec(d: Deepseek2Dims, qtype: GGMLQuantizationType, ftype: LlamaFileType, tok: Tokenizer) -> ModelSpec:
+    """DeepSeek-V3 / Kimi K2 layout as llama.cpp's converter writes it today: MLA with the
+    kv_b projection split into attn_k_b / attn_v_b, sigmoid routing with exp_probs_b."""
+    a, v = "deepseek2", tok.n_vocab
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kv = [
+        (f"{a}.vocab_size", v, u32),
+        (f"{a}.context_length", CONTEXT_LENGTH, u32),
+        (f"{a}.embedding_length", d.n_embd, u32),
+        (f"{a}.feed_forward_length", d.n_ff, u32),
+        (f"{a}.block_count", d.n_layer, u32),
+        (f"{a}.attention.head_count", d.n_head, u32),
+        # MLA runs as multi-query attention over the compressed kv: one kv head whose key
+        # is the kv latent plus the rope part, whose value is the latent.
+        (f"{a}.attention.head_count_kv", 1, u32),
+        (f"{a}.attention.key_length", d.kv_lora + d.qk_rope, u32),
+        (f"{a}.attention.value_length", d.kv_lora, u32),
+        (f"{a}.attention.key_length_mla", d.qk_nope + d.qk_rope, u32),
+        (f"{a}.attention.value_length_mla", d.v_head, u32),
+        (f"{a}.attention.q_lora_rank", d.q_lora, u32),
+        (f"{a}.attention.kv_lora_rank", d.kv_lora, u32),
+        (f"{a}.attention.layer_norm_rms_epsilon", 1e-6, f32),
+        (f"{a}.rope.dimension_count", d.qk_rope, u32),
+        (f"{a}.rope.freq_base", 50000.0, f32),
+        (f"{a}.leading_dense_block_count", d.n_dense_lead, u32),
+        (f"{a}.expert_feed_forward_length", d.n_ff_exp, u32),
+        (f"{a}.expert_count", d.n_expert, u32),
+        (f"{a}.expert_used_count", d.n_expert_used, u32),
+        (f"{a}.expert_shared_count", d.n_expert_shared, u32),
+        (f"{a}.expert_weights_scale", d.expert_weights_scale, f32),
+        (f"{a}.expert_weights_norm", True, GGUFValueType.BOOL),
+        (f"{a}.expert_gating_func", 2, u32),  # sigmoid, as DeepSeek-V3 and Kimi K2
+    ]
+    tensors = [TensorSpec("token_embd.weight", (d.n_embd, v), qtype, EMBED)]
+    n_shexp = d.n_ff_exp * d.n_expert_shared
+    for i in range(d.n_layer):
+        b = f"blk.{i}."
+        tensors += [
+            TensorSpec(b + "attn_norm.weight", (d.n_embd,), F32, ONES),
+            TensorSpec(b + "attn_q_a.weight", (d.n_embd, d.q_lora), qtype, WEIGHT),
+            TensorSpec(b + "attn_q_a_norm.weight", (d.q_lora,), F32, ONES),
+            TensorSpec(b + "attn_q_b.weight", (d.q_lora, d.n_head * (d.qk_nope + d.qk_rope)), qtype, WEIGHT),
+            TensorSpec(b + "attn_kv_a_mqa.weight", (d.n_embd, d.kv_lora + d.qk_rope), qtype, WEIGHT),
+            TensorSpec(b + "attn_kv_a_norm.weight", (d.kv_lora,), F32, ONES),
+            TensorSpec(b + "attn_k_b.weight", (d.qk_nope, d.kv_lora, d.n_head), qtype, WEIGHT),
+            TensorSpec(b + "attn_v_b.weight", (d.kv_lora, d.v_head, d.n_head), qtype, WEIGHT),
+            TensorSpec(b + "attn_output.weight", (d.n_head * d.v_head, d.n_embd), qtype, WEIGHT),
+            TensorSpec(b + "ffn_norm.weight", (d.n_embd,), F32, ONES),
+        ]
+        if i < d.n_dense_lead:
+            tensors += [
+                TensorSpec(b + "ffn_gate.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
+                TensorSpec(b + "ffn_up.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
+                TensorSpec(b + "ffn_down.weight", (d.n_ff, d.n_embd), qtype, WEIGHT),
+            ]
+        else:
+            tensors += [
+                TensorSpec(b + "ffn_gate_inp.weight", (d.n_embd, d.n_expert), F32, ROUTER),
+                TensorSpec(b + "exp_probs_b.bias", (d.n_expert,), F32, ROUTER_BIAS),
+                TensorSpec(b + "ffn_gate_exps.weight", (d.n_embd, d.n_ff_exp, d.n_expert), qtype, WEIGHT),
+                TensorSpec(b + "ffn_up_exps.weight", (d.n_embd, d.n_ff_exp, d.n_expert), qtype, WEIGHT),
+                TensorSpec(b + "ffn_down_exps.weight", (d.n_ff_exp, d.n_embd, d.n_expert), qtype, WEIGHT),
+                TensorSpec(b + "ffn_gate_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
+                TensorSpec(b + "ffn_up_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
+                TensorSpec(b + "ffn_down_shexp.weight", (n_shexp, d.n_embd), qtype, WEIGHT),
+            ]
+    tensors += [
+        TensorSpec("output_norm.weight", (d.n_embd,), F32, ONES),
+        TensorSpec("output.weight", (d.n_embd, v), qtype, WEIGHT),
+    ]
+    desc = (
+        f"deepseek2: {d.n_layer} layers ({d.n_dense_lead} dense), n_embd {d.n_embd}, "
+        f"{d.n_expert} experts ({d.n_expert_used} used, {d.n_expert_shared} shared) of n_ff {d.n_ff_exp}, "
+        f"dense n_ff {d.n_ff}, {d.n_head} heads, q/kv lora {d.q_lora}/{d.kv_lora}, vocab {v}"
+    )
+    return _finish_spec(a, desc, kv, tensors, ftype, tok)
+
+
+def _finish_spec(arch, desc, kv, tensors, ftype, tok) -> ModelSpec:
+    head = [
+        ("general.architecture", arch, GGUFValueType.STRING),
+        ("general.type", "model", GGUFValueType.STRING),
+        ("general.name", f"kimitui synthetic {arch}", GGUFValueType.STRING),
+        ("general.file_type", int(ftype), GGUFValueType.UINT32),
+        ("general.quantization_version", 2, GGUFValueType.UINT32),
+    ]
+    return ModelSpec(arch, desc, tuple(head + kv), tuple(tensors), tok)
+
+
+# --- sizing -------------------------------------------------------------------------------
+
+# Kimi K2 (config.json of moonshotai/Kimi-K2-Instruct); K3 keeps the architecture.
+KIMI_K2 = dict(
+    n_embd=7168, n_layer=61, n_head=64, q_lora=1536, kv_lora=512, n_ff=18432, n_ff_exp=2048,
+    n_expert=384, n_expert_used=8, n_expert_shared=1, n_dense_lead=1, expert_weights_scale=2.827,
+)
+LIKE = {"kimi-k2": KIMI_K2}
+# Generic MoE: DeepSeek-V2-Lite / Moonlight expert counts (64 routed, 6 used, 2 shared).
+GENERIC_MOE = dict(n_expert=64, n_expert_used=6, n_expert_shared=2, n_dense_lead=1, expert_weights_scale=2.5)
+LLAMA_FF_RATIO = 8 / 3  # SwiGLU keeps the FFN's parameters at 4x n_embd wide: n_ff ~ 8/3 n_embd
+# llama.cpp takes a deepseek2 model of 26 or 27 layers for a "lite" one without q_lora.
+DEEPSEEK2_LITE_LAYERS = {26, 27}
+SIZE_TOLERANCE = 0.05  # the file lands within 5% of --size, within 1% unless widths are tiny
+SIZE_WEIGHT = 50.0  # 1% off the size weighs like a shape ratio off by a factor 1.65
+
+
+def _ideal_layers(n_embd: int) -> float:
+    # Llama 3 8B 4096/32, 405B 16384/126; small models still get enough layers to stream.
+    return max(8.0, n_embd / 128)
+
+
+def _layer_options(n_embd: int, exclude: frozenset[int] = frozenset()) -> list[tuple[int, float]]:
+    """(layer count, shape penalty) near the ideal depth for this width."""
+    ideal = _ideal_layers(n_embd)
+    counts = {max(2, round(ideal * f)) for f in (0.8, 1.0, 1.25)} - exclude
+    return [(n, abs(math.log(n / ideal))) for n in sorted(counts)]
+
+
+def _widths(start: int, fine: int) -> Iterator[int]:
+    """Candidate n_embd from `start`, in steps of `fine` (doubling at 2048 and 8192, where
+    one step changes the size less)."""
+    n = start
+    while n <= 65536:
+        yield n
+        n += fine if n < 2048 else 2 * fine if n < 8192 else 4 * fine
+
+
+def _search(target: int, what: str, widths: Iterator[int], layers_for, spec_for, free_range, unit: int) -> ModelSpec:
+    """The best spec for `target` bytes: realistic shape, size within SIZE_TOLERANCE.
+
+    For each width (ascending) and layer count, the remaining free width (an FFN, a
+    multiple of `unit`) is solved for: the file size is linear in it, so two probes find
+    it. `free_range(n_embd)` gives (lo, hi, ideal) for it. Score: the free width's and the
+    depth's log distance from ideal, plus SIZE_WEIGHT per unit of relative size error, so a
+    coarse grid (tiny widths of many experts) trades a little size for a sane shape.
+    Stops once even the narrowest shape of a width is too big."""
+    best: tuple[float, float, ModelSpec] | None = None
+    for n_embd in widths:
+        lo, hi, ideal = free_range(n_embd)
+        any_fit = False
+        for n_layer, penalty in layers_for(n_embd):
+            s_lo = spec_for(n_embd, n_layer, lo).file_bytes()
+            any_fit = any_fit or s_lo <= target * (1 + SIZE_TOLERANCE)
+            s_hi = spec_for(n_embd, n_layer, hi).file_bytes()
+            steps = (hi - lo) // unit
+            guess = round((target - s_lo) / (s_hi - s_lo) * steps) if s_hi > s_lo else 0
+            guess = max(0, min(steps, guess))
+            for step in {max(0, guess - 1), guess, min(steps, guess + 1)}:
+                free = lo + step * unit
+                spec = spec_for(n_embd, n_layer, free)
+                error = abs(spec.file_bytes() - target) / target
+                score = abs(math.log(free / ideal)) + penalty + SIZE_WEIGHT * error
+                if error <= SIZE_TOLERANCE and (best is None or score < best[0]):
+                    best = (score, error, spec)
+        if not any_fit:
+            break
+    if best is None:
+        raise UserError(f"cannot shape a {what} model of {format_bytes(target)} within {SIZE_TOLERANCE:.0%}")
+    return best[2]
+
+
+def plan_dense(target: int, quant: str, tok: Tokenizer) -> ModelSpec:
+    qtype, ftype = QUANTS[quant]
+
+    def spec_for(n_embd: int, n_layer: int, n_ff: int) -> ModelSpec:
+        n_head = n_embd // (64 if n_embd < 2048 else 128)
+        # grouped-query attention as Llama 3 (4 query heads per kv head) where heads allow
+        n_head_kv = n_head // 4 if n_head % 4 == 0 else n_head // 2 if n_head % 2 == 0 else n_head
+        return llama_spec(LlamaDims(n_embd, n_ff, n_layer, n_head, n_head_kv), qtype, ftype, tok)
+
+    def free_range(n_embd: int) -> tuple[int, int, float]:
+        return _round(2 * n_embd, 64), _round(4 * n_embd, 64), LLAMA_FF_RATIO * n_embd
+
+    return _search(target, "dense", _widths(256, 128), _layer_options, spec_for, free_range, 64)
+
+
+def plan_moe(target: int, quant: str, tok: Tokenizer) -> ModelSpec:
+    qtype, ftype = QUANTS[quant]
+
+    def spec_for(n_embd: int, n_layer: int, n_ff_exp: int) -> ModelSpec:
+        dims = Deepseek2Dims(
+            n_embd=n_embd, n_layer=n_layer, n_head=max(1, n_embd // 128),
+            q_lora=_round(n_embd * 1536 / 7168, 32), kv_lora=_round(n_embd * 512 / 7168, 32),
+            n_ff=_round(LLAMA_FF_RATIO * n_embd, 64), n_ff_exp=n_ff_exp, **GENERIC_MOE,
+        )
+        return deepseek2_spec(dims, qtype, ftype, tok)
+
+    def free_range(n_embd: int) -> tuple[int, int, float]:
+        # expert width ~3/8 of n_embd as Qwen3-30B-A3B; DeepSeek-V3 0.29, V2-Lite 0.69
+        return _round(n_embd / 8, 32), _round(n_embd, 32), 0.375 * n_embd
+
+    def layers_for(n_embd: int) -> list[tuple[int, float]]:
+        return _layer_options(n_embd, DEEPSEEK2_LITE_LAYERS)
+
+    return _search(target, "MoE", _widths(256, 64), layers_for, spec_for, free_range, 32)
+
+
+def like_dims(like: str, scale: float, n_ff_exp: int | None = None) -> Deepseek2Dims:
+    """`like`'s layer and expert counts with every width multiplied by `scale`."""
+    ref = LIKE[like]
+    return Deepseek2Dims(
+        n_embd=_round(ref["n_embd"] * scale, 32, 64),
+        n_layer=ref["n_layer"],
+        n_head=max(1, round(ref["n_head"] * scale)),
+        q_lora=_round(ref["q_lora"] * scale, 32),
+        kv_lora=_round(ref["kv_lora"] * scale, 32),
+        n_ff=_round(ref["n_ff"] * scale, 32),
+        n_ff_exp=n_ff_exp if n_ff_exp is not None else _round(ref["n_ff_exp"] * scale, 32),
+        n_expert=ref["n_expert"],
+        n_expert_used=ref["n_expert_used"],
+        n_expert_shared=ref["n_expert_shared"],
+        n_dense_lead=ref["n_dense_lead"],
+        expert_weights_scale=ref["expert_weights_scale"],
+    )
+
+
+def plan_like(like: str, target: int | None, scale: float | None, quant: str, tok: Tokenizer) -> ModelSpec:
+    """Kimi's counts (layers, experts, used, shared, dense lead); widths from `scale`, or
+    solved so the file lands on `target`."""
+    qtype, ftype = QUANTS[quant]
+    ref = LIKE[like]
+    if scale is not None:
+        return deepseek2_spec(like_dims(like, scale), qtype, ftype, tok)
+    assert target is not None
+
+    def spec_for(n_embd: int, n_layer: int, n_ff_exp: int) -> ModelSpec:
+        return deepseek2_spec(like_dims(like, n_embd / ref["n_embd"], n_ff_exp), qtype, ftype, tok)
+
+    def free_range(n_embd: int) -> tuple[int, int, float]:
+        ideal = max(32.0, n_embd * ref["n_ff_exp"] / ref["n_embd"])
+        return _round(ideal / 3, 32), _round(3 * ideal, 32), ideal
+
+    return _search(target, like, _widths(64, 32), lambda n_embd: [(ref["n_layer"], 0.0)], spec_for, free_range, 32)
+
+
+# --- writing ------------------------------------------------------------------------------
+
+_BLOCK_DTYPES = {
+    GGMLQuantizationType.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
+    GGMLQuantizationType.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
+    GGMLQuantizationType.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
+}
+# Std of a dequantized weight per unit of the block scale d: uniform over 16 levels (4-bit)
+# or over -127..127 (8-bit).
+_STD_PER_SCALE = {GGMLQuantizationType.Q4_0: 4.61, GGMLQuantizationType.Q4_1: 4.61, GGMLQuantizationType.Q8_0: 73.6}
+
+
+def random_blocks(qtype: GGMLQuantizationType, n_blocks: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """`n_blocks` valid quantized blocks whose weights have std ~`sigma`, as raw bytes."""
+    blocks = np.empty(n_blocks, dtype=_BLOCK_DTYPES[qtype])
+    d = sigma / _STD_PER_SCALE[qtype] * rng.uniform(0.5, 1.5, n_blocks)
+    blocks["d"] = d.astype(np.float16)
+    if qtype == GGMLQuantizationType.Q8_0:
+        blocks["qs"] = rng.integers(-127, 128, (n_blocks, 32), dtype=np.int8)
+    else:
+        blocks["qs"] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
+    if qtype == GGMLQuantizationType.Q4_1:
+        blocks["m"] = (-7.5 * d).astype(np.float16)  # centre the 16 levels on zero
+    return blocks.view(np.uint8)
+
+
+class BlockPool:
+    """POOL_BYTES of random blocks of one type and scale; a tensor is written as pieces of
+    it starting at random block offsets, so generation costs nothing per byte written."""
+
+    def __init__(self, qtype: GGMLQuantizationType, sigma: float, rng: np.random.Generator):
+        self.type_size = GGML_QUANT_SIZES[qtype][1]
+        self.n_blocks = POOL_BYTES // self.type_size
+        self.chunk_blocks = CHUNK_BYTES // self.type_size
+        self.data = memoryview(random_blocks(qtype, self.n_blocks, sigma, rng))
+
+    def pieces(self, n_bytes: int, rng: np.random.Generator) -> Iterator[memoryview]:
+        left = n_bytes // self.type_size
+        while left:
+            take = min(left, self.chunk_blocks)
+            start = int(rng.integers(0, self.n_blocks - take + 1)) * self.type_size
+            yield self.data[start : start + take * self.type_size]
+            left -= take
+
+
+class _Filler:
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+        self.pools: dict[tuple[GGMLQuantizationType, float], BlockPool] = {}
+
+    def pieces(self, t: TensorSpec) -> Iterator[memoryview | bytes]:
+        if t.fill in (WEIGHT, EMBED):
+            # std 1/sqrt(fan-in) keeps activations O(1) through every matmul; pools are
+            # shared between fan-ins within a factor sqrt(2), which bounds their number.
+            sigma = 1.0 if t.fill == EMBED else 1 / math.sqrt(t.shape[0])
+            key = (t.qtype, 2 ** (round(math.log2(sigma) * 2) / 2))
+            if key not in self.pools:
+                self.pools[key] = BlockPool(t.qtype, key[1], self.rng)
+            yield from self.pools[key].pieces(t.n_bytes, self.rng)
+        elif t.fill == ONES:
+            yield np.ones(t.n_elements, dtype=np.float32).tobytes()
+        elif t.fill == ROUTER:
+            yield self.rng.normal(0.0, 1 / math.sqrt(t.shape[0]), t.n_elements).astype(np.float32).tobytes()
+        elif t.fill == ROUTER_BIAS:
+            # a different hot set in every layer, as real routers have
+            rank = self.rng.permutation(t.n_elements)
+            yield (-ROUTER_SKEW * np.log1p(rank)).astype(np.float32).tobytes()
+        else:
+            raise AssertionError(f"unknown fill {t.fill}")
+
+
+class _Progress:
+    """One self-rewriting line on stderr (a terminal), at most twice a second."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream = total, 0, stream
+        self.start = self.last = time.monotonic()
+        self.live = stream.isatty()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.live and now - self.last >= 0.5:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate else 0
+            self.stream.write(
+                f"\rsynth: {format_bytes(self.done)} of {format_bytes(self.total)} "
+                f"({100 * self.done / self.total:.0f}%), {format_rate(rate)}, {eta:.0f} s left  "
+            )
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    paths: tuple[Path, ...]
+    n_bytes: int  # all files together
+    seconds: float  # writing and fsync, header included
+
+    @property
+    def rate(self) -> float:
+        return self.n_bytes / max(self.seconds, 1e-9)
+
+
+def split_names(out: Path, n_files: int) -> list[Path]:
+    """llama.cpp's split naming (llama_split_path): OUT-0000N-of-0000M.gguf."""
+    if n_files == 1:
+        return [out]
+    stem = out.name[: -len(".gguf")] if out.name.endswith(".gguf") else out.name
+    return [out.with_name(f"{stem}-{i:05d}-of-{n_files:05d}.gguf") for i in range(1, n_files + 1)]
+
+
+def write_model(
+    spec: ModelSpec,
+    out: Path,
+    *,
+    seed: int = 0,
+    split_size: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> WriteResult:
+    """Write `spec` to `out` (or a split set next to it) through a `.partial` directory,
+    renamed into place only once every byte is on disk."""
+    total = sum(t.n_bytes for t in spec.tensors)
+    splitting = split_size is not None and total > split_size
+    writer = GGUFWriter(None, spec.arch, split_max_size=split_size if splitting else 0)
+    for key, value, vtype in spec.kv:
+        if key != "general.architecture":  # GGUFWriter writes that one itself
+            writer.add_key_value(key, value, vtype)
+    for key, value, vtype, sub in spec.tokenizer.fields:
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    by_name = {}
+    for t in spec.tensors:
+        # GGUFWriter takes numpy (outermost-first) order and writes it reversed
+        writer.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
+        by_name[t.name] = t
+
+    finals = split_names(out, len(writer.tensors))
+    existing = [p for p in finals if p.exists()]
+    if existing and not force:
+        raise UserError(f"{existing[0]} exists (use --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < spec.file_bytes():
+        raise UserError(f"{out.parent}: {format_bytes(free)} free, the model needs {format_bytes(spec.file_bytes())}")
+
+    tmp_dir = out.with_name(out.name + ".partial")
+    if tmp_dir.exists():
+        shutil.rmtree(tmp_dir)  # left by an interrupted run: ours by name
+    tmp_dir.mkdir()
+    start = time.monotonic()
+    bar = _Progress(total) if progress else None
+    filler = _Filler(np.random.default_rng(seed))
+    try:
+        writer.write_header_to_file(tmp_dir / out.name)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        assert writer.fout is not None
+        temps = [Path(f.name) for f in writer.fout]
+        for fout, tensors in zip(writer.fout, writer.tensors):
+            _write_data(fout, [by_name[name] for name in tensors], filler, bar)
+            fout.flush()
+            os.fsync(fout.fileno())
+        writer.close()
+        if bar:
+            bar.close()
+        # the first file last: llama.cpp opens a set through it, so its presence means done
+        for tmp, final in list(zip(temps, finals))[1:] + [(temps[0], finals[0])]:
+            os.replace(tmp, final)
+        tmp_dir.rmdir()
+    except BaseException:
+        writer.close()
+        if bar:
+            bar.close()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    seconds = time.monotonic() - start
+    return WriteResult(tuple(finals), sum(p.stat().st_size for p in finals), seconds)
+
+
+def _write_data(fout: BinaryIO, tensors: list[TensorSpec], filler: _Filler, bar: _Progress | None) -> None:
+    fout.write(bytes(_pad(fout.tell()) - fout.tell()))
+    for t in tensors:
+        for piece in filler.pieces(t):
+            fout.write(piece)
+            if bar:
+                bar.add(len(piece))
+        fout.write(bytes(_pad(t.n_bytes) - t.n_bytes))
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="output GGUF (with --split-size: OUT-0000N-of-0000M.gguf)")
+    parser.add_argument("--arch", choices=("dense", "moe"), help="dense llama or MoE deepseek2 (default dense; moe with --like)")
+    parser.add_argument("--size", help="target file size, e.g. 8GiB (from about 100MiB up)")
+    parser.add_argument("--like", choices=sorted(LIKE), help="MoE with this model's layer and expert counts, widths shrunk to --size")
+    parser.add_argument("--scale", type=float, help="with --like instead of --size: multiply its widths by this")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0): same seed, same bytes")
+    parser.add_argument("--type", dest="quant", choices=sorted(QUANTS), default=DEFAULT_QUANT, help=f"weight type (default {DEFAULT_QUANT})")
+    parser.add_argument("--split-size", help="write a llama.cpp split set of files of at most this size")
+    parser.add_argument("--force", action="store_true", help="replace existing output files")
+    parser.add_argument("--dry-run", action="store_true", help="print the shape and size, write nothing")
+
+
+def _size_arg(text: str, flag: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+
+
+def plan(args: argparse.Namespace) -> ModelSpec:
+    if args.like and args.arch == "dense":
+        raise UserError("--like makes an MoE model; drop --arch dense")
+    if args.scale is not None and not args.like:
+        raise UserError("--scale needs --like (it scales that model's widths)")
+    if args.scale is not None and args.size:
+        raise UserError("give --size or --scale, not both")
+    if args.scale is None and not args.size:
+        raise UserError("--size is required (e.g. --size 8GiB)")
+    if args.scale is not None and not 0 < args.scale <= 4:
+        raise UserError("--scale must be in (0, 4]")
+    if args.seed < 0:
+        raise UserError("--seed must be 0 or more")
+    target = _size_arg(args.size, "--size") if args.size else None
+    tok = default_tokenizer()
+    if args.like:
+        return plan_like(args.like, target, args.scale, args.quant, tok)
+    assert target is not None
+    if args.arch == "moe":
+        return plan_moe(target, args.quant, tok)
+    return plan_dense(target, args.quant, tok)
+
+
+def run(args: argparse.Namespace) -> int:
+    split = _size_arg(args.split_size, "--split-size") if args.split_size else None
+    spec = plan(args)
+    print(f"{spec.description}; {format_bytes(spec.file_bytes())}")
+    if args.dry_run:
+        return 0
+    result = write_model(spec, args.out, seed=args.seed, split_size=split, force=args.force)
+    names = ", ".join(str(p) for p in result.paths)
+    print(f"wrote {names}: {format_bytes(result.n_bytes)} in {result.seconds:.1f} s ({format_rate(result.rate)})")
+    return 0
