@@ -294,7 +294,7 @@ def merge_ranges(ranges: Iterable[ByteRange], gap: int = 0) -> list[ByteRange]:
     merged: list[ByteRange] = []
     for r in sorted(ranges, key=lambda r: (r.file, r.offset)):
         last = merged[-1] if merged else None
-        if last is not None and last.file == r.file and r.offset <= last.end + gap:
+        if last is not None and last.file == r.file and r.offset <= last.end + max(gap - 1, 0):
             merged[-1] = ByteRange(last.file, last.offset, max(last.end, r.end) - last.offset)
         else:
             merged.append(r)

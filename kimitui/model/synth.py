@@ -31,18 +31,19 @@ QUANTS = {
     "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-# Q4_1 by default: llama.cpp's CPU backend repacks Q4_0/Q8_0 into anonymous memory, which
-# would stop the weights streaming from the file (ANCHORS.md).
+# Q4_1 by default: llama.cpp's CPU backend repacks Q4_0 (and Q8_0 on some builds) into
+# anonymous memory, measured here for Q4_0, so weights would stop streaming from the file.
 DEFAULT_QUANT = "q4_1"
 F32 = GGMLQuantizationType.F32
 ALIGNMENT = 32  # GGUF default data alignment; GGUFWriter uses it too
 CONTEXT_LENGTH = 8192  # the SmolLM2 tokenizer's model was trained at 8k
 POOL_BYTES = 8 * 1024**2
 CHUNK_BYTES = 1024**2
-# exp_probs_b = -ROUTER_SKEW * ln(rank + 1), added to sigmoid probabilities (spread ~0.2)
-# for expert selection. Simulated with Gaussian router inputs, 384 experts, top-8: the
-# hottest expert takes ~30% of tokens, the top 10% of experts ~55% of selections, half the
-# experts ~95%: a Zipf-like hot set (s ~ 0.9), not a fixed one.
+# exp_probs_b = -ROUTER_SKEW * ln(rank + 1) is added to the sigmoid probabilities (spread
+# ~0.2) to choose experts: a Zipf-like hot set that still varies per token. Measured in
+# llama.cpp (eval callback, 106 tokens, 100 MiB models): kimi-k2-like, the hottest expert
+# serves 51% of tokens, the top 10% of experts 72% of picks, 18 / 52 experts cover 50% / 80%;
+# 64-expert generic: 46%, 30%, 13 / 31. Almost every token picks a distinct set.
 ROUTER_SKEW = 0.06
 
 
@@ -79,6 +80,12 @@ class ModelSpec:
     kv: tuple[tuple[str, Any, GGUFValueType], ...]
     tensors: tuple[TensorSpec, ...]
     tokenizer: Tokenizer = field(repr=False)
+
+    def kv_value(self, key: str) -> Any:
+        for k, value, _ in self.kv:
+            if k == key:
+                return value
+        raise KeyError(key)
 
     def file_bytes(self) -> int:
         """The exact size of the single-file GGUF this spec writes."""
