@@ -77,6 +77,9 @@ def run_app(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     model_path = resolve_model(settings)
     from kimitui.tui.app import KimituiApp
+    from kimitui.tui.themes import check_theme
+
+    check_theme(settings["ui.theme"], settings.origin("ui.theme"))
 
     app = KimituiApp(settings, model_path)
     app.run()

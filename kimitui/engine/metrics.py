@@ -8,6 +8,7 @@ inventing a number.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -28,7 +29,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[rank]
 
 

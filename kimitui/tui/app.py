@@ -61,11 +61,12 @@ class KimituiApp(App[int]):
 
     BINDINGS = [
         Binding("escape", "cancel_or_leave", "cancel", priority=True),
-        Binding("ctrl+r", "regenerate", "regenerate"),
-        Binding("ctrl+n", "new_chat", "new chat"),
-        Binding("ctrl+o", "history", "history"),
-        Binding("ctrl+y", "copy_reply", "copy reply"),
-        Binding("ctrl+t", "sampling", "sampling"),
+        # Priority: the prompt box would otherwise swallow these (ctrl+y is its redo).
+        Binding("ctrl+r", "regenerate", "regenerate", priority=True),
+        Binding("ctrl+n", "new_chat", "new chat", priority=True),
+        Binding("ctrl+o", "history", "history", priority=True),
+        Binding("ctrl+y", "copy_reply", "copy reply", priority=True),
+        Binding("ctrl+t", "sampling", "sampling", priority=True),
         Binding("1", "toggle_panel(1)", "cache", group=Binding.Group("panels", compact=True)),
         Binding("2", "toggle_panel(2)", "prefetch", group=Binding.Group("panels", compact=True)),
         Binding("3", "toggle_panel(3)", "SSD", group=Binding.Group("panels", compact=True)),
@@ -278,6 +279,14 @@ class KimituiApp(App[int]):
         status.state, status.detail = "idle", ""
 
     # -- actions -------------------------------------------------------------------------
+
+    CHAT_ACTIONS = {"cancel_or_leave", "regenerate", "new_chat", "history", "copy_reply", "sampling"}
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # App bindings are global; over a dialog, Esc and the chat keys belong to the dialog.
+        if action in self.CHAT_ACTIONS and len(self.screen_stack) > 1:
+            return False
+        return True
 
     def action_cancel_or_leave(self) -> None:
         if self.screen.maximized is not None:

@@ -46,6 +46,8 @@ class HistoryScreen(ModalScreen[int | None]):
             options.add_option(Option(f"{when}  {conv.title}  [dim]({conv.n_messages} msgs)[/]", id=str(conv.id)))
         if options.option_count == 0:
             options.add_option(Option("no saved conversations yet", disabled=True))
+        else:
+            options.highlighted = 0
 
     def _selected_id(self) -> int | None:
         options = self.query_one(OptionList)

