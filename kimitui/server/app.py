@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -39,6 +40,16 @@ log = logging.getLogger("kimitui.server")
 # /health stays reachable without a key, as in llama-server, so load balancers can probe it.
 OPEN_PATHS = frozenset({"/health"})
 QUEUE_HEADER = "X-Queue-Position"
+
+
+TOO_LARGE = "request body too large"
+
+
+def _content_length(scope) -> int:
+    try:
+        return int(Headers(scope=scope).get("content-length", "0"))
+    except ValueError:
+        return 0
 
 
 def error_response(status: int, kind: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -135,12 +146,31 @@ def _engine_error(generation: Generation, exc: EngineError) -> ApiError:
 
 
 class _Guard:
-    """Outermost app middleware: the API key check and the per-request report to ``on_request``."""
+    """Outermost app middleware: the API key, the body size limit, the report to ``on_request``.
 
-    def __init__(self, app, api_key: str | None, on_request: Callable[[dict], None] | None) -> None:
+    The limit is here rather than Starlette's ``max_body_size``, which answers in plain text;
+    clients of this API expect JSON errors.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body: int, on_request: Callable[[dict], None] | None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.max_body = max_body
         self.on_request = on_request
+
+    def _limited(self, receive):
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:  # a chunked upload, counted as it arrives
+                    raise ApiError(TOO_LARGE, 413)
+            return message
+
+        return receive_limited
 
     def _authorized(self, scope) -> bool:
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
@@ -166,8 +196,10 @@ class _Guard:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send_status)
+            elif _content_length(scope) > self.max_body:  # refused before the upload is read
+                await error_response(413, "invalid_request_error", TOO_LARGE)(scope, receive, send_status)
             else:
-                await self.app(scope, receive, send_status)
+                await self.app(scope, self._limited(receive), send_status)
         finally:
             if self.on_request is not None:
                 self._report(scope, status, time.perf_counter() - started)
@@ -194,7 +226,6 @@ class _Guard:
 class Api:
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine = engine
-        self.settings = settings
         cap = settings["server.max_n_predict"]
         self.limits = Limits(
             max_n_predict=cap,
@@ -238,8 +269,6 @@ class Api:
         return tokens
 
     async def chat_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
-        from jinja2 import TemplateError
-
         try:
             tokens, stops = await run_in_threadpool(self.engine.chat_prompt, messages)
         except TemplateError as exc:
@@ -270,10 +299,8 @@ class Api:
             if not collector.done():
                 generation.cancel()
                 collector.cancel()
-        if not collector.done():
-            return None
         try:
-            return collector.result()
+            return collector.result() if collector.done() else None
         except EngineError as exc:
             raise _engine_error(generation, exc) from None
         finally:
@@ -549,11 +576,10 @@ async def _api_error(request: Request, exc: ApiError) -> Response:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    kinds = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+    kinds = {404: "not_found_error", 405: "invalid_request_error"}
     messages = {
         404: f"no route {request.url.path}",
         405: f"{request.method} is not allowed on {request.url.path}",
-        413: "request body too large",
     }
     return error_response(
         exc.status_code, kinds.get(exc.status_code, "invalid_request_error"),
@@ -597,7 +623,6 @@ def create_app(
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(_Guard, api_key=key or None, on_request=on_request)],
+        middleware=[Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"], on_request=on_request)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
-        max_body_size=settings["server.max_body"],
     )

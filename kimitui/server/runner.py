@@ -35,7 +35,7 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound socket, so a busy port or a bad host is one clear line before uvicorn starts."""
+    """A listening socket, so a busy port or a bad host is one clear line before uvicorn starts."""
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -48,6 +48,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    # Listening now lets clients connect (and wait) from the moment the address is printed.
+    sock.listen(2048)
     return sock
 
 
