@@ -91,6 +91,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("kimitui.model.inspect_cmd", "show a GGUF's layers, shards, expert sizes and the tok/s its bytes allow"),
     "synth": ("kimitui.model.synth", "write a synthetic GGUF (dense llama or MoE deepseek2) of a given size"),
     "serve": ("kimitui.server.cli", "run the llama-server/OpenAI compatible HTTP API headless"),
+    "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
 }
 
 
