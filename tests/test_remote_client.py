@@ -7,13 +7,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 from starlette.responses import JSONResponse
 
-from kimitui.config import load_settings
+from kimitui.config import Settings, load_settings
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.session import Engine, EngineError, EngineState, Sampling
 from kimitui.model import default_model_path
@@ -29,6 +28,7 @@ GREEDY = Sampling(temperature=0, max_tokens=12)
 
 @dataclass
 class Served:
+    settings: Settings
     engine: Engine
     url: str
     keyed_url: str
@@ -56,8 +56,10 @@ def openai_only(app, bodies: list[bytes]):
 
 
 @pytest.fixture(scope="module")
-def served():
-    settings = load_settings(Path("/nonexistent/config.toml"))
+def served(tmp_path_factory):
+    config = tmp_path_factory.mktemp("config") / "config.toml"
+    config.write_text("")  # all defaults, whatever the environment says
+    settings = load_settings(config, explicit=True)
     engine = Engine(default_model_path(), n_ctx=1024, n_threads=1, metrics=EngineMetrics())
     engine.load()
     bodies: list[bytes] = []
@@ -66,7 +68,7 @@ def served():
         ServerThread(create_app(engine, settings, api_key=KEY), bind_socket("127.0.0.1", 0)).start(),
         ServerThread(openai_only(create_app(engine, settings), bodies), bind_socket("127.0.0.1", 0)).start(),
     ]
-    yield Served(engine, servers[0].url, servers[1].url, servers[2].url, bodies)
+    yield Served(settings, engine, servers[0].url, servers[1].url, servers[2].url, bodies)
     for server in servers:
         server.stop()
     engine.close()
@@ -192,9 +194,8 @@ def test_api_key(served):
 
 
 def test_waits_while_the_server_loads(served):
-    settings = load_settings(Path("/nonexistent/config.toml"))
     loading = Engine(default_model_path(), n_ctx=512, n_threads=1)
-    server = ServerThread(create_app(loading, settings), bind_socket("127.0.0.1", 0)).start()
+    server = ServerThread(create_app(loading, served.settings), bind_socket("127.0.0.1", 0)).start()
     client = RemoteEngine(server.url)
     progress: list[float] = []
     connected = threading.Thread(target=client.load, args=(progress.append,))

@@ -12,7 +12,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,7 +19,7 @@ import pytest
 import requests
 
 from kimitui.cli import main
-from kimitui.config import load_settings
+from kimitui.config import Settings, load_settings
 from kimitui.engine.metrics import EngineMetrics, Snapshot, StreamingCounters
 from kimitui.engine.session import Engine, Sampling
 from kimitui.errors import UserError
@@ -47,6 +46,7 @@ CHAT_EOS = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"  # ends
 
 @dataclass
 class Served:
+    settings: Settings
     url: str
     keyed_url: str  # the same engine behind a second app that wants KEY
     engine: Engine
@@ -63,7 +63,7 @@ def served(tmp_path_factory):
     records: list[dict] = []
     open_server = ServerThread(create_app(engine, settings, on_request=records.append), bind_socket("127.0.0.1", 0)).start()
     keyed_server = ServerThread(create_app(engine, settings, api_key=KEY), bind_socket("127.0.0.1", 0)).start()
-    yield Served(open_server.url, keyed_server.url, engine, records)
+    yield Served(settings, open_server.url, keyed_server.url, engine, records)
     open_server.stop()
     keyed_server.stop()
     engine.close()
@@ -392,9 +392,8 @@ def test_unknown_route_wrong_method_and_large_body(served):
 
 
 def test_not_ready_engine_answers_503(served):
-    settings = load_settings(Path("/nonexistent/config.toml"))
     idle = Engine(default_model_path())  # never loaded
-    server = ServerThread(create_app(idle, settings), bind_socket("127.0.0.1", 0)).start()
+    server = ServerThread(create_app(idle, served.settings), bind_socket("127.0.0.1", 0)).start()
     try:
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "loading model"
@@ -512,12 +511,9 @@ def test_queued_clients_that_leave_give_up_their_turn(served):
 
 
 @pytest.fixture
-def clean_env(tmp_path, monkeypatch):
-    config = tmp_path / "config.toml"
-    config.write_text("")
-    monkeypatch.setenv("KIMITUI_CONFIG", str(config))
+def clean_env(monkeypatch):
+    """No API key from the environment (conftest already isolates the config file)."""
     monkeypatch.delenv("KIMITUI_API_KEY", raising=False)
-    return config
 
 
 def test_serve_refuses_public_host_without_key(clean_env, capsys):
