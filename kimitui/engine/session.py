@@ -120,12 +120,16 @@ class Engine:
         n_batch: int = 512,
         metrics: EngineMetrics | None = None,
         repack: bool = True,
+        fast_load: bool = True,
     ) -> None:
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
         self.repack = repack
+        self.fast_load = fast_load
+        self.fast_load_note: str | None = None  # why the stock load was used, when it was
+        self.mapping = None  # loadhooks.Mapping of the model file once loaded with fast start
         self.metrics = metrics or EngineMetrics()
         self.state = EngineState.EMPTY
         self.load_progress = 0.0
@@ -161,6 +165,14 @@ class Engine:
 
         # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
         llama_logger.logger.setLevel(100)
+        hooks = None
+        if self.fast_load:
+            from kimitui.engine import loadhooks
+
+            try:
+                hooks = loadhooks.install()
+            except loadhooks.HookUnavailable as exc:
+                self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
         try:
             with _llama_params(progress, self.repack):
                 self._llm = llama_cpp.Llama(
@@ -176,6 +188,8 @@ class Engine:
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
+        if hooks is not None:
+            self.mapping = hooks.mapping_of(self.model_path)
         self._formatter = self._make_formatter()
         self.load_s = time.perf_counter() - started
         self.load_progress = 1.0

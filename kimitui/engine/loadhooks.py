@@ -1,0 +1,239 @@
+"""Fast start: stop llama.cpp from reading the whole model when it maps it.
+
+Stock llama.cpp maps each model file with MAP_POPULATE and advises WILLNEED over all of it,
+which reads the entire file before the first token (most of an hour for a 1.5 TB model over
+USB) and floods the page cache the engine manages. Without forking llama.cpp, kimitui rebinds
+libllama's own imported ``mmap``, ``posix_madvise`` and ``posix_fadvise`` to wrappers:
+MAP_POPULATE is dropped, whole-file WILLNEED and SEQUENTIAL advice are skipped, and every
+mapping of a file is recorded, so the engine knows each model file's address and length
+without /proc/self/maps (which iOS lacks).
+
+The rebinding is per-platform (``SlotFinder``): ELF GOT slots on Linux, Mach-O symbol
+pointers on Darwin. If it cannot be installed the caller falls back to the stock load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+HOOKED = ("mmap", "posix_madvise", "posix_fadvise")
+
+MAP_POPULATE = 0x8000 if sys.platform.startswith("linux") else 0
+POSIX_MADV_WILLNEED = 3
+POSIX_FADV_SEQUENTIAL = 2
+PROT_READ, PROT_WRITE = 0x1, 0x2
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+MMAP_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+MADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+FADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+
+
+class HookUnavailable(Exception):
+    """Why fast start cannot be installed here; the message is shown as one line."""
+
+
+@dataclass(frozen=True)
+class Mapping:
+    path: str
+    address: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One imported-function pointer inside the loaded library, and the page range holding it."""
+
+    name: str
+    address: int
+    read_only_after: bool  # in a RELRO / read-only segment: restore PROT_READ after writing
+
+
+class SlotFinder(Protocol):
+    def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]: ...
+
+
+class ElfSlotFinder:
+    """Linux: the GOT entries that the library's PLT relocations fill for each symbol."""
+
+    def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]:
+        try:
+            from elftools.common.exceptions import ELFError
+            from elftools.elf.elffile import ELFFile
+            from elftools.elf.relocation import RelocationSection
+        except ImportError:
+            raise HookUnavailable("pyelftools is not installed") from None
+        found: dict[str, list[Slot]] = {}
+        try:
+            with open(library_path, "rb") as fh:
+                elf = ELFFile(fh)
+                dynsym = elf.get_section_by_name(".dynsym")
+                if dynsym is None:
+                    raise HookUnavailable(f"{library_path.name} has no dynamic symbol table (stripped?)")
+                relro = [
+                    (seg["p_vaddr"], seg["p_vaddr"] + seg["p_memsz"])
+                    for seg in elf.iter_segments()
+                    if seg["p_type"] == "PT_GNU_RELRO"
+                ]
+                for section in elf.iter_sections():
+                    if not isinstance(section, RelocationSection) or section["sh_link"] == 0:
+                        continue
+                    for reloc in section.iter_relocations():
+                        sym_index = reloc["r_info_sym"]
+                        if sym_index == 0:
+                            continue
+                        name = dynsym.get_symbol(sym_index).name
+                        if name in names:
+                            offset = reloc["r_offset"]
+                            in_relro = any(lo <= offset < hi for lo, hi in relro)
+                            found.setdefault(name, []).append(Slot(name, base_address + offset, in_relro))
+        except (OSError, ELFError) as exc:
+            raise HookUnavailable(f"cannot read {library_path.name}: {exc}") from None
+        return found
+
+
+def _elf_base_address(handle: int) -> int:
+    # glibc's dlopen handle is the library's struct link_map; its first field is l_addr.
+    return ctypes.cast(handle, ctypes.POINTER(ctypes.c_size_t))[0]
+
+
+def _fd_path(fd: int) -> str:
+    if sys.platform.startswith("linux"):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return f"fd:{fd}"
+    if sys.platform == "darwin":
+        import fcntl
+
+        F_GETPATH = 50
+        try:
+            return fcntl.fcntl(fd, F_GETPATH, b"\0" * 1024).split(b"\0", 1)[0].decode()
+        except OSError:
+            return f"fd:{fd}"
+    return f"fd:{fd}"
+
+
+class LoadHooks:
+    """The installed wrappers. One per process: the library's slots point at this object's callbacks."""
+
+    def __init__(self, libc: ctypes.CDLL, *, fd_path: Callable[[int], str] = _fd_path) -> None:
+        self._real_mmap = MMAP_T(("mmap", libc))
+        self._real_madvise = MADVISE_T(("posix_madvise", libc))
+        self._real_fadvise = FADVISE_T(("posix_fadvise", libc))
+        self._mprotect = libc.mprotect
+        self._mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self._fd_path = fd_path
+        self._lock = threading.Lock()
+        self.mappings: list[Mapping] = []
+        self.skipped_willneed_bytes = 0
+        self.enabled = True
+        # Kept as attributes: the C side holds raw pointers to these callbacks.
+        self.mmap_cb = MMAP_T(self._mmap)
+        self.madvise_cb = MADVISE_T(self._madvise)
+        self.fadvise_cb = FADVISE_T(self._fadvise)
+
+    def _mmap(self, addr, length, prot, flags, fd, offset):
+        if self.enabled and fd >= 0:
+            flags &= ~MAP_POPULATE
+        result = self._real_mmap(addr, length, prot, flags, fd, offset)
+        if fd >= 0 and result not in (None, MAP_FAILED):
+            with self._lock:
+                self.mappings.append(Mapping(self._fd_path(fd), int(result), int(length)))
+        return result
+
+    def _madvise(self, addr, length, advice):
+        if self.enabled and advice == POSIX_MADV_WILLNEED and self._is_model_range(addr or 0, length):
+            self.skipped_willneed_bytes += length
+            return 0
+        return self._real_madvise(addr, length, advice)
+
+    def _fadvise(self, fd, offset, length, advice):
+        # SEQUENTIAL doubles readahead: on a streamed model that drags in bytes nobody asked for.
+        if self.enabled and advice == POSIX_FADV_SEQUENTIAL:
+            return 0
+        return self._real_fadvise(fd, offset, length, advice)
+
+    def _is_model_range(self, addr: int, length: int) -> bool:
+        with self._lock:
+            return any(m.address <= addr and addr + length <= m.address + m.length for m in self.mappings)
+
+    def mapping_of(self, path: Path) -> Mapping | None:
+        """The newest mapping of ``path`` (a reload maps the file again)."""
+        target = os.path.realpath(path)
+        with self._lock:
+            for m in reversed(self.mappings):
+                if m.path == target:
+                    return m
+        return None
+
+    def pointer_for(self, name: str) -> int:
+        return ctypes.cast({"mmap": self.mmap_cb, "posix_madvise": self.madvise_cb, "posix_fadvise": self.fadvise_cb}[name], ctypes.c_void_p).value
+
+    def write_slot(self, slot: Slot, value: int) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = slot.address & ~(page - 1)
+        if self._mprotect(start, page, PROT_READ | PROT_WRITE) != 0:
+            raise HookUnavailable(f"cannot make the {slot.name} slot writable (mprotect failed)")
+        ctypes.c_void_p.from_address(slot.address).value = value
+        if slot.read_only_after:
+            self._mprotect(start, page, PROT_READ)
+
+
+_installed: LoadHooks | None = None
+_install_lock = threading.Lock()
+
+
+def install(
+    library: ctypes.CDLL | None = None,
+    *,
+    finder: SlotFinder | None = None,
+    base_address: Callable[[int], int] | None = None,
+    platform: str = sys.platform,
+) -> LoadHooks:
+    """Rebind libllama's imports once per process; raises HookUnavailable with the reason."""
+    global _installed
+    with _install_lock:
+        if _installed is not None:
+            return _installed
+        if library is None:
+            import llama_cpp.llama_cpp as C
+
+            library = C._lib
+        if finder is None:
+            if platform.startswith("linux"):
+                finder, base_address = ElfSlotFinder(), base_address or _elf_base_address
+            elif platform == "darwin":
+                from kimitui.engine.macho import MachOSlotFinder, macho_base_address
+
+                finder, base_address = MachOSlotFinder(), base_address or macho_base_address
+            else:
+                raise HookUnavailable(f"no fast-start support on {platform}")
+        path = Path(library._name)
+        if not path.is_file():
+            raise HookUnavailable(f"cannot find the llama library file ({library._name})")
+        libc_name = "libc.so.6" if platform.startswith("linux") else None
+        try:
+            libc = ctypes.CDLL(libc_name, use_errno=False)
+        except OSError as exc:
+            raise HookUnavailable(f"cannot open libc: {exc}") from None
+        hooks = LoadHooks(libc)
+        slots = finder.find(path, base_address(library._handle), HOOKED)
+        missing = [n for n in ("mmap", "posix_madvise") if n not in slots]
+        if missing:
+            raise HookUnavailable(f"{path.name} imports no {', '.join(missing)} (llama.cpp changed?)")
+        for name, entries in slots.items():
+            for slot in entries:
+                hooks.write_slot(slot, hooks.pointer_for(name))
+        _installed = hooks
+        return hooks
+
+
+def installed() -> LoadHooks | None:
+    return _installed
