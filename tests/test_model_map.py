@@ -11,7 +11,7 @@ from gguf import GGUFReader
 
 from kimitui.cli import main
 from kimitui.errors import UserError
-from kimitui.model import read_model_info, synth
+from kimitui.model import default_model_path, read_model_info, synth
 from kimitui.model.gguf_map import (
     ATTENTION,
     DENSE_FFN,
@@ -137,6 +137,11 @@ def test_layer_ranges_hold_exactly_the_layer(moe):
         assert sum(r.length for r in trunk) >= moe.layers[layer].trunk_bytes
     with pytest.raises(IndexError):
         moe.layer_ranges(moe.n_layers)
+    nonlayer = moe.nonlayer_ranges()
+    assert sum(r.length for r in nonlayer) >= moe.nonlayer_bytes
+    for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        t = moe.tensor(name)
+        assert any(r.offset <= t.offset and t.offset + t.n_bytes <= r.end for r in nonlayer)
 
 
 def test_expert_slices_match_the_gguf_packages_view(files, moe):
@@ -177,6 +182,14 @@ def test_active_bytes_and_read_bytes_per_token(moe, dense):
     assert moe.tok_s_floor(1e9, moe.tensor_bytes) is None
     # dense: pinning 40 MiB saves 40 MiB per token
     assert dense.read_bytes_per_token(0) - dense.read_bytes_per_token(40 * MIB) == 40 * MIB
+
+
+def test_tied_embeddings_are_read_whole():
+    m = load_model_map(default_model_path())  # SmolLM2: no output.weight, token_embd is the output matrix
+    assert OUTPUT not in {t.role for t in m.tensors}
+    assert m.active_bytes_per_token == m.tensor_bytes
+    table = m.tensor("token_embd.weight").n_bytes
+    assert m.read_bytes_per_token(table) == m.tensor_bytes - table
 
 
 def test_merge_ranges_bridges_alignment_padding_only():

@@ -189,18 +189,15 @@ class ModelMap:
 
     @cached_property
     def _embedding_split(self) -> tuple[int, int]:
-        """(table bytes, bytes one token reads) of the token embeddings.
+        """(table bytes, bytes one token reads) of token embeddings read row by row.
 
-        A token reads one row of the table (get_rows), unless the table doubles as the
-        output matrix (no `output` tensor: tied embeddings), when every byte is used.
-        """
-        tied = not any(t.role == OUTPUT for t in self.tensors)
-        table = row = 0
-        for t in self.tensors:
-            if t.role == EMBEDDING and t.layer is None:
-                table += t.n_bytes
-                row += t.n_bytes if tied or len(t.shape) < 2 else t.n_bytes // t.shape[-1]
-        return table, row
+        A token reads one row of the table (get_rows); a table that doubles as the output
+        matrix (no `output` tensor: tied embeddings) is read whole, so it is plain trunk
+        and counts as (0, 0) here."""
+        if any(t.role == OUTPUT for t in self.tensors):
+            tables = [t for t in self.tensors if t.role == EMBEDDING and len(t.shape) == 2]
+            return sum(t.n_bytes for t in tables), sum(t.n_bytes // t.shape[1] for t in tables)
+        return 0, 0
 
     @property
     def active_bytes_per_token(self) -> int:
@@ -237,15 +234,24 @@ class ModelMap:
         return None if read == 0 else bandwidth / read
 
     # --- what a streaming engine asks ---------------------------------------------------
-    def tensor(self, name: str) -> TensorInfo:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+    @cached_property
+    def _by_name(self) -> dict[str, TensorInfo]:
+        return {t.name: t for t in self.tensors}
 
-    def layer_tensors(self, layer: int) -> list[TensorInfo]:
+    @cached_property
+    def _by_layer(self) -> dict[int | None, tuple[TensorInfo, ...]]:
+        # the engine asks per layer and per expert on every token: index once
+        groups: dict[int | None, list[TensorInfo]] = {}
+        for t in self.tensors:
+            groups.setdefault(t.layer, []).append(t)
+        return {layer: tuple(ts) for layer, ts in groups.items()}
+
+    def tensor(self, name: str) -> TensorInfo:
+        return self._by_name[name]
+
+    def layer_tensors(self, layer: int) -> tuple[TensorInfo, ...]:
         self._check_layer(layer)
-        return [t for t in self.tensors if t.layer == layer]
+        return self._by_layer.get(layer, ())
 
     def layer_ranges(self, layer: int, *, experts: bool = True) -> list[ByteRange]:
         """Byte ranges holding layer `layer`, adjacent tensors merged; `experts=False`
@@ -254,7 +260,8 @@ class ModelMap:
         return merge_ranges(chosen, gap=self.alignment)
 
     def nonlayer_ranges(self) -> list[ByteRange]:
-        return merge_ranges([t.range for t in self.tensors if t.layer is None], gap=self.alignment)
+        """Embeddings, output and final norm: no layer's, every token's."""
+        return merge_ranges([t.range for t in self._by_layer.get(None, ())], gap=self.alignment)
 
     def expert_ranges(self, layer: int, expert: int) -> list[ByteRange]:
         """One range per routed tensor of `layer` (gate, up, down, ...) for expert `expert`."""
@@ -350,22 +357,28 @@ def group_shards(tensors: tuple[TensorInfo, ...], shard_size: int) -> tuple[Shar
 
 
 def _layer_infos(tensors: tuple[TensorInfo, ...], shards: tuple[Shard, ...], n_layers: int) -> tuple[LayerInfo, ...]:
+    own: list[list[TensorInfo]] = [[] for _ in range(n_layers)]
+    for t in tensors:
+        if t.layer is not None:
+            own[t.layer].append(t)
+    layer_shards: list[list[int]] = [[] for _ in range(n_layers)]
+    for s in shards:
+        if s.layer is not None:
+            layer_shards[s.layer].append(s.index)
     infos = []
-    for layer in range(n_layers):
-        own = [t for t in tensors if t.layer == layer]
-        routed = [t for t in own if t.role == ROUTED_EXPERTS]
-        n_expert = max((t.n_expert for t in routed), default=0)
+    for layer, ts in enumerate(own):
+        routed = [t for t in ts if t.role == ROUTED_EXPERTS]
         routed_bytes = sum(t.n_bytes for t in routed)
-        total = sum(t.n_bytes for t in own)
+        total = sum(t.n_bytes for t in ts)
         infos.append(
             LayerInfo(
                 index=layer,
                 n_bytes=total,
                 trunk_bytes=total - routed_bytes,
                 routed_bytes=routed_bytes,
-                n_expert=n_expert,
+                n_expert=max((t.n_expert for t in routed), default=0),
                 expert_bytes=sum(t.expert_bytes for t in routed),
-                shards=tuple(s.index for s in shards if s.layer == layer),
+                shards=tuple(layer_shards[layer]),
             )
         )
     return tuple(infos)

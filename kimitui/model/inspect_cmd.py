@@ -18,7 +18,7 @@ from kimitui.units import format_bytes, format_rate, parse_size
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, help="GGUF file, or any file of a split set")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--shard-size", default=format_bytes(DEFAULT_SHARD_SIZE, 0).replace(" ", ""), help="target shard size (4MiB..1GiB, default 64MiB)")
+    parser.add_argument("--shard-size", help="target shard size, 4MiB..1GiB (default 64MiB)")
     parser.add_argument("--bandwidth", default="1GB/s", help="storage read bandwidth, e.g. 400MB/s (default 1GB/s)")
     parser.add_argument("--budget", default="auto", help="memory for pinned weights, e.g. 6GiB (default: a safe share of available memory)")
 
@@ -151,7 +151,7 @@ def render(r: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        shard_size = parse_size(args.shard_size)
+        shard_size = parse_size(args.shard_size) if args.shard_size else DEFAULT_SHARD_SIZE
     except ValueError as exc:
         raise UserError(f"--shard-size: {exc}") from None
     bandwidth = parse_bandwidth(args.bandwidth)
