@@ -36,8 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(parser)
     parser.add_argument("--theme", help="UI theme (kimitui-dusk, kimitui-paper or any Textual theme)")
+    parser.add_argument("--serve", metavar="[HOST:]PORT", help="also serve the HTTP API from this app's engine")
+    parser.add_argument("--remote", metavar="URL", help="chat with a kimitui, llama-server or OpenAI-compatible server")
+    parser.add_argument("--api-key", help="API key: required by --serve on a non-loopback host; sent by --remote")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser
+
+
+def parse_serve(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise UserError(f"--serve: expected [HOST:]PORT such as 8080 or 0.0.0.0:8080, got {value!r}") from None
+    if not 0 <= number <= 65535:
+        raise UserError(f"--serve: port {number} is out of range 0-65535")
+    return host.strip("[]") or "127.0.0.1", number
 
 
 FLAG_KEYS = {
@@ -74,14 +88,34 @@ def resolve_model(settings: Settings) -> Path:
 
 
 def run_app(args: argparse.Namespace) -> int:
+    import os
+
     settings = resolve_settings(args)
-    model_path = resolve_model(settings)
-    from kimitui.tui.app import KimituiApp
     from kimitui.tui.themes import check_theme
 
     check_theme(settings["ui.theme"], settings.origin("ui.theme"))
+    api_key = args.api_key or os.environ.get("KIMITUI_API_KEY") or settings["server.api_key"] or None
+    if args.remote:
+        if args.serve or args.model:
+            raise UserError("--remote chats with a server's model: it cannot be combined with --serve or --model")
+        if not args.remote.startswith(("http://", "https://")):
+            raise UserError(f"--remote: expected a URL such as http://192.168.1.20:8080, got {args.remote!r}")
+        from kimitui.tui.app import KimituiApp
 
-    app = KimituiApp(settings, model_path)
+        app = KimituiApp(settings, None, remote=(args.remote, api_key))
+        app.run()
+        return app.return_code or 0
+    model_path = resolve_model(settings)
+    api_socket = None
+    if args.serve:
+        from kimitui.server.runner import bind_socket, check_bind
+
+        host, port = parse_serve(args.serve)
+        check_bind(host, api_key)
+        api_socket = bind_socket(host, port)
+    from kimitui.tui.app import KimituiApp
+
+    app = KimituiApp(settings, model_path, api_socket=api_socket)
     app.run()
     return app.return_code or 0
 

@@ -202,3 +202,47 @@ async def test_message_typed_while_loading_is_kept():
         await wait_for(pilot, lambda: app.ready)
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.query(MessageView)) == 2)
+
+
+async def test_serve_inside_the_app_shares_the_engine():
+    import httpx
+
+    from kimitui.server.runner import bind_socket
+    from kimitui.tui.widgets.panels import ApiPanel
+
+    settings = resolve_settings(build_parser().parse_args([]))
+    app = KimituiApp(settings, resolve_model(settings), api_socket=bind_socket("127.0.0.1", 0))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.ready)
+        url = app.api_server.url
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            response = await client.post("/completion", json={"prompt": "The sea is", "n_predict": 8, "temperature": 0})
+        assert response.status_code == 200 and response.json()["timings"]["predicted_n"] == 8
+        panel = app.query_one(ApiPanel)
+        await wait_for(pilot, lambda: any("POST /completion" in line for line in panel.lines))
+        assert "200 POST /completion 8 tok" in panel.lines[-1]
+        await ask(pilot, app, "Hello")  # the chat still works beside the API
+        assert app.engine.metrics.view()["requests_total"] == 2
+
+
+async def test_remote_mode_chats_through_our_server(model_path):
+    from kimitui.engine.session import Engine
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import ServerThread, bind_socket
+
+    settings = resolve_settings(build_parser().parse_args([]))
+    engine = Engine(model_path, n_ctx=1024)
+    engine.load()
+    server = ServerThread(create_app(engine, settings), bind_socket("127.0.0.1", 0)).start()
+    try:
+        app = KimituiApp(settings, None, remote=(server.url, None))
+        async with app.run_test(size=(50, 30)) as pilot:
+            await ask(pilot, app, "Say hi")
+            reply = app.query(MessageView).last()
+            assert reply.text and "tok" in str(reply.border_subtitle)
+            assert server.url in str(app.query_one(StatusBar).render())
+            # Panels filled from the server's /metrics: its RSS, not ours.
+            await wait_for(pilot, lambda: "RSS —" not in str(app.query_one(MemoryPanel).body.render()))
+    finally:
+        server.stop()
+        engine.close()

@@ -119,7 +119,7 @@ class Engine:
         n_threads: int = 0,
         n_batch: int = 512,
         metrics: EngineMetrics | None = None,
-        repack: bool = True,
+        repack: bool = False,
         fast_load: bool = True,
     ) -> None:
         self.model_path = Path(model_path)

@@ -7,6 +7,7 @@ event loop only renders, so typing stays responsive while a reply streams.
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from kimitui.tui.screens.history import HistoryScreen
 from kimitui.tui.screens.sampling import SamplingScreen
 from kimitui.tui.themes import DEFAULT_THEME, bundled_themes
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
-from kimitui.tui.widgets.panels import PANEL_TYPES, Panel
+from kimitui.tui.widgets.panels import PANEL_TYPES, ApiPanel, Panel
 from kimitui.tui.widgets.status import StatusBar
 
 PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history database
@@ -72,27 +73,48 @@ class KimituiApp(App[int]):
         Binding("3", "toggle_panel(3)", "SSD", group=Binding.Group("panels", compact=True)),
         Binding("4", "toggle_panel(4)", "memory", group=Binding.Group("panels", compact=True)),
         Binding("5", "toggle_panel(5)", "latency", group=Binding.Group("panels", compact=True)),
+        Binding("6", "toggle_panel(6)", "API", group=Binding.Group("panels", compact=True)),
         Binding("z", "maximize_panel", "maximise"),
         Binding("p", "pause", "pause"),
         Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),
         Binding("minus", "slower", "slower", group=Binding.Group("refresh", compact=True)),
     ]
 
-    def __init__(self, settings: Settings, model_path: Path, *, engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        model_path: Path | None,
+        *,
+        remote: tuple[str, str | None] | None = None,
+        api_socket: socket.socket | None = None,
+    ) -> None:
+        """``model_path`` runs the engine in-process; ``remote`` = (url, api key) chats with a server.
+
+        ``api_socket``, already listening, serves the HTTP API from this process's engine.
+        """
         super().__init__()
         self.settings = settings
-        self.model_path = model_path
         budget = settings["engine.budget"]
-        self.metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
-        self.metrics.budget_bytes = default_budget() if budget == "auto" else budget
-        self.engine = engine or Engine(
-            model_path,
-            n_ctx=settings["model.n_ctx"],
-            n_threads=settings["model.n_threads"],
-            n_batch=settings["model.n_batch"],
-            metrics=self.metrics,
-        )
-        self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
+        if remote is not None:
+            from kimitui.server.client import RemoteEngine, RemoteSampler
+
+            url, key = remote
+            self.engine = RemoteEngine(url, api_key=key)
+            self.metrics = self.engine.metrics
+            self.sampler: Sampler = RemoteSampler(self.engine, interval=max(1.0, settings["metrics.interval"]))
+        else:
+            self.metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
+            self.metrics.budget_bytes = default_budget() if budget == "auto" else budget
+            self.engine = Engine(
+                model_path,
+                n_ctx=settings["model.n_ctx"],
+                n_threads=settings["model.n_threads"],
+                n_batch=settings["model.n_batch"],
+                metrics=self.metrics,
+            )
+            self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
+        self.api_socket = api_socket
+        self.api_server = None
         self.sampling = Sampling(
             temperature=settings["sampling.temperature"],
             top_p=settings["sampling.top_p"],
@@ -124,22 +146,42 @@ class KimituiApp(App[int]):
         self.theme = self.settings["ui.theme"] or self.store.get_setting("theme") or DEFAULT_THEME
         self.theme_changed_signal.subscribe(self, lambda theme: self.store.set_setting("theme", theme.name))
         status = self.query_one(StatusBar)
-        info = self.engine.inspect()
-        status.model_name = info.name
-        status.model_bytes = info.file_bytes
+        if isinstance(self.engine, Engine):
+            info = self.engine.inspect()
+            status.model_name, status.model_bytes = info.name, info.file_bytes
+        else:
+            status.model_name = f"remote {self.engine.url}"
         status.budget = self.metrics.budget_bytes or 0
         status.state = "loading"
+        api_panel = self.query_one(ApiPanel)
+        api_panel.display = self.api_socket is not None
+        if self.api_socket is not None:
+            self._start_api(api_panel)
         self._show_sampling()
         self.sampler.subscribe(lambda snap: self.post_message(SnapshotReady(snap)))
         self.sampler.start()
         self.query_one(PromptInput).focus()
         self.load_model()
 
+    def _start_api(self, panel: ApiPanel) -> None:
+        from kimitui.server.app import create_app
+        from kimitui.server.runner import ServerThread
+
+        def on_request(record: dict) -> None:  # runs on the server's event-loop thread
+            self.call_from_thread(panel.add_request, record)
+
+        app = create_app(self.engine, self.settings, on_request=on_request)
+        self.api_server = ServerThread(app, self.api_socket, quiet=True).start()
+        panel.url = f"serving {self.api_server.url}"
+        panel.show_requests()
+
     def on_unmount(self) -> None:
         if self.reply is not None and self.reply.generation is not None:
             self.reply.generation.cancel()
         self.engine.abort_load()
         self.sampler.stop()
+        if self.api_server is not None:
+            self.api_server.stop()
 
     def _show_sampling(self) -> None:
         s = self.sampling
@@ -174,6 +216,11 @@ class KimituiApp(App[int]):
     def on_load_finished(self, message: LoadFinished) -> None:
         self.ready = True
         status = self.query_one(StatusBar)
+        if not isinstance(self.engine, Engine) and self.engine.info is not None:
+            status.model_name = f"{self.engine.info.name} @ {self.engine.url}"
+            status.model_bytes = self.engine.info.file_bytes
+        elif isinstance(self.engine, Engine) and self.engine.fast_load_note:
+            self.notify(self.engine.fast_load_note, severity="warning", timeout=15)
         status.state, status.detail = "idle", f"(loaded in {message.seconds:.1f}s)"
 
     def on_load_failed(self, message: LoadFailed) -> None:
@@ -201,7 +248,7 @@ class KimituiApp(App[int]):
         prompt = self.query_one(PromptInput)
         prompt.clear()
         if self.conversation_id is None:
-            self.conversation_id = self.store.create_conversation(event.text.splitlines()[0], self.engine.inspect().name)
+            self.conversation_id = self.store.create_conversation(event.text.splitlines()[0], self.query_one(StatusBar).model_name)
         message_id = self.store.add_message(self.conversation_id, "user", event.text)
         await self.query_one(ChatLog).add(MessageView("user", event.text, message_id=message_id))
         await self._start_reply()
@@ -357,6 +404,8 @@ class KimituiApp(App[int]):
 
     def action_toggle_panel(self, key: int) -> None:
         panel = self.query_one(f"#panel-{key}", Panel)
+        if isinstance(panel, ApiPanel) and self.api_socket is None:
+            return
         panel.display = not panel.display
 
     def action_maximize_panel(self) -> None:

@@ -106,7 +106,7 @@ class MemoryPanel(Panel):
 
     def render_snapshot(self, snap: Snapshot) -> None:
         budget = snap.budget_bytes
-        fraction = snap.rss_bytes / budget if budget else None
+        fraction = snap.rss_bytes / budget if budget and snap.rss_bytes is not None else None
         bar = _bar(fraction, self.content_size.width - 1) if fraction is not None else "—"
         self.body.update(
             f"RSS {format_bytes(snap.rss_bytes)}\npeak {format_bytes(snap.rss_peak_bytes)}\n"
@@ -129,4 +129,35 @@ class LatencyPanel(Panel):
         self.query_one(Sparkline).data = [x * 1000 for x in snap.latencies] or [0.0]
 
 
-PANEL_TYPES: tuple[type[Panel], ...] = (CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel)
+class ApiPanel(Panel):
+    """Requests served by `--serve`, newest last; shown only while the API runs."""
+
+    TITLE = "API"
+    KEY = "6"
+    SHOWN = 6
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lines: list[str] = []
+        self.url = ""
+
+    def add_request(self, record: dict) -> None:
+        tokens = record.get("tokens")
+        queued = record.get("queue_position")
+        self.lines.append(
+            f"{record.get('status')} {record.get('method')} {record.get('path')}"
+            + (f" {tokens} tok" if tokens else "")
+            + (f" q{queued}" if queued else "")
+            + f" {record.get('duration_s', 0):.2f}s"
+        )
+        del self.lines[: -self.SHOWN]
+        self.show_requests()
+
+    def show_requests(self) -> None:
+        self.body.update("\n".join([self.url, *self.lines]) if self.lines else f"{self.url}\nno requests yet")
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        self.show_requests()
+
+
+PANEL_TYPES: tuple[type[Panel], ...] = (CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel, ApiPanel)
