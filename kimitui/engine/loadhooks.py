@@ -186,54 +186,51 @@ class LoadHooks:
             self._mprotect(start, page, PROT_READ)
 
 
-_installed: LoadHooks | None = None
-_install_lock = threading.Lock()
-
-
-def install(
-    library: ctypes.CDLL | None = None,
+def rebind(
+    library: ctypes.CDLL,
     *,
     finder: SlotFinder | None = None,
     base_address: Callable[[int], int] | None = None,
     platform: str = sys.platform,
 ) -> LoadHooks:
-    """Rebind libllama's imports once per process; raises HookUnavailable with the reason."""
+    """Point ``library``'s imported mmap/posix_madvise/posix_fadvise at new wrappers."""
+    if finder is None:
+        if platform.startswith("linux"):
+            finder, base_address = ElfSlotFinder(), base_address or _elf_base_address
+        elif platform == "darwin":
+            from kimitui.engine.macho import MachOSlotFinder, macho_base_address
+
+            finder, base_address = MachOSlotFinder(), base_address or macho_base_address
+        else:
+            raise HookUnavailable(f"no fast-start support on {platform}")
+    path = Path(library._name)
+    if not path.is_file():
+        raise HookUnavailable(f"cannot find the llama library file ({library._name})")
+    try:
+        libc = ctypes.CDLL("libc.so.6" if platform.startswith("linux") else None)
+    except OSError as exc:
+        raise HookUnavailable(f"cannot open libc: {exc}") from None
+    hooks = LoadHooks(libc)
+    slots = finder.find(path, base_address(library._handle), HOOKED)
+    missing = [n for n in ("mmap", "posix_madvise") if n not in slots]
+    if missing:
+        raise HookUnavailable(f"{path.name} imports no {', '.join(missing)} (llama.cpp changed?)")
+    for name, entries in slots.items():
+        for slot in entries:
+            hooks.write_slot(slot, hooks.pointer_for(name))
+    return hooks
+
+
+_installed: LoadHooks | None = None
+_install_lock = threading.Lock()
+
+
+def install() -> LoadHooks:
+    """Rebind libllama once per process; raises HookUnavailable with the reason."""
     global _installed
     with _install_lock:
-        if _installed is not None:
-            return _installed
-        if library is None:
+        if _installed is None:
             import llama_cpp.llama_cpp as C
 
-            library = C._lib
-        if finder is None:
-            if platform.startswith("linux"):
-                finder, base_address = ElfSlotFinder(), base_address or _elf_base_address
-            elif platform == "darwin":
-                from kimitui.engine.macho import MachOSlotFinder, macho_base_address
-
-                finder, base_address = MachOSlotFinder(), base_address or macho_base_address
-            else:
-                raise HookUnavailable(f"no fast-start support on {platform}")
-        path = Path(library._name)
-        if not path.is_file():
-            raise HookUnavailable(f"cannot find the llama library file ({library._name})")
-        libc_name = "libc.so.6" if platform.startswith("linux") else None
-        try:
-            libc = ctypes.CDLL(libc_name, use_errno=False)
-        except OSError as exc:
-            raise HookUnavailable(f"cannot open libc: {exc}") from None
-        hooks = LoadHooks(libc)
-        slots = finder.find(path, base_address(library._handle), HOOKED)
-        missing = [n for n in ("mmap", "posix_madvise") if n not in slots]
-        if missing:
-            raise HookUnavailable(f"{path.name} imports no {', '.join(missing)} (llama.cpp changed?)")
-        for name, entries in slots.items():
-            for slot in entries:
-                hooks.write_slot(slot, hooks.pointer_for(name))
-        _installed = hooks
-        return hooks
-
-
-def installed() -> LoadHooks | None:
-    return _installed
+            _installed = rebind(C._lib)
+        return _installed
