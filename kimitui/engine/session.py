@@ -121,6 +121,7 @@ class Engine:
         metrics: EngineMetrics | None = None,
         repack: bool = False,
         fast_load: bool = True,
+        budget: int | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
@@ -130,6 +131,10 @@ class Engine:
         self.fast_load = fast_load
         self.fast_load_note: str | None = None  # why the stock load was used, when it was
         self.mapping = None  # loadhooks.Mapping of the model file once loaded with fast start
+        self.budget = budget
+        self.pinned_ranges: list = []
+        self.pinned_bytes = 0
+        self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
         self.metrics = metrics or EngineMetrics()
         self.state = EngineState.EMPTY
         self.load_progress = 0.0
@@ -197,6 +202,34 @@ class Engine:
 
     def abort_load(self) -> None:
         self._abort_load.set()
+
+    def pin(self, on_progress: Callable | None = None) -> None:
+        """Read the pinned set with parallel reads and lock it; call from a worker after load.
+
+        With the stock load (no fast start) llama.cpp has already read the whole file, so
+        there is nothing left to pin. Raises EngineError if the model file cannot be read.
+        """
+        if self.mapping is None:
+            return
+        from kimitui.engine.memory import default_budget
+        from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned
+        from kimitui.model.gguf_map import load_model_map
+
+        model = load_model_map(self.model_path)
+        budget = self.budget if self.budget is not None else default_budget()
+        # What the process already holds (interpreter, KV cache, compute buffers) is working
+        # space; a tenth of the budget stays free for the pages that stream through.
+        working = psutil.Process().memory_info().rss
+        ranges = plan_pinned(model, int(budget * 0.9) - working)
+        try:
+            ParallelReader().read(model.files, ranges, on_progress, cancel=self._abort_load)
+        except OSError as exc:
+            raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
+        if self._abort_load.is_set():
+            return
+        self.pin_note = lock_ranges(self.mapping.address, ranges)
+        self.pinned_ranges = ranges
+        self.pinned_bytes = sum(r.length for r in ranges)
 
     def close(self) -> None:
         self.abort_load()

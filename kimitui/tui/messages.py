@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from textual.message import Message
 
 from kimitui.engine.metrics import Snapshot
+from kimitui.engine.pinning import PinProgress
 from kimitui.engine.session import GenerationResult, TokenEvent
 
 
@@ -23,6 +24,17 @@ class LoadFinished(Message):
 @dataclass
 class LoadFailed(Message):
     error: str
+
+
+@dataclass
+class PinProgressed(Message):
+    progress: PinProgress
+
+
+@dataclass
+class PinFinished(Message):
+    pinned_bytes: int
+    note: str | None
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from rich.console import Group
+from rich.progress_bar import ProgressBar
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
@@ -9,13 +12,8 @@ from textual.widgets import Sparkline, Static
 from kimitui.engine.metrics import Snapshot
 from kimitui.units import format_bytes, format_ms, format_rate
 
-NO_STREAMING = "model fits in memory: nothing streams"
-
-
-def _bar(fraction: float, width: int) -> str:
-    width = max(4, width)
-    filled = round(min(1.0, max(0.0, fraction)) * width)
-    return "█" * filled + "░" * (width - filled)
+# Why the streaming panels show "—"; the app sets it once it knows what was pinned.
+NOT_STREAMING = "no streaming counters yet"
 
 
 def _level(fraction: float | None) -> str:
@@ -30,6 +28,7 @@ class Panel(Vertical, can_focus=True):
     TITLE = ""
     KEY = ""
     HAS_SPARKLINE = False
+    idle_note = NOT_STREAMING
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -59,7 +58,7 @@ class CachePanel(Panel):
         s = snap.streaming
         if s is None:
             self.body.update("hits —  misses —\nhit rate —")
-            self.note.update(NO_STREAMING)
+            self.note.update(self.idle_note)
             return
         rate = snap.cache_hit_rate
         self.body.update(
@@ -77,7 +76,7 @@ class PrefetchPanel(Panel):
         s = snap.streaming
         if s is None:
             self.body.update("queue —  stall —\nin flight —")
-            self.note.update(NO_STREAMING)
+            self.note.update(self.idle_note)
             return
         self.body.update(
             f"queue {s.prefetch_queue_depth}  stall {format_ms(s.stall_s)}\n"
@@ -107,11 +106,13 @@ class MemoryPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         budget = snap.budget_bytes
         fraction = snap.rss_bytes / budget if budget and snap.rss_bytes is not None else None
-        bar = _bar(fraction, self.content_size.width - 1) if fraction is not None else "—"
-        self.body.update(
+        text = Text(
             f"RSS {format_bytes(snap.rss_bytes)}\npeak {format_bytes(snap.rss_peak_bytes)}\n"
-            f"of {format_bytes(budget)}{'' if fraction is None else f' ({fraction:.0%})'}\n{bar}"
+            f"of {format_bytes(budget)}{'' if fraction is None else f' ({fraction:.0%})'}"
         )
+        # Rich's bar takes the width it is given at render time, whatever the layout.
+        bar = ProgressBar(total=1.0, completed=min(1.0, fraction)) if fraction is not None else Text("—")
+        self.body.update(Group(text, bar))
         self.set_level(_level(fraction))
 
 

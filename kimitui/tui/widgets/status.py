@@ -15,6 +15,7 @@ class StatusBar(Static):
     state = reactive("starting")
     detail = reactive("")
     sampling = reactive("")
+    pinning = reactive("")
 
     def render(self) -> str:
         model = f"{self.model_name} ({format_bytes(self.model_bytes)})"
@@ -22,5 +23,5 @@ class StatusBar(Static):
         state = self.state + (f" {self.detail}" if self.detail else "")
         if self.size.width < 100:
             # Narrow terminals (a phone over SSH): two lines, the state first.
-            return f"{state} │ {budget}\n{model}"
-        return " │ ".join(part for part in (model, budget, state, self.sampling) if part)
+            return f"{state} │ {budget}\n{self.pinning or model}"
+        return " │ ".join(part for part in (model, budget, state, self.pinning, self.sampling) if part)

@@ -1,0 +1,152 @@
+"""The pinned set: the bytes kept resident across tokens, read with our own parallel reads.
+
+After a fast-start load nothing of the model is resident. The engine chooses what to pin
+within the budget (the trunk every token needs first, then whole layers in order), reads it
+with a pool of threads doing positional reads of a few MiB each (many requests in flight is
+what an SSD needs to reach its bandwidth; page faults give it one at a time), and locks those
+pages of the model's mapping so memory pressure cannot evict them. Where locking is not
+allowed (RLIMIT_MEMLOCK, iOS) the pages stay in the page cache unlocked, and the engine says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kimitui.model.gguf_map import ROUTED_EXPERTS, ByteRange, ModelMap, merge_ranges
+
+CHUNK_BYTES = 4 * 2**20
+READ_THREADS = 4
+
+
+@dataclass(frozen=True)
+class PinProgress:
+    done_bytes: int
+    total_bytes: int
+    elapsed_s: float
+
+    @property
+    def rate(self) -> float | None:
+        return self.done_bytes / self.elapsed_s if self.elapsed_s > 0 and self.done_bytes else None
+
+    @property
+    def eta_s(self) -> float | None:
+        rate = self.rate
+        return (self.total_bytes - self.done_bytes) / rate if rate else None
+
+    @property
+    def finished(self) -> bool:
+        return self.done_bytes >= self.total_bytes
+
+
+def plan_pinned(model: ModelMap, pin_bytes: int) -> list[ByteRange]:
+    """Ranges to pin, most useful first: what every token reads (non-layer tensors, each
+    layer's trunk), then routed experts, layer by layer; cut at ``pin_bytes``."""
+    def priority(t):
+        routed = t.role == ROUTED_EXPERTS
+        return (routed, -1 if t.layer is None else t.layer, t.range.file, t.range.offset)
+
+    chosen: list[ByteRange] = []
+    left = pin_bytes
+    for tensor in sorted(model.tensors, key=priority):
+        if left <= 0:
+            break
+        r = tensor.range
+        take = min(r.length, left)
+        chosen.append(ByteRange(r.file, r.offset, take))
+        left -= take
+    return merge_ranges(chosen, gap=model.alignment)
+
+
+def _chunks(ranges: Sequence[ByteRange], size: int) -> list[ByteRange]:
+    out = []
+    for r in ranges:
+        for start in range(r.offset, r.end, size):
+            out.append(ByteRange(r.file, start, min(size, r.end - start)))
+    return out
+
+
+class ParallelReader:
+    """Reads byte ranges with positional reads from a thread pool; errors surface as OSError."""
+
+    def __init__(self, threads: int = READ_THREADS, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self._local = threading.local()
+
+    def _buffer(self) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(self.chunk_bytes))
+        return buf
+
+    def read(
+        self,
+        files: Sequence[str | os.PathLike],
+        ranges: Sequence[ByteRange],
+        on_progress: Callable[[PinProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> PinProgress:
+        chunks = _chunks(ranges, self.chunk_bytes)
+        total = sum(c.length for c in chunks)
+        fds = {index: os.open(files[index], os.O_RDONLY) for index in {c.file for c in chunks}}
+        lock = threading.Lock()
+        done = [0]
+        started = time.perf_counter()
+
+        def read_chunk(chunk: ByteRange) -> None:
+            if cancel is not None and cancel.is_set():
+                return
+            view = self._buffer()[: chunk.length]
+            fd = fds[chunk.file]
+            got = os.preadv(fd, [view], chunk.offset) if hasattr(os, "preadv") else len(os.pread(fd, chunk.length, chunk.offset))
+            if got != chunk.length:
+                raise OSError(f"short read at byte {chunk.offset} of {files[chunk.file]}: the file is shorter than its header says")
+            with lock:
+                done[0] += got
+                progress = PinProgress(done[0], total, time.perf_counter() - started)
+            if on_progress is not None:
+                on_progress(progress)
+
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="kimitui-read") as pool:
+                for future in [pool.submit(read_chunk, c) for c in chunks]:
+                    future.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return PinProgress(done[0], total, time.perf_counter() - started)
+
+
+def _libc() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libc.so.6" if sys.platform.startswith("linux") else None, use_errno=True)
+    lib.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    lib.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return lib
+
+
+def lock_ranges(address: int, ranges: Sequence[ByteRange]) -> str | None:
+    """mlock the pinned ranges of a mapping that starts at ``address``; None, or why it failed."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = _libc()
+    for r in ranges:
+        start = (address + r.offset) & ~(page - 1)
+        end = address + r.end
+        if libc.mlock(start, end - start) != 0:
+            err = ctypes.get_errno()
+            return f"cannot lock the pinned set in memory ({os.strerror(err)}); it stays in the page cache unlocked"
+    return None
+
+
+def unlock_ranges(address: int, ranges: Sequence[ByteRange]) -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = _libc()
+    for r in ranges:
+        start = (address + r.offset) & ~(page - 1)
+        libc.munlock(start, address + r.end - start)
