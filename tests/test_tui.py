@@ -70,8 +70,8 @@ async def test_chat_streams_and_panels_fill(size):
         await wait_for(pilot, lambda: "p50 —" not in str(app.query_one(LatencyPanel).body.render()))
         latency = str(app.query_one(LatencyPanel).body.render())
         assert "ms" in latency and "tok/s" in latency and "TTFT" in latency
-        memory = str(app.query_one(MemoryPanel).body.render())
-        assert "RSS" in memory and "RSS 0 B" not in memory
+        memory = app.query_one(MemoryPanel).summary
+        assert "RSS" in memory and "RSS 0 B" not in memory and "of " in memory
         assert app.query_one(PromptInput).text == ""
         assert app.screen.has_class("-narrow") == (size[0] < 100)
         # Every shown panel is on screen at this size, none clipped to nothing; the API panel only with --serve.
@@ -245,7 +245,7 @@ async def test_remote_mode_chats_through_our_server(model_path):
             assert reply.text and "tok" in str(reply.border_subtitle)
             assert server.url in str(app.query_one(StatusBar).render())
             # Panels filled from the server's /metrics: its RSS, not ours.
-            await wait_for(pilot, lambda: "RSS —" not in str(app.query_one(MemoryPanel).body.render()))
+            await wait_for(pilot, lambda: "RSS —" not in app.query_one(MemoryPanel).summary)
     finally:
         server.stop()
         engine.close()

@@ -102,14 +102,16 @@ class DiskPanel(Panel):
 class MemoryPanel(Panel):
     TITLE = "memory"
     KEY = "4"
+    summary = "RSS —"
 
     def render_snapshot(self, snap: Snapshot) -> None:
         budget = snap.budget_bytes
         fraction = snap.rss_bytes / budget if budget and snap.rss_bytes is not None else None
-        text = Text(
+        self.summary = (
             f"RSS {format_bytes(snap.rss_bytes)}\npeak {format_bytes(snap.rss_peak_bytes)}\n"
             f"of {format_bytes(budget)}{'' if fraction is None else f' ({fraction:.0%})'}"
         )
+        text = Text(self.summary)
         # Rich's bar takes the width it is given at render time, whatever the layout.
         bar = ProgressBar(total=1.0, completed=min(1.0, fraction)) if fraction is not None else Text("—")
         self.body.update(Group(text, bar))
