@@ -73,18 +73,45 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 
 def resolve_model(settings: Settings) -> Path:
-    """The model file to open: configured, flagged, or the embedded default; checked before llama.cpp."""
+    """The model file to open: configured, flagged, or the embedded default; checked before llama.cpp.
+
+    A file not where model.path says is looked for in the model.paths directories; so is
+    every file of a split set, and a set spread over several of them comes back as the first
+    file of a directory of symlinks (llama.cpp only looks next to the first file)."""
     from kimitui.model import default_model_path, read_model_info
+    from kimitui.model.placement import assemble_split_set
 
     raw = settings["model.path"]
     if not raw:
         path = default_model_path()
     else:
+        search = [Path(d).expanduser() for d in settings["model.paths"]]
         path = Path(raw).expanduser()
-        if not path.exists():
+        if not path.exists() and not search:
             raise UserError(f"model file not found: {path} (from {settings.origin('model.path')})")
+        try:
+            path = assemble_split_set(path, search)
+        except UserError as exc:
+            raise UserError(f"{exc} (from {settings.origin('model.path')})") from None
     read_model_info(path)
     return path
+
+
+def check_budget(settings: Settings, model_path: Path) -> None:
+    """A budget that cannot hold one layer is refused before llama.cpp is called."""
+    budget = settings["engine.budget"]
+    if budget == "auto":
+        return
+    from kimitui.engine.streaming import minimum_budget
+    from kimitui.model.gguf_map import load_model_map
+    from kimitui.units import format_bytes
+
+    needed = minimum_budget(load_model_map(model_path, shard_size=settings["engine.shard_size"]))
+    if budget < needed:
+        raise UserError(
+            f"{settings.origin('engine.budget')}: budget {format_bytes(budget)} is below the minimum working set "
+            f"of {model_path.name}: {format_bytes(needed)} (non-layer tensors plus its largest layer)"
+        )
 
 
 def run_app(args: argparse.Namespace) -> int:
@@ -106,6 +133,7 @@ def run_app(args: argparse.Namespace) -> int:
         app.run()
         return app.return_code or 0
     model_path = resolve_model(settings)
+    check_budget(settings, model_path)
     api_socket = None
     if args.serve:
         from kimitui.server.runner import bind_socket, check_bind
@@ -126,6 +154,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("kimitui.model.synth", "write a synthetic GGUF (dense llama or MoE deepseek2) of a given size"),
     "serve": ("kimitui.server.cli", "run the llama-server/OpenAI compatible HTTP API headless"),
     "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
+    "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
+    "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
+    "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
+    "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
+    "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
+    "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),
 }
 
 

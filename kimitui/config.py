@@ -27,7 +27,7 @@ APP_NAME = "kimitui"
 
 @dataclass(frozen=True)
 class Key:
-    kind: str  # "int" | "float" | "str" | "size" | "size_or_auto" | "bool"
+    kind: str  # "int" | "float" | "str" | "size" | "size_or_auto" | "bool" | "str_list"
     default: Any
     low: float | None = None
     high: float | None = None
@@ -37,6 +37,7 @@ class Key:
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
         "path": Key("str", ""),
+        "paths": Key("str_list", []),
         "n_ctx": Key("int", 4096, 256, 1 << 20),
         "n_threads": Key("int", 0, 0, 1024),
         "n_batch": Key("int", 512, 1, 1 << 16),
@@ -49,6 +50,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "engine": {
         "budget": Key("size_or_auto", "auto"),
+        "prefetch_depth": Key("int", 2, 0, 16),
+        "shard_size": Key("size", 64 * 2**20, 4 * 2**20, 2**30),
+        "policy": Key("str", "pin-stream", choices=("pin-stream", "lru")),
+        "io_threads": Key("int", 4, 1, 64),
     },
     "metrics": {
         "interval": Key("float", 0.25, 0.05, 10.0),
@@ -131,6 +136,10 @@ def coerce(dotted: str, raw: Any, spec: Key) -> Any:
         if not isinstance(raw, str):
             raise ValueError(f"expected a string, got {raw!r}")
         value = raw
+    elif kind == "str_list":
+        if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+            raise ValueError(f"expected a list of strings such as [\"/mnt/ssd/models\"], got {raw!r}")
+        return list(raw)
     elif kind in ("size", "size_or_auto"):
         if kind == "size_or_auto" and raw == "auto":
             return "auto"

@@ -1,7 +1,7 @@
 """The pinned set: the bytes kept resident across tokens, read with our own parallel reads.
 
 After a fast-start load nothing of the model is resident. The engine chooses what to pin
-within the budget (the trunk every token needs first, then whole layers in order), reads it
+within the budget (the trunk every token needs first, then layers in order), reads it
 with a pool of threads doing positional reads of a few MiB each (many requests in flight is
 what an SSD needs to reach its bandwidth; page faults give it one at a time), and locks those
 pages of the model's mapping so memory pressure cannot evict them. Where locking is not
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kimitui.model.gguf_map import ROUTED_EXPERTS, ByteRange, ModelMap, merge_ranges
+from kimitui.model.gguf_map import ByteRange, ModelMap, Shard, merge_ranges
 
 CHUNK_BYTES = 4 * 2**20
 READ_THREADS = 4
@@ -45,23 +45,25 @@ class PinProgress:
         return self.done_bytes >= self.total_bytes
 
 
-def plan_pinned(model: ModelMap, pin_bytes: int) -> list[ByteRange]:
-    """Ranges to pin, most useful first: what every token reads (non-layer tensors, each
-    layer's trunk), then routed experts, layer by layer; cut at ``pin_bytes``."""
-    def priority(t):
-        routed = t.role == ROUTED_EXPERTS
-        return (routed, -1 if t.layer is None else t.layer, t.range.file, t.range.offset)
+def plan_pinned(model: ModelMap, pin_bytes: int) -> list[Shard]:
+    """Whole shards to pin, most useful first: what every token reads (non-layer tensors,
+    then each layer's trunk in layer order), then routed experts; as many as fit."""
 
-    chosen: list[ByteRange] = []
+    def priority(shard: Shard):
+        return (shard.routed, -1 if shard.layer is None else shard.layer, shard.file, shard.offset)
+
+    chosen: list[Shard] = []
     left = pin_bytes
-    for tensor in sorted(model.tensors, key=priority):
-        if left <= 0:
-            break
-        r = tensor.range
-        take = min(r.length, left)
-        chosen.append(ByteRange(r.file, r.offset, take))
-        left -= take
-    return merge_ranges(chosen, gap=model.alignment)
+    for shard in sorted(model.shards, key=priority):
+        if shard.length > left:
+            break  # keep the pinned set a prefix of the priority order: no holes to reason about
+        chosen.append(shard)
+        left -= shard.length
+    return chosen
+
+
+def shard_ranges(model: ModelMap, shards: Sequence[Shard]) -> list[ByteRange]:
+    return merge_ranges([s.range for s in shards], gap=model.alignment)
 
 
 def _chunks(ranges: Sequence[ByteRange], size: int) -> list[ByteRange]:

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 import psutil
 
 from kimitui.engine.metrics import EngineMetrics
+from kimitui.engine.streaming import StreamSettings, Streamer
 from kimitui.engine.turns import TurnQueue
 from kimitui.model.gguf_file import ModelInfo, read_model_info
 
@@ -76,12 +77,26 @@ class GenerationResult:
     timings: list[float] = field(default_factory=list)
 
 
+def _ggml_base(llama_library: str):
+    """libggml-base next to libllama: ggml_get_name() reads a graph node's name."""
+    import glob
+    import os
+
+    candidates = sorted(glob.glob(os.path.join(os.path.dirname(llama_library), "libggml-base.*")))
+    if not candidates:
+        raise EngineError("cannot find libggml-base next to libllama (llama-cpp-python changed?)")
+    lib = ctypes.CDLL(candidates[0])
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = (ctypes.c_void_p,)
+    return lib
+
+
 def default_threads() -> int:
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
 @contextmanager
-def _llama_params(progress: Callable[[float], bool] | None, repack: bool):
+def _llama_params(progress: Callable[[float], bool] | None, repack: bool, eval_cb=None, abort_cb=None):
     """Give Llama() a progress callback and the repack switch, which its constructor lacks.
 
     llama-cpp-python builds its llama_model_params from ``llama_model_default_params()``
@@ -91,6 +106,7 @@ def _llama_params(progress: Callable[[float], bool] | None, repack: bool):
     import llama_cpp.llama_cpp as C
 
     original = C.llama_model_default_params
+    original_ctx = C.llama_context_default_params
     c_progress = None
     if progress is not None:
         c_progress = C.llama_progress_callback(lambda value, _user: bool(progress(float(value))))
@@ -102,12 +118,22 @@ def _llama_params(progress: Callable[[float], bool] | None, repack: bool):
         params.use_extra_bufts = repack
         return params
 
+    def patched_ctx():
+        params = original_ctx()
+        if eval_cb is not None:
+            params.cb_eval = eval_cb
+        if abort_cb is not None:
+            params.abort_callback = abort_cb
+        return params
+
     with _params_lock:
         C.llama_model_default_params = patched
+        C.llama_context_default_params = patched_ctx
         try:
             yield
         finally:
             C.llama_model_default_params = original
+            C.llama_context_default_params = original_ctx
 
 
 class Engine:
@@ -122,6 +148,8 @@ class Engine:
         repack: bool = False,
         fast_load: bool = True,
         budget: int | None = None,
+        stream_settings: StreamSettings | None = None,
+        shard_size: int = 64 * 2**20,
     ) -> None:
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
@@ -132,7 +160,12 @@ class Engine:
         self.fast_load_note: str | None = None  # why the stock load was used, when it was
         self.mapping = None  # loadhooks.Mapping of the model file once loaded with fast start
         self.budget = budget
+        self.stream_settings = stream_settings or StreamSettings()
+        self.shard_size = shard_size
+        self.streamer: Streamer | None = None
+        self._callbacks: tuple | None = None  # ctypes eval/abort callbacks, alive as long as the context
         self.pinned_ranges: list = []
+        self.working_bytes = 0
         self.pinned_bytes = 0
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
         self.metrics = metrics or EngineMetrics()
@@ -178,8 +211,10 @@ class Engine:
                 hooks = loadhooks.install()
             except loadhooks.HookUnavailable as exc:
                 self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
+        callbacks = self._stream_callbacks() if self._may_stream() else (None, None)
+        rss_before = psutil.Process().memory_info().rss
         try:
-            with _llama_params(progress, self.repack):
+            with _llama_params(progress, self.repack, *callbacks):
                 self._llm = llama_cpp.Llama(
                     model_path=str(self.model_path),
                     n_ctx=self.n_ctx,
@@ -193,6 +228,9 @@ class Engine:
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
+        # With fast start no model page is resident yet: what the load added is llama.cpp's own
+        # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
+        self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
         if hooks is not None:
             self.mapping = hooks.mapping_of(self.model_path)
         self._formatter = self._make_formatter()
@@ -203,6 +241,32 @@ class Engine:
     def abort_load(self) -> None:
         self._abort_load.set()
 
+    def _may_stream(self) -> bool:
+        # The eval callback costs a Python call per graph node: only models that cannot be
+        # wholly pinned get it, so runs that fit the budget pay nothing.
+        return self.fast_load and self.budget is not None and self.inspect().tensor_bytes > self.budget * 0.8
+
+    def _stream_callbacks(self):
+        import llama_cpp.llama_cpp as C
+
+        ggml = _ggml_base(C._lib._name)
+
+        def on_eval(tensor, ask, _user):
+            name = ggml.ggml_get_name(tensor) or b""
+            if ask:  # observe only the node before each layer: embd, then l_out-<i>
+                return name == b"embd" or name.startswith(b"l_out-")
+            streamer = self.streamer
+            if streamer is not None:
+                streamer.on_layer_start(0 if name == b"embd" else int(name[6:]) + 1)
+            return True
+
+        def on_abort(_user):
+            streamer = self.streamer
+            return streamer is not None and streamer.error is not None
+
+        self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
+        return self._callbacks
+
     def pin(self, on_progress: Callable | None = None) -> None:
         """Read the pinned set with parallel reads and lock it; call from a worker after load.
 
@@ -212,15 +276,21 @@ class Engine:
         if self.mapping is None:
             return
         from kimitui.engine.memory import default_budget
-        from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned
+        from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned, shard_ranges
         from kimitui.model.gguf_map import load_model_map
 
-        model = load_model_map(self.model_path)
+        model = load_model_map(self.model_path, shard_size=self.shard_size)
         budget = self.budget if self.budget is not None else default_budget()
-        # What the process already holds (interpreter, KV cache, compute buffers) is working
-        # space; a tenth of the budget stays free for the pages that stream through.
-        working = psutil.Process().memory_info().rss
-        ranges = plan_pinned(model, int(budget * 0.9) - working)
+        # llama.cpp's working memory and, when streaming, the window of layers in flight come
+        # off the budget; a tenth stays free as slack.
+        working = self.working_bytes
+        streaming = self._callbacks is not None
+        window = 0
+        if streaming:
+            per_layer = max(layer.n_bytes for layer in model.layers)
+            window = per_layer * (self.stream_settings.prefetch_depth + 1)
+        pinned = plan_pinned(model, int(budget * 0.9) - working - window)
+        ranges = shard_ranges(model, pinned)
         try:
             ParallelReader().read(model.files, ranges, on_progress, cancel=self._abort_load)
         except OSError as exc:
@@ -230,10 +300,15 @@ class Engine:
         self.pin_note = lock_ranges(self.mapping.address, ranges)
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
+        if streaming and len(pinned) < len(model.shards):
+            self.streamer = Streamer(model, {0: self.mapping.address}, {s.index for s in pinned}, self.stream_settings, self.metrics)
 
     def close(self) -> None:
         self.abort_load()
         with self.turns.turn():
+            if self.streamer is not None:
+                self.streamer.close()
+                self.streamer = None
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
@@ -442,7 +517,12 @@ class Generation:
             raise
         except Exception as exc:  # llama_decode failures and the like: stop this reply only
             finish = "error"
-            result.error = f"generation failed: {exc}"
+            streamer = engine.streamer
+            if streamer is not None and streamer.error is not None:
+                result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
+                streamer.reset_error()
+            else:
+                result.error = f"generation failed: {exc}"
             raise EngineError(result.error) from None
         finally:
             result.text = text

@@ -1,0 +1,310 @@
+"""The streaming engine: read each layer's unpinned shards before compute reaches them.
+
+llama.cpp's eval callback tells us when a layer starts (the previous layer's ``l_out`` node, or
+``embd`` for layer 0). At that moment:
+
+1. the layer that just ran gives back its streamed shards (pin-and-stream drops them at once;
+   LRU keeps them until the stream window is full), so the kernel never has to evict anything
+   and the pinned set is never under pressure;
+2. the starting layer must be resident: a shard already read (or pinned) is a hit; one still
+   in flight, or not yet asked for, is a miss, and compute waits for our reads (stall time)
+   instead of faulting the weights in a page at a time;
+3. the shards of the next ``prefetch_depth`` layers (cyclically: after the last layer comes
+   the next token's first) go to the I/O pool: parallel positional reads of a few MiB.
+
+A read that fails (file truncated, drive unplugged) stops the token through llama.cpp's abort
+callback before compute touches the missing bytes, so the reply ends with an error instead of
+SIGBUS. The unit of residency is a shard; the MoE work adds (layer, expert) units beside it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from kimitui.engine.metrics import EngineMetrics
+from kimitui.engine.platform import PlatformIO
+from kimitui.model.gguf_map import ModelMap, Shard
+
+CHUNK_BYTES = 4 * 2**20
+POLICIES = ("pin-stream", "lru")
+
+
+class Residency(enum.Enum):
+    COLD = "cold"
+    INFLIGHT = "in flight"
+    RESIDENT = "resident"
+    PINNED = "pinned"
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    prefetch_depth: int = 2
+    policy: str = "pin-stream"
+    io_threads: int = 4
+    window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
+
+
+def minimum_budget(model: ModelMap) -> int:
+    """Weights that must fit at once: non-layer tensors (read by every token, so pinned) plus
+    the largest layer while it computes."""
+    return model.nonlayer_bytes + max((layer.n_bytes for layer in model.layers), default=0)
+
+
+class StreamAbort(Exception):
+    """A model read failed; the message is what the user sees."""
+
+
+class Streamer:
+    def __init__(
+        self,
+        model: ModelMap,
+        mapping_addresses: dict[int, int],
+        pinned: set[int],
+        settings: StreamSettings,
+        metrics: EngineMetrics,
+        platform_io: PlatformIO | None = None,
+    ) -> None:
+        self.model = model
+        self.addresses = mapping_addresses
+        self.settings = settings
+        self.metrics = metrics
+        self.io = platform_io or PlatformIO()
+        self.fds = {i: os.open(path, os.O_RDONLY) for i, path in enumerate(model.files)}
+        self.file_sizes = list(model.file_sizes)
+        self.state = [Residency.PINNED if s.index in pinned else Residency.COLD for s in model.shards]
+        self.layer_shards = [[s for s in model.layer_shards(layer) if s.index not in pinned] for layer in range(model.n_layers)]
+        self._futures: dict[int, list[Future]] = {}
+        self._prefetched: set[int] = set()  # read ahead, not yet reached by compute
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._resident_bytes = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kimitui-stream")
+        self._local = threading.local()
+        self.error: str | None = None
+        self.current_layer: int | None = None
+        self._pending: StreamSettings | None = None
+        # Counters (cumulative; the trace and panels read them).
+        self.hits = self.misses = 0
+        self.stall_s = 0.0
+        self.bytes_read = 0
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        self._report()
+
+    # -- sizes --------------------------------------------------------------------------
+
+    @property
+    def streamed_bytes_per_token(self) -> int:
+        return sum(s.length for shards in self.layer_shards for s in shards)
+
+    def _window(self) -> int:
+        if self.settings.window_bytes:
+            return self.settings.window_bytes
+        per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+        return per_layer * (self.settings.prefetch_depth + 1)
+
+    # -- reads --------------------------------------------------------------------------
+
+    def _buffer(self) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(CHUNK_BYTES))
+        return buf
+
+    def _read_chunk(self, shard: Shard, offset: int, length: int) -> int:
+        if offset + length > os.fstat(self.fds[shard.file]).st_size:
+            got = max(0, os.fstat(self.fds[shard.file]).st_size - offset)
+        elif self.io.populate(self.addresses[shard.file], offset, length):
+            got = length
+        else:
+            got = os.preadv(self.fds[shard.file], [self._buffer()[:length]], offset)
+        if got != length:
+            raise StreamAbort(
+                f"model file {os.path.basename(self.model.files[shard.file])} ended at byte {offset + got}; "
+                f"shard {shard.index} of layer {shard.layer} needs bytes up to {shard.offset + shard.length} "
+                "(file truncated or drive removed?)"
+            )
+        with self._lock:
+            self.bytes_read += length
+        return length
+
+    def _submit(self, shard: Shard) -> None:
+        """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
+        self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
+        futures = [
+            self._pool.submit(self._read_chunk, shard, start, min(CHUNK_BYTES, shard.offset + shard.length - start))
+            for start in range(shard.offset, shard.offset + shard.length, CHUNK_BYTES)
+        ]
+        self._futures[shard.index] = futures
+        self.state[shard.index] = Residency.INFLIGHT
+        self._resident_bytes += shard.length
+
+    def _drop(self, shard: Shard) -> None:
+        if self.state[shard.index] not in (Residency.RESIDENT, Residency.INFLIGHT):
+            return
+        futures = self._futures.pop(shard.index, [])
+        for f in futures:
+            f.cancel()
+        for f in futures:
+            if not f.cancelled():
+                try:
+                    f.result()
+                except Exception:  # a failed read of a shard nobody needs any more
+                    pass
+        if shard.index in self._prefetched:
+            self.prefetch_wasted += 1
+            self._prefetched.discard(shard.index)
+        self.io.drop(self.fds[shard.file], self.addresses[shard.file], shard.offset, shard.length)
+        self.state[shard.index] = Residency.COLD
+        self._resident_bytes -= shard.length
+        self._lru.pop(shard.index, None)
+
+    # -- the eval callback's hook --------------------------------------------------------
+
+    def on_layer_start(self, layer: int) -> bool:
+        """Called by the engine's eval callback; False means: abort this token."""
+        if self.error is not None:
+            return False
+        try:
+            self._layer_start(layer)
+        except StreamAbort as exc:
+            self.error = str(exc)
+        except OSError as exc:
+            self.error = f"cannot read the model: {exc}"
+        self._report()
+        return self.error is None
+
+    def _layer_start(self, layer: int) -> None:
+        n = self.model.n_layers
+        if layer == 0 and self._pending is not None:
+            self._apply_pending()
+        if layer > 0:
+            self._finish_layer(layer - 1)
+        if layer >= n:  # output stage: non-layer tensors are always pinned
+            self.current_layer = None
+            self._prefetch_from(0)
+            return
+        self.current_layer = layer
+        self._check_files(layer)
+        waited = 0.0
+        for shard in self.layer_shards[layer]:
+            i = shard.index
+            futures = self._futures.get(i, [])
+            arrived = self.state[i] == Residency.RESIDENT or (
+                self.state[i] == Residency.INFLIGHT and all(f.done() for f in futures)
+            )
+            if arrived:
+                self.hits += 1
+            else:
+                self.misses += 1
+                if self.state[i] == Residency.COLD:
+                    self._submit(shard)
+                t0 = time.perf_counter()
+                for f in self._futures[i]:
+                    f.exception()  # waits; the error itself is raised just below
+                waited += time.perf_counter() - t0
+            for f in self._futures.get(i, []):
+                f.result()  # raises StreamAbort for a failed read, before compute touches the bytes
+            self.state[i] = Residency.RESIDENT
+            if i in self._prefetched:
+                self.prefetch_used += 1
+                self._prefetched.discard(i)
+            self._lru[i] = None
+            self._lru.move_to_end(i)
+        self.stall_s += waited
+        self._prefetch_from(layer + 1)
+
+    def _finish_layer(self, layer: int) -> None:
+        if layer >= self.model.n_layers:
+            return
+        if self.settings.policy == "pin-stream":
+            for shard in self.layer_shards[layer]:
+                self._drop(shard)
+        else:
+            self._evict_lru(keep=set())
+
+    def _evict_lru(self, keep: set[int], extra: int = 0) -> None:
+        window = self._window()
+        while self._lru and self._resident_bytes + extra > window:
+            victim = next((i for i in self._lru if i not in keep), None)
+            if victim is None:
+                return
+            self._drop(self.model.shards[victim])
+
+    def _prefetch_from(self, first_layer: int) -> None:
+        n = self.model.n_layers
+        window = self._window()
+        for d in range(self.settings.prefetch_depth):
+            layer = (first_layer + d) % n
+            for shard in self.layer_shards[layer]:
+                if self.state[shard.index] != Residency.COLD:
+                    continue
+                if self.settings.policy == "lru":
+                    wanted = {s.index for k in range(self.settings.prefetch_depth) for s in self.layer_shards[(first_layer + k) % n]}
+                    self._evict_lru(keep=wanted, extra=shard.length)
+                if self._resident_bytes + shard.length > window:
+                    return
+                self._submit(shard)
+                self._prefetched.add(shard.index)
+                self.prefetch_issued += 1
+        # Promote finished reads so the residency strip and hit test see them.
+        for index, futures in self._futures.items():
+            if self.state[index] == Residency.INFLIGHT and all(f.done() and f.exception() is None for f in futures):
+                self.state[index] = Residency.RESIDENT
+
+    def _check_files(self, layer: int) -> None:
+        """Pinned bytes live in the mapping too: a file that shrank would SIGBUS there, so stop first."""
+        for shard in self.model.layer_shards(layer):
+            if os.fstat(self.fds[shard.file]).st_size < shard.offset + shard.length:
+                raise StreamAbort(
+                    f"model file {os.path.basename(self.model.files[shard.file])} is shorter than its header says "
+                    f"(layer {layer} needs byte {shard.offset + shard.length}); file truncated or drive removed?"
+                )
+
+    # -- tuning and views ----------------------------------------------------------------
+
+    def reconfigure(self, **changes) -> None:
+        """Live tuning: applied when the next token starts."""
+        if "policy" in changes and changes["policy"] not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        self._pending = replace(self._pending or self.settings, **changes)
+
+    def _apply_pending(self) -> None:
+        self.settings, self._pending = self._pending, None
+        self._evict_lru(keep=set())
+
+    def residency_by_layer(self) -> list[str]:
+        """One cell per layer: pinned / resident / in flight / cold (the least ready shard wins)."""
+        out = []
+        for layer in range(self.model.n_layers):
+            states = [self.state[i] for i in self.model.layers[layer].shards]
+            for candidate in (Residency.COLD, Residency.INFLIGHT, Residency.RESIDENT, Residency.PINNED):
+                if candidate in states:
+                    out.append(candidate.value)
+                    break
+            else:
+                out.append(Residency.PINNED.value)
+        return out
+
+    def _report(self) -> None:
+        inflight = [i for i, st in enumerate(self.state) if st == Residency.INFLIGHT]
+        self.metrics.update_streaming(
+            cache_hits=self.hits,
+            cache_misses=self.misses,
+            prefetch_queue_depth=len(inflight),
+            prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
+            stall_s=self.stall_s,
+        )
+
+    def reset_error(self) -> None:
+        self.error = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in self.fds.values():
+            os.close(fd)

@@ -1,0 +1,193 @@
+"""The streaming engine on a real synthetic model: same tokens as llama.cpp, bytes that add up,
+faults that end a reply instead of the process, and the Darwin read/drop path by injection."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine.platform import MADV_DONTNEED, MS_INVALIDATE, POSIX_FADV_DONTNEED, F_RDADVISE, PlatformIO
+from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.engine.streaming import StreamSettings
+from kimitui.model import synth
+from kimitui.model.gguf_map import load_model_map
+
+MIB = 2**20
+PROMPT = "Once upon a time"
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stream") / "dense.gguf"
+    spec = synth.plan_dense(160 * MIB, "q4_1", synth.default_tokenizer())
+    return synth.write_model(spec, out, seed=5, progress=False).paths[0]
+
+
+def greedy(engine: Engine) -> tuple[str, int]:
+    gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=TOKENS))
+    list(gen)
+    return gen.result.text, gen.result.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def stock_text(model) -> str:
+    engine = Engine(model, n_ctx=256, fast_load=False)
+    engine.load()
+    text, n = greedy(engine)
+    engine.close()
+    assert n == TOKENS
+    return text
+
+
+def streaming_engine(model: Path, policy: str = "pin-stream", depth: int = 2) -> Engine:
+    # A budget far below the model: most layers stream.
+    engine = Engine(model, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=depth, policy=policy))
+    engine.load()
+    engine.pin()
+    return engine
+
+
+@pytest.mark.parametrize("policy,depth", [("pin-stream", 2), ("lru", 1), ("pin-stream", 0)])
+def test_streamed_tokens_match_stock_and_bytes_add_up(model, stock_text, policy, depth):
+    engine = streaming_engine(model, policy, depth)
+    try:
+        s = engine.streamer
+        assert s is not None, "the budget should force streaming"
+        mm = load_model_map(model)
+        assert 0 < engine.pinned_bytes < mm.tensor_bytes
+        text, n = greedy(engine)
+        assert text == stock_text
+        # Every layer's streamed shards are checked once per evaluated batch of tokens.
+        per_pass = sum(len(shards) for shards in s.layer_shards)
+        passes = n  # the prompt is one batch, then one pass per sampled token but the last
+        assert s.hits + s.misses == per_pass * passes
+        # Storage bytes: what was read is streamed bytes per pass, plus read-ahead not yet used.
+        assert s.bytes_read >= s.streamed_bytes_per_token * passes
+        assert s.bytes_read <= s.streamed_bytes_per_token * (passes + 1)
+        assert s.prefetch_used <= s.prefetch_issued
+        if depth == 0:
+            assert s.hits == 0 and s.prefetch_issued == 0
+        view = engine.metrics.view()["streaming"]
+        assert view.cache_hits == s.hits and view.cache_misses == s.misses
+        cells = s.residency_by_layer()
+        assert len(cells) == mm.n_layers and "pinned" in cells
+    finally:
+        engine.close()
+
+
+def test_live_tuning_applies_from_the_next_token(model):
+    engine = streaming_engine(model, depth=2)
+    try:
+        s = engine.streamer
+        s.reconfigure(prefetch_depth=0, policy="lru")
+        assert s.settings.prefetch_depth == 2  # not before the next token starts
+        greedy(engine)
+        assert s.settings.prefetch_depth == 0 and s.settings.policy == "lru"
+        with pytest.raises(ValueError):
+            s.reconfigure(policy="fifo")
+    finally:
+        engine.close()
+
+
+TRUNCATE_SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.engine.streaming import StreamSettings
+path = Path(sys.argv[1])
+engine = Engine(path, n_ctx=256, budget=int(sys.argv[2]), stream_settings=StreamSettings(prefetch_depth=1))
+engine.load(); engine.pin()
+gen = engine.chat([{"role": "user", "content": "Tell me a story"}], Sampling(temperature=0.0, max_tokens=40))
+events, error = 0, None
+try:
+    for event in gen:
+        events += 1
+        if events == 3:  # the SSD goes away mid-reply: the file loses its second half
+            os.truncate(path, path.stat().st_size // 2)
+except EngineError as exc:
+    error = str(exc)
+# The app goes on: the engine answers the next request with the same clear error.
+try:
+    list(engine.complete("Hi", Sampling(max_tokens=2)))
+    again = None
+except EngineError as exc:
+    again = str(exc)
+print(json.dumps({"events": events, "error": error, "again": again, "finish": gen.result.finish_reason}))
+"""
+
+
+def test_truncated_file_mid_reply_ends_the_reply_not_the_process(model, tmp_path):
+    victim = tmp_path / "victim.gguf"
+    victim.write_bytes(model.read_bytes())
+    out = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_SCRIPT, str(victim), str(150 * MIB)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]  # no SIGBUS (-7), no traceback
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["events"] >= 3
+    assert result["finish"] == "error"
+    assert "victim.gguf" in result["error"] and ("truncated" in result["error"] or "ended at byte" in result["error"])
+    assert result["again"] and "victim.gguf" in result["again"]
+
+
+def test_budget_below_the_minimum_working_set_is_one_line(model):
+    from kimitui.cli import main
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimitui", "--model", str(model), "--budget", "8MiB"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--budget" in lines[0] and "minimum" in lines[0], proc.stderr
+    assert main is not None
+
+
+class RecordingSyscalls:
+    def __init__(self):
+        self.calls = []
+
+    def madvise(self, address, length, advice):
+        self.calls.append(("madvise", address, length, advice))
+        return 0
+
+    def msync(self, address, length, flags):
+        self.calls.append(("msync", address, length, flags))
+        return 0
+
+    def fadvise(self, fd, offset, length, advice):
+        self.calls.append(("fadvise", fd, offset, length, advice))
+
+    def fcntl(self, fd, cmd, arg):
+        self.calls.append(("fcntl", fd, cmd, arg))
+        return arg
+
+
+def test_darwin_drop_and_readahead_by_injection():
+    calls = RecordingSyscalls()
+    io = PlatformIO("darwin", calls)
+    page = io.page
+    base = 100 * page
+    io.advise_read(7, 3 * page + 10, 5 * page)
+    io.drop(7, base, 3 * page + 10, 5 * page)  # partial first page is a neighbour's: left alone
+    assert io.populate(base, 0, page) is False  # no MADV_POPULATE_READ on Darwin: plain reads instead
+    kinds = [c[0] for c in calls.calls]
+    assert kinds == ["fcntl", "madvise", "msync"]
+    assert calls.calls[0][2] == F_RDADVISE
+    _, start, length, advice = calls.calls[1]
+    assert advice == MADV_DONTNEED and start == base + 4 * page and length == 4 * page
+    assert calls.calls[2][3] == MS_INVALIDATE
+
+
+def test_linux_drop_uses_fadvise():
+    calls = RecordingSyscalls()
+    io = PlatformIO("linux", calls)
+    page = io.page
+    io.drop(3, 10 * page, 0, 2 * page)
+    assert calls.calls == [("madvise", 10 * page, 2 * page, MADV_DONTNEED), ("fadvise", 3, 0, 2 * page, POSIX_FADV_DONTNEED)]
