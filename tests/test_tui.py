@@ -249,3 +249,31 @@ async def test_remote_mode_chats_through_our_server(model_path):
     finally:
         server.stop()
         engine.close()
+
+
+async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
+    from kimitui.model import synth
+    from kimitui.tui.screens.tuning import TuningScreen
+    from kimitui.tui.widgets.panels import CachePanel, ResidencyPanel
+
+    model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
+    app = make_app("--model", str(model), "--budget", "150MiB")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine.streamer is not None)
+        await ask(pilot, app, "Hello")
+        await wait_for(pilot, lambda: "hits —" not in str(app.query_one(CachePanel).body.render()))
+        assert "hit rate" in str(app.query_one(CachePanel).body.render())
+        cells = str(app.query_one(ResidencyPanel).body.render())
+        assert "█" in cells or "▓" in cells or "░" in cells
+        await pilot.press("ctrl+e")
+        await wait_for(pilot, lambda: isinstance(app.screen, TuningScreen))
+        app.screen.query_one("#tune-prefetch_depth").value = "x"
+        await pilot.click("#apply")
+        await pilot.pause(0.2)
+        assert "prefetch_depth" in str(app.screen.query_one("#tuning-error").render())
+        app.screen.query_one("#tune-prefetch_depth").value = "1"
+        await pilot.click("#apply")
+        await wait_for(pilot, lambda: not isinstance(app.screen, TuningScreen))
+        assert app.engine.stream_settings.prefetch_depth == 1
+        await ask(pilot, app, "Again")
+        assert app.engine.streamer.settings.prefetch_depth == 1

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import psutil
 
@@ -57,6 +57,8 @@ class EngineMetrics:
         self.last_decode_tok_s: float | None = None
         self.streaming: StreamingCounters | None = None
         self.budget_bytes: int | None = None
+        # Set by the streaming engine: one state per layer (pinned / resident / in flight / cold).
+        self.residency_source: Callable[[], list[str]] | None = None
         self._request_start: float | None = None
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -127,8 +129,8 @@ class Snapshot:
     cpu_percent: float | None
     process_read_bytes: int | None  # from storage, cumulative
     process_read_rate: float | None  # bytes/s since the previous sample
-    disk_name: str | None
-    disk_read_rate: float | None  # the model's whole disk, bytes/s
+    disk_name: str | None  # the disk of the model's first file (a split set's trunk)
+    disk_read_rate: float | None  # that whole disk, bytes/s
     budget_bytes: int | None
     latencies: list[float]
     p50_s: float | None
@@ -141,6 +143,10 @@ class Snapshot:
     streaming: StreamingCounters | None
     rss_history: list[int] = field(default_factory=list)
     read_rate_history: list[float] = field(default_factory=list)
+    residency: list[str] | None = None
+    # every disk holding a model file, in file order, and its read rate (bytes/s; None until
+    # two samples): a split set spread over drives shows each drive
+    disk_rates: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -172,6 +178,19 @@ def linux_block_device_of(path: Path, sys_root: Path = Path("/sys")) -> str | No
     return target.name
 
 
+def _model_files(model_path: Path | None) -> list[Path]:
+    """The files of the model at ``model_path``: its whole split set where it is one."""
+    if model_path is None:
+        return []
+    from kimitui.errors import UserError
+    from kimitui.model.gguf_map import split_set
+
+    try:
+        return split_set(Path(model_path))
+    except UserError:  # not there (yet): the disk is unknown, as for any unreadable path
+        return [Path(model_path)]
+
+
 class Sampler:
     """Reads psutil and the engine's events into Snapshots at ``interval`` seconds.
 
@@ -185,16 +204,26 @@ class Sampler:
         *,
         interval: float = 0.25,
         model_path: Path | None = None,
+        model_paths: Sequence[Path] | None = None,
         process: psutil.Process | None = None,
         disk_counters: Callable[[], dict] | None = None,
+        device_of: Callable[[Path], str | None] | None = None,
     ) -> None:
+        """``model_paths``: the model's files; else ``model_path`` and the other files of its
+        split set. ``device_of`` maps a file to its disk's name in ``disk_counters``."""
         self.metrics = metrics
         self.interval = interval
         self.paused = False
         self._process = process or psutil.Process()
         self._disk_counters = disk_counters or (lambda: psutil.disk_io_counters(perdisk=True) or {})
-        self._disk_name = linux_block_device_of(model_path) if (model_path and sys.platform.startswith("linux")) else None
-        self._prev: tuple[float, int | None, int | None] | None = None
+        if device_of is None:
+            device_of = linux_block_device_of if sys.platform.startswith("linux") else (lambda path: None)
+        self._disks: list[str] = []
+        for path in model_paths or _model_files(model_path):
+            disk = device_of(path)
+            if disk is not None and disk not in self._disks:
+                self._disks.append(disk)
+        self._prev: tuple[float, int | None, dict[str, int | None]] | None = None
         self._peak_seen = 0
         self._rss_history: deque[int] = deque(maxlen=HISTORY_SAMPLES)
         self._rate_history: deque[float] = deque(maxlen=HISTORY_SAMPLES)
@@ -211,11 +240,11 @@ class Sampler:
         except (AttributeError, psutil.Error, NotImplementedError):
             return None  # psutil has no per-process I/O counters on Darwin
 
-    def _disk_read_bytes(self) -> int | None:
-        if self._disk_name is None:
-            return None
-        counters = self._disk_counters().get(self._disk_name)
-        return None if counters is None else int(counters.read_bytes)
+    def _disk_read_bytes(self) -> dict[str, int | None]:
+        if not self._disks:
+            return {}
+        counters = self._disk_counters()
+        return {d: None if counters.get(d) is None else int(counters[d].read_bytes) for d in self._disks}
 
     def sample(self) -> Snapshot:
         now = time.monotonic()
@@ -223,15 +252,19 @@ class Sampler:
         self._peak_seen = max(self._peak_seen, rss, _peak_rss_bytes() if self._process.pid == os.getpid() else 0)
         read_bytes = self._read_bytes()
         disk_bytes = self._disk_read_bytes()
-        proc_rate = disk_rate = None
+        proc_rate = None
+        disk_rates: dict[str, float | None] = dict.fromkeys(self._disks)
         if self._prev is not None:
             t0, r0, d0 = self._prev
             dt = max(now - t0, 1e-6)
             if read_bytes is not None and r0 is not None:
                 proc_rate = max(0, read_bytes - r0) / dt
-            if disk_bytes is not None and d0 is not None:
-                disk_rate = max(0, disk_bytes - d0) / dt
+            for disk, now_bytes in disk_bytes.items():
+                before = d0.get(disk)
+                if now_bytes is not None and before is not None:
+                    disk_rates[disk] = max(0, now_bytes - before) / dt
         self._prev = (now, read_bytes, disk_bytes)
+        disk_name = self._disks[0] if self._disks else None
         self._rss_history.append(rss)
         if proc_rate is not None:
             self._rate_history.append(proc_rate)
@@ -244,8 +277,8 @@ class Sampler:
             cpu_percent=self._process.cpu_percent(None),
             process_read_bytes=read_bytes,
             process_read_rate=proc_rate,
-            disk_name=self._disk_name,
-            disk_read_rate=disk_rate,
+            disk_name=disk_name,
+            disk_read_rate=disk_rates.get(disk_name) if disk_name else None,
             budget_bytes=view["budget_bytes"],
             latencies=lat,
             p50_s=percentile(lat, 50),
@@ -258,6 +291,8 @@ class Sampler:
             streaming=view["streaming"],
             rss_history=list(self._rss_history),
             read_rate_history=list(self._rate_history),
+            disk_rates=disk_rates,
+            residency=self.metrics.residency_source() if self.metrics.residency_source else None,
         )
         self.latest = snap
         return snap

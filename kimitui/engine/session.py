@@ -12,7 +12,7 @@ import enum
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -166,6 +166,7 @@ class Engine:
         self._callbacks: tuple | None = None  # ctypes eval/abort callbacks, alive as long as the context
         self.pinned_ranges: list = []
         self.working_bytes = 0
+        self._repin_pending = False
         self.pinned_bytes = 0
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
         self.metrics = metrics or EngineMetrics()
@@ -302,6 +303,41 @@ class Engine:
         self.pinned_bytes = sum(r.length for r in ranges)
         if streaming and len(pinned) < len(model.shards):
             self.streamer = Streamer(model, {0: self.mapping.address}, {s.index for s in pinned}, self.stream_settings, self.metrics)
+            self.metrics.residency_source = self.streamer.residency_by_layer
+
+    def retune(self, *, budget: int | None = None, shard_size: int | None = None, **stream) -> str:
+        """Live tuning. Prefetch depth and policy apply from the next token; budget and shard
+        size change the pinned set, which is re-read when the next reply starts. Returns a line
+        saying when the change applies."""
+        changes = {k: v for k, v in stream.items() if v is not None}
+        if changes:
+            self.stream_settings = replace(self.stream_settings, **changes)
+            if self.streamer is not None:
+                self.streamer.reconfigure(**changes)
+        repin = (budget is not None and budget != self.budget) or (shard_size is not None and shard_size != self.shard_size)
+        if budget is not None:
+            self.budget = budget
+            self.metrics.budget_bytes = budget
+        if shard_size is not None:
+            self.shard_size = shard_size
+        if not repin:
+            return "applies from the next token"
+        if self._callbacks is None and self.inspect().tensor_bytes > (self.budget or 0) * 0.8:
+            return "a budget below the model's size needs streaming, which starts with a reload: restart with --budget"
+        self._repin_pending = True
+        return "the pinned set is re-read when the next reply starts"
+
+    def _repin(self) -> None:
+        from kimitui.engine.pinning import unlock_ranges
+
+        self._repin_pending = False
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        if self.mapping is not None and self.pinned_ranges:
+            unlock_ranges(self.mapping.address, self.pinned_ranges)
+        self.pinned_ranges, self.pinned_bytes = [], 0
+        self.pin()
 
     def close(self) -> None:
         self.abort_load()
@@ -429,6 +465,8 @@ class Generation:
         try:
             self.result.queued_s = time.perf_counter() - queued_at
             engine.state = EngineState.GENERATING
+            if engine._repin_pending:
+                engine._repin()
             try:
                 yield from self._run()
             finally:

@@ -24,6 +24,7 @@ from kimitui.config import Settings, data_dir
 from kimitui.engine.memory import default_budget
 from kimitui.engine.metrics import EngineMetrics, Sampler
 from kimitui.engine.session import Engine, EngineError, Generation, GenerationResult, Sampling
+from kimitui.engine.streaming import StreamSettings
 from kimitui.history import HistoryStore
 from kimitui.tui.messages import (
     LoadFailed,
@@ -38,6 +39,7 @@ from kimitui.tui.messages import (
 )
 from kimitui.tui.screens.history import HistoryScreen
 from kimitui.tui.screens.sampling import SamplingScreen
+from kimitui.tui.screens.tuning import TuningScreen
 from kimitui.tui.themes import DEFAULT_THEME, bundled_themes
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
 from kimitui.tui.widgets.panels import PANEL_TYPES, ApiPanel, Panel
@@ -71,12 +73,14 @@ class KimituiApp(App[int]):
         Binding("ctrl+o", "history", "history", priority=True),
         Binding("ctrl+y", "copy_reply", "copy reply", priority=True),
         Binding("ctrl+t", "sampling", "sampling", priority=True),
+        Binding("ctrl+e", "tuning", "engine", priority=True),
         Binding("1", "toggle_panel(1)", "cache", group=Binding.Group("panels", compact=True)),
         Binding("2", "toggle_panel(2)", "prefetch", group=Binding.Group("panels", compact=True)),
         Binding("3", "toggle_panel(3)", "SSD", group=Binding.Group("panels", compact=True)),
         Binding("4", "toggle_panel(4)", "memory", group=Binding.Group("panels", compact=True)),
         Binding("5", "toggle_panel(5)", "latency", group=Binding.Group("panels", compact=True)),
         Binding("6", "toggle_panel(6)", "API", group=Binding.Group("panels", compact=True)),
+        Binding("7", "toggle_panel(7)", "residency", group=Binding.Group("panels", compact=True)),
         Binding("z", "maximize_panel", "maximise"),
         Binding("p", "pause", "pause"),
         Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),
@@ -115,6 +119,12 @@ class KimituiApp(App[int]):
                 n_batch=settings["model.n_batch"],
                 metrics=self.metrics,
                 budget=self.metrics.budget_bytes,
+                shard_size=settings["engine.shard_size"],
+                stream_settings=StreamSettings(
+                    prefetch_depth=settings["engine.prefetch_depth"],
+                    policy=settings["engine.policy"],
+                    io_threads=settings["engine.io_threads"],
+                ),
             )
             self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
         self.api_socket = api_socket
@@ -215,6 +225,8 @@ class KimituiApp(App[int]):
         self.post_message(LoadFinished(time.perf_counter() - started))
 
     def on_load_progress(self, message: LoadProgress) -> None:
+        if not self.query(StatusBar):
+            return
         self.query_one(StatusBar).detail = f"{message.fraction:.0%}"
 
     def on_load_finished(self, message: LoadFinished) -> None:
@@ -247,12 +259,16 @@ class KimituiApp(App[int]):
         self.post_message(PinFinished(self.engine.pinned_bytes, self.engine.pin_note))
 
     def on_pin_progressed(self, message: PinProgressed) -> None:
+        if not self.query(StatusBar):  # a late message while the app shuts down
+            return
         p = message.progress
         rate = format_rate(p.rate)
         eta = "—" if p.eta_s is None else f"{p.eta_s:.1f}s"
         self.query_one(StatusBar).pinning = f"pinning {format_bytes(p.done_bytes)}/{format_bytes(p.total_bytes)} · {rate} · ETA {eta}"
 
     def on_pin_finished(self, message: PinFinished) -> None:
+        if not self.query(StatusBar):
+            return
         whole = message.pinned_bytes >= self.engine.inspect().tensor_bytes
         Panel.idle_note = (
             "model fits in memory: nothing streams" if whole
@@ -368,7 +384,7 @@ class KimituiApp(App[int]):
 
     # -- actions -------------------------------------------------------------------------
 
-    CHAT_ACTIONS = {"cancel_or_leave", "regenerate", "new_chat", "history", "copy_reply", "sampling"}
+    CHAT_ACTIONS = {"cancel_or_leave", "regenerate", "new_chat", "history", "copy_reply", "sampling", "tuning"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # App bindings are global; over a dialog, Esc and the chat keys belong to the dialog.
@@ -443,6 +459,23 @@ class KimituiApp(App[int]):
 
         self.push_screen(SamplingScreen(self.sampling, self.system_prompt), applied)
 
+    def action_tuning(self) -> None:
+        engine = self.engine
+        if not isinstance(engine, Engine):
+            self.notify("remote mode: the server's engine is tuned on the server")
+            return
+
+        def applied(changes: dict | None) -> None:
+            if changes:
+                when = engine.retune(**changes)
+                self.query_one(StatusBar).budget = engine.budget or 0
+                self.notify(f"{', '.join(changes)}: {when}")
+
+        settings = engine.stream_settings
+        self.push_screen(
+            TuningScreen(engine.budget or 0, settings.prefetch_depth, engine.shard_size, settings.policy), applied
+        )
+
     def action_toggle_panel(self, key: int) -> None:
         panel = self.query_one(f"#panel-{key}", Panel)
         if isinstance(panel, ApiPanel) and self.api_socket is None:
@@ -477,6 +510,7 @@ class KimituiApp(App[int]):
         yield SystemCommand("Cancel reply", "Stop the reply that is streaming", self.action_cancel_or_leave)
         yield SystemCommand("Copy reply", "Copy the last reply to the clipboard (OSC 52)", self.action_copy_reply)
         yield SystemCommand("Sampling settings", "Temperature, top_p, max tokens, system prompt", self.action_sampling)
+        yield SystemCommand("Engine tuning", "Budget, prefetch depth, shard size, policy", self.action_tuning)
         yield SystemCommand("Pause sampling", "Freeze or resume the live panels", self.action_pause)
         yield SystemCommand("Refresh faster", "Halve the sampling interval", self.action_faster)
         yield SystemCommand("Refresh slower", "Double the sampling interval", self.action_slower)

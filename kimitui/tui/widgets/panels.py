@@ -91,7 +91,10 @@ class DiskPanel(Panel):
     HAS_SPARKLINE = True
 
     def render_snapshot(self, snap: Snapshot) -> None:
-        disk = "disk —" if snap.disk_name is None else f"{snap.disk_name} {format_rate(snap.disk_read_rate)}"
+        if len(snap.disk_rates) > 1:  # a split set over several drives: one short line each
+            disk = "\n".join(f"{name[:8]} {format_rate(rate)}" for name, rate in snap.disk_rates.items())
+        else:
+            disk = "disk —" if snap.disk_name is None else f"{snap.disk_name} {format_rate(snap.disk_read_rate)}"
         self.body.update(
             f"read {format_rate(snap.process_read_rate)}\n"
             f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
@@ -132,6 +135,30 @@ class LatencyPanel(Panel):
         self.query_one(Sparkline).data = [x * 1000 for x in snap.latencies] or [0.0]
 
 
+RESIDENCY_STYLE = {"pinned": ("█", "bold"), "resident": ("▓", ""), "in flight": ("▒", "italic"), "cold": ("░", "dim")}
+
+
+class ResidencyPanel(Panel):
+    """One cell per layer: █ pinned, ▓ resident, ▒ in flight, ░ cold."""
+
+    TITLE = "residency"
+    KEY = "7"
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        if snap.residency is None:
+            self.body.update("every layer pinned" if snap.streaming is None else "—")
+            self.note.update(self.idle_note if snap.streaming is None else "")
+            return
+        cells = Text()
+        for state in snap.residency:
+            char, style = RESIDENCY_STYLE[state]
+            cells.append(char, style=style)
+        counts = {state: snap.residency.count(state) for state in RESIDENCY_STYLE}
+        legend = " ".join(f"{RESIDENCY_STYLE[k][0]}{v}" for k, v in counts.items())
+        self.body.update(Text.assemble(cells, "\n", legend))
+        self.note.update("█ pinned ▓ resident ▒ in flight ░ cold")
+
+
 class ApiPanel(Panel):
     """Requests served by `--serve`, newest last; shown only while the API runs."""
 
@@ -163,4 +190,6 @@ class ApiPanel(Panel):
         self.show_requests()
 
 
-PANEL_TYPES: tuple[type[Panel], ...] = (CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel, ApiPanel)
+PANEL_TYPES: tuple[type[Panel], ...] = (
+    CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel, ApiPanel, ResidencyPanel,
+)
