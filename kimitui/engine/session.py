@@ -9,12 +9,13 @@ from __future__ import annotations
 import codecs
 import ctypes
 import enum
+import itertools
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import psutil
 
@@ -136,6 +137,18 @@ def _llama_params(progress: Callable[[float], bool] | None, repack: bool, eval_c
             C.llama_context_default_params = original_ctx
 
 
+class Tracer(Protocol):
+    """Receives what a trace records (kimitui.trace implements it); called on the engine's threads."""
+
+    def request_started(self, request_id: str, model: str, settings: dict) -> None: ...
+    def token(self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None) -> None: ...
+    def read(self, shard, offset: int, length: int, start: float, seconds: float) -> None: ...
+    def request_finished(self, request_id: str, result: "GenerationResult") -> None: ...
+
+
+_request_ids = itertools.count(1)
+
+
 class Engine:
     def __init__(
         self,
@@ -164,6 +177,7 @@ class Engine:
         self.shard_size = shard_size
         self.streamer: Streamer | None = None
         self._callbacks: tuple | None = None  # ctypes eval/abort callbacks, alive as long as the context
+        self.tracer: Tracer | None = None
         self.pinned_ranges: list = []
         self.working_bytes = 0
         self._repin_pending = False
@@ -304,6 +318,23 @@ class Engine:
         if streaming and len(pinned) < len(model.shards):
             self.streamer = Streamer(model, {0: self.mapping.address}, {s.index for s in pinned}, self.stream_settings, self.metrics)
             self.metrics.residency_source = self.streamer.residency_by_layer
+            self.set_tracer(self.tracer)
+
+    def set_tracer(self, tracer: "Tracer | None") -> None:
+        self.tracer = tracer
+        if self.streamer is not None:
+            self.streamer.on_read = tracer.read if tracer is not None else None
+
+    def tuning(self) -> dict:
+        """The settings a trace records with each request."""
+        return {
+            "budget": self.budget,
+            "shard_size": self.shard_size,
+            "prefetch_depth": self.stream_settings.prefetch_depth,
+            "policy": self.stream_settings.policy,
+            "pinned_bytes": self.pinned_bytes,
+            "streaming": self.streamer is not None,
+        }
 
     def retune(self, *, budget: int | None = None, shard_size: int | None = None, **stream) -> str:
         """Live tuning. Prefetch depth and policy apply from the next token; budget and shard
@@ -440,6 +471,7 @@ class Generation:
         self.engine = engine
         self.sampling = sampling
         self.result = GenerationResult()
+        self.id = f"req-{next(_request_ids)}"
         self._build = build
         self._cancel = threading.Event()
         self.ticket: int | None = None
@@ -494,6 +526,11 @@ class Generation:
         import llama_cpp
 
         vocab = llm._model.vocab
+        tracer = engine.tracer
+        counters = engine.streamer.counters if engine.streamer is not None else (lambda: None)
+        before = counters()
+        if tracer is not None:
+            tracer.request_started(self.id, engine.model_path.name, engine.tuning())
         text, emitted, cut = "", 0, -1
         last = started
         finish = "length"
@@ -521,6 +558,10 @@ class Generation:
                 result.completion_tokens += 1
                 result.timings.append(wall)
                 metrics.token(wall)
+                if tracer is not None:
+                    after = counters()
+                    tracer.token(self.id, index, wall, before, after)
+                    before = after
                 text += decoder.decode(llm.detokenize([token]))
                 cut = -1
                 for stop in stops:
@@ -567,3 +608,5 @@ class Generation:
             result.finish_reason = finish
             result.decode_s = max(0.0, last - started - result.prompt_s)
             metrics.request_finished()
+            if tracer is not None:
+                tracer.request_finished(self.id, result)

@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
@@ -94,6 +95,12 @@ class Streamer:
         self.stall_s = 0.0
         self.bytes_read = 0
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        self.bytes_from_cache = 0  # pinned or already-read bytes compute found resident
+        self._pinned_by_layer = [
+            sum(s.length for s in model.layer_shards(layer) if s.index in pinned) for layer in range(model.n_layers)
+        ]
+        # Called from I/O threads for every storage read: (shard, offset, bytes, start, seconds).
+        self.on_read: Callable[[Shard, int, int, float, float], None] | None = None
         self._report()
 
     # -- sizes --------------------------------------------------------------------------
@@ -117,6 +124,7 @@ class Streamer:
         return buf
 
     def _read_chunk(self, shard: Shard, offset: int, length: int) -> int:
+        started = time.perf_counter()
         if offset + length > os.fstat(self.fds[shard.file]).st_size:
             got = max(0, os.fstat(self.fds[shard.file]).st_size - offset)
         elif self.io.populate(self.addresses[shard.file], offset, length):
@@ -131,6 +139,8 @@ class Streamer:
             )
         with self._lock:
             self.bytes_read += length
+        if self.on_read is not None:
+            self.on_read(shard, offset, length, started, time.perf_counter() - started)
         return length
 
     def _submit(self, shard: Shard) -> None:
@@ -191,6 +201,7 @@ class Streamer:
             return
         self.current_layer = layer
         self._check_files(layer)
+        self.bytes_from_cache += self._pinned_by_layer[layer]
         waited = 0.0
         for shard in self.layer_shards[layer]:
             i = shard.index
@@ -200,6 +211,7 @@ class Streamer:
             )
             if arrived:
                 self.hits += 1
+                self.bytes_from_cache += shard.length
             else:
                 self.misses += 1
                 if self.state[i] == Residency.COLD:
@@ -300,6 +312,21 @@ class Streamer:
             prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
             stall_s=self.stall_s,
         )
+
+    def counters(self) -> dict:
+        """Cumulative counters; a tracer takes differences per token."""
+        with self._lock:
+            read = self.bytes_read
+        return {
+            "bytes_read": read,
+            "bytes_from_cache": self.bytes_from_cache,
+            "hits": self.hits,
+            "misses": self.misses,
+            "stall_s": self.stall_s,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_used": self.prefetch_used,
+            "prefetch_wasted": self.prefetch_wasted,
+        }
 
     def reset_error(self) -> None:
         self.error = None
