@@ -156,8 +156,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
     "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
     "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
-    "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
-    "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
     "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
     "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),
 }

@@ -73,13 +73,46 @@ def test_token_events_give_latency_window_and_rates():
 
 def test_model_disk_rate_by_injection(tmp_path):
     reads = iter([1_000_000, 3_000_000])
-    sampler = Sampler(EngineMetrics(), disk_counters=lambda: {"nvme9n1": DiskCounters(next(reads))})
-    sampler._disk_name = "nvme9n1"  # what linux_block_device_of finds for a real block device
+    sampler = Sampler(
+        EngineMetrics(),
+        model_path=tmp_path / "model.gguf",
+        disk_counters=lambda: {"nvme9n1": DiskCounters(next(reads))},
+        device_of=lambda path: "nvme9n1",  # what linux_block_device_of finds for a real block device
+    )
     sampler.sample()
     time.sleep(0.05)
     snap = sampler.sample()
     assert snap.disk_name == "nvme9n1"
     assert snap.disk_read_rate is not None and snap.disk_read_rate > 0
+
+
+def test_split_set_over_two_drives_reports_each_drive(tmp_path):
+    """The trunk's disk stays disk_name; every drive of the set gets its own rate."""
+    counters = iter([{"nvme0n1": 0, "sda": 0}, {"nvme0n1": 4_000_000, "sda": 1_000_000}])
+    files = [tmp_path / f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    drive = {files[0]: "nvme0n1", files[1]: "sda", files[2]: "sda"}
+    sampler = Sampler(
+        EngineMetrics(),
+        model_paths=files,
+        disk_counters=lambda: {name: DiskCounters(n) for name, n in next(counters).items()},
+        device_of=drive.get,
+    )
+    first = sampler.sample()
+    assert first.disk_rates == {"nvme0n1": None, "sda": None}  # a rate needs two samples
+    time.sleep(0.05)
+    snap = sampler.sample()
+    assert list(snap.disk_rates) == ["nvme0n1", "sda"] and snap.disk_name == "nvme0n1"
+    assert snap.disk_rates["nvme0n1"] == 4 * snap.disk_rates["sda"] > 0
+    assert snap.disk_read_rate == snap.disk_rates["nvme0n1"]
+
+
+def test_sampler_finds_every_file_of_a_split_set(tmp_path):
+    files = [tmp_path / f"m-0000{i}-of-00002.gguf" for i in (1, 2)]
+    for f in files:
+        f.write_bytes(b"GGUF")
+    seen = []
+    Sampler(EngineMetrics(), model_path=files[0], device_of=lambda path: seen.append(path))
+    assert seen == files
 
 
 def test_background_sampler_delivers_and_pauses():

@@ -1,6 +1,9 @@
 """Read a GGUF's header with the `gguf` package and reject broken files before llama.cpp does.
 
 llama.cpp aborts or prints pages of log on a bad file; users get one line from here instead.
+A split set is checked whole (any of its files may be given): every file present, its
+header readable and its tensors inside it, its split number where its name says, and, where
+`kimitui shard` left a manifest next to the files, each file's size and ends as listed.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ GGUF_MAGIC = b"GGUF"
 
 @dataclass(frozen=True)
 class ModelInfo:
-    path: Path
+    path: Path  # the file llama.cpp opens: the first file of a split set
     name: str
     architecture: str
-    file_bytes: int
+    file_bytes: int  # all files of a split set together
     tensor_bytes: int
     n_tensors: int
     n_layers: int | None
     context_length: int | None
     has_chat_template: bool
+    files: tuple[Path, ...] = ()  # every file, in split order (just `path` for a single file)
 
 
 def _field_value(reader, key: str):
@@ -42,44 +46,69 @@ def read_model_info(path: Path) -> ModelInfo:
         raise UserError(f"model file not found: {path}")
     if not path.is_file():
         raise UserError(f"model path is not a file: {path}")
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        raise UserError(f"cannot read model file {path}: {exc.strerror}") from None
-    if magic != GGUF_MAGIC:
-        raise UserError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
-    from gguf import GGUFReader  # heavy import (numpy); only when a model is opened
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as exc:  # the gguf package raises ValueError, IndexError, ... on damage
-        raise UserError(f"{path}: corrupt or truncated GGUF ({type(exc).__name__}: {exc})") from None
+    from kimitui.model.gguf_map import _open_reader, split_set
+    from kimitui.model.manifest import quick_check
 
-    file_bytes = os.path.getsize(path)
-    tensor_bytes = 0
-    for tensor in reader.tensors:
-        end = tensor.data_offset + tensor.n_bytes
-        if end > file_bytes:
+    files = split_set(path)
+    first = None
+    file_bytes = tensor_bytes = n_tensors = 0
+    for index, file in enumerate(files):
+        reader = _open_reader(file)  # header only: one line naming the file on damage
+        size = os.path.getsize(file)
+        file_bytes += size
+        if len(files) > 1:
+            number, count = _field_value(reader, "split.no"), _field_value(reader, "split.count")
+            if number != index or count != len(files):
+                raise UserError(
+                    f"{file}: its header says split {number} of {count}, its name says {index} of "
+                    f"{len(files)} (a file from another set?)"
+                )
+        for info in reader.tensor_fields:
+            _, name_data, _, dims, raw_dtype, rel_offset = info.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+            except ValueError:
+                raise UserError(f"{file}: tensor {name} has unknown type {int(raw_dtype[0])}") from None
+            n_elements = 1
+            for d in dims:
+                n_elements *= int(d)
+            n_bytes = n_elements // block * type_size
+            end = reader.data_offset + int(rel_offset[0]) + n_bytes
+            if end > size:
+                raise UserError(
+                    f"{file}: tensor {name} ends at byte {end} but the file has {size} bytes (truncated copy?)"
+                )
+            tensor_bytes += n_bytes
+            n_tensors += 1
+        if index == 0:
+            first = reader
+    assert first is not None
+    if len(files) > 1:
+        expected = _field_value(first, "split.tensors.count")
+        if expected is not None and expected != n_tensors:
             raise UserError(
-                f"{path}: tensor {tensor.name} ends at byte {end} but the file has {file_bytes} "
-                "bytes (truncated copy?)"
+                f"{files[0]}: the set's files hold {n_tensors} tensors, its split.tensors.count says "
+                f"{expected} (files from different sets?)"
             )
-        tensor_bytes += int(tensor.n_bytes)
+    quick_check(files)
 
-    arch = _field_value(reader, "general.architecture") or "unknown"
-    name = _field_value(reader, "general.name") or path.stem
-    n_layers = _field_value(reader, f"{arch}.block_count")
-    ctx = _field_value(reader, f"{arch}.context_length")
+    arch = _field_value(first, "general.architecture") or "unknown"
+    name = _field_value(first, "general.name") or files[0].stem
+    n_layers = _field_value(first, f"{arch}.block_count")
+    ctx = _field_value(first, f"{arch}.context_length")
     return ModelInfo(
-        path=path,
+        path=files[0],
         name=str(name),
         architecture=str(arch),
         file_bytes=file_bytes,
         tensor_bytes=tensor_bytes,
-        n_tensors=len(reader.tensors),
+        n_tensors=n_tensors,
         n_layers=int(n_layers) if n_layers is not None else None,
         context_length=int(ctx) if ctx is not None else None,
-        has_chat_template=_field_value(reader, "tokenizer.chat_template") is not None,
+        has_chat_template=_field_value(first, "tokenizer.chat_template") is not None,
+        files=tuple(files),
     )

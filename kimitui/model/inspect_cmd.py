@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from kimitui.errors import UserError
-from kimitui.model.gguf_map import DEFAULT_SHARD_SIZE, ModelMap, load_model_map
+from kimitui.model.gguf_map import DEFAULT_SHARD_SIZE, ROUTED_EXPERTS, ModelMap, load_model_map
 from kimitui.units import format_bytes, format_rate, parse_size
 
 
@@ -48,7 +48,49 @@ def _budget(text: str) -> int:
         raise UserError(f"--budget: {exc}") from None
 
 
+def spans(numbers: list[int]) -> str:
+    """`0-3, 5, 7-9` from sorted distinct integers; "—" for none."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "—"
+
+
+def file_layout(m: ModelMap) -> tuple[list[dict], list[dict]]:
+    """Per file: the layers whose trunk it holds, the layers whose routed experts it holds
+    (all experts of each: an expert tensor holds every expert), the non-layer tensors. And
+    the layers cut across files: a layer's trunk, or its routed experts, in more than one."""
+    files = [
+        {"file": str(f), "bytes": size, "tensor_bytes": 0, "trunk_layers": set(), "expert_layers": set(), "nonlayer": []}
+        for f, size in zip(m.files, m.file_sizes)
+    ]
+    where: dict[tuple[int, bool], set[int]] = {}
+    for t in m.tensors:
+        entry = files[t.file]
+        entry["tensor_bytes"] += t.n_bytes
+        routed = t.role == ROUTED_EXPERTS
+        if t.layer is None:
+            entry["nonlayer"].append(t.name)
+        else:
+            entry["expert_layers" if routed else "trunk_layers"].add(t.layer)
+            where.setdefault((t.layer, routed), set()).add(t.file)
+    for entry in files:
+        entry["trunk_layers"] = sorted(entry["trunk_layers"])
+        entry["expert_layers"] = sorted(entry["expert_layers"])
+        entry["n_expert"] = max((m.layers[i].n_expert for i in entry["expert_layers"]), default=0)
+    cuts = [
+        {"layer": layer, "part": "experts" if routed else "trunk", "files": sorted(f)}
+        for (layer, routed), f in sorted(where.items())
+        if len(f) > 1
+    ]
+    return files, cuts
+
+
 def summarize(m: ModelMap, bandwidth: float, budget: int) -> dict:
+    layout, cuts = file_layout(m)
     read = m.read_bytes_per_token(budget)
     return {
         "files": [str(f) for f in m.files],
@@ -72,6 +114,8 @@ def summarize(m: ModelMap, bandwidth: float, budget: int) -> dict:
         "read_bytes_per_token": read,
         "tok_s_floor": m.tok_s_floor(bandwidth, budget),
         "nonlayer": {"bytes": m.nonlayer_bytes, "shards": [s.index for s in m.layer_shards(None)]},
+        "file_layout": layout,
+        "cut_layers": cuts,
         "layers": [
             {
                 "index": layer.index,
@@ -120,6 +164,7 @@ def render(r: dict) -> str:
         lines.append(f"bytes    {fb(r['tensor_bytes'])} of weights, all trunk")
     lines.append(f"token    touches {fb(r['active_bytes_per_token'])}")
     lines.append(f"shards   {r['n_shards']} (target {fb(r['shard_size'])}, never across layers)")
+    lines.append(render_cuts(len(r["file_layout"]), r["cut_layers"]))
     floor = r["tok_s_floor"]
     speed = (
         "nothing to read: compute-bound"
@@ -143,10 +188,41 @@ def render(r: dict) -> str:
         rows.append(
             (label, fb(n_bytes), fb(trunk), fb(routed) if routed else "—", fb(expert) if expert else "—", str(n_shards))
         )
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+    lines += _table(header, rows, range(1, len(header)))
+    if len(r["file_layout"]) > 1:
+        lines.append("")
+        lines += render_layout(r["file_layout"])
     return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], right: range) -> list[str]:
+    """Aligned columns; those in `right` (numbers) flush right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def render_cuts(n_files: int, cuts: list[dict]) -> str:
+    if not cuts:
+        return f"files    {n_files}, no layer cut across files"
+    shown = "; ".join(f"layer {c['layer']} {c['part']} in files {', '.join(str(f + 1) for f in c['files'])}" for c in cuts[:4])
+    more = f"; {len(cuts) - 4} more" if len(cuts) > 4 else ""
+    return f"files    {n_files}: {len(cuts)} layer parts cut across files ({shown}{more})"
+
+
+def render_layout(layout: list[dict]) -> list[str]:
+    """Which layers and experts each file holds, one row per file."""
+    header = ("file", "bytes", "trunk layers", "expert layers", "other")
+    rows = []
+    for f in layout:
+        experts = spans(f["expert_layers"])
+        if f["expert_layers"]:
+            experts += f" ({f['n_expert']} experts)"
+        other = ", ".join(name.rsplit(".", 1)[0] for name in f["nonlayer"]) or "—"
+        rows.append((Path(f["file"]).name, format_bytes(f["bytes"]), spans(f["trunk_layers"]), experts, other))
+    return _table(header, rows, range(1, 2))
 
 
 def run(args: argparse.Namespace) -> int:
