@@ -1,0 +1,348 @@
+"""`kimitui bench`: decode speed of the kimitui engine against plain llama-cpp-python mmap,
+next to the physical limit of this disk and CPU.
+
+Phases, each in a child process with the model dropped from the page cache first
+(common.run_child): the disk's cold parallel read bandwidth; compute speed with the weights
+in RAM (only where the model fits the memory safely available); the kimitui engine
+(fast-start load, pinned set, then the measured reply); with ``--baseline`` plain
+llama-cpp-python with its stock mmap load. ``--cgroup-limit`` runs the engine runs each in a
+fresh memory cgroup with that limit. The benchmark is defined by its command line alone:
+the user's config file is not read.
+
+Physical limit = 1 / max(compute time per token, bytes a token must read / disk bandwidth),
+where the bytes a token must read are the model map's figure for what the engine pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kimitui.benchmarks.cgroup import MemoryCgroups
+from kimitui.benchmarks.common import cell, contention_note, ratio, run_child, table, write_json
+from kimitui.engine.streaming import POLICIES
+from kimitui.errors import UserError
+from kimitui.units import format_bytes, format_ms, format_rate, parse_size
+
+DISK_SAMPLE_BYTES = 2**30
+DISK_THREADS = 8
+COLD_SHARE = 0.9  # a "cold" read must have come from storage for at least this share
+CTX_STEP = 256
+RATIO_KEYS = (
+    "load_s",
+    "prefill_tok_s",
+    "ttft_s",
+    "decode_tok_s",
+    "token_p50_s",
+    "token_p95_s",
+    "read_bytes_per_token",
+    "peak_rss_bytes",
+    "cgroup_peak_bytes",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--budget", default="auto", help="the engine's memory budget, e.g. 1GiB (default auto: a safe share of what the run may use)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens to generate, greedy (default 32)")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (default 32)")
+    parser.add_argument("--baseline", action="store_true", help="also run plain llama-cpp-python with stock mmap and print the ratios")
+    parser.add_argument("--cgroup-limit", help="run the engine runs in a fresh memory cgroup of this size, e.g. 1536MiB (root)")
+    parser.add_argument("--policy", choices=POLICIES, help="the engine's residency policy when it streams (default: the engine's)")
+    parser.add_argument("--prefetch-depth", type=int, help="layers read ahead when the engine streams (default: the engine's)")
+    parser.add_argument("--threads", type=int, help="compute threads for every run (default: one per physical core)")
+    parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure to FILE as JSON")
+
+
+def _size(text: str, flag: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.tokens < 2:
+        raise UserError("--tokens: at least 2 (decode speed is timed between tokens)")
+    if args.prompt_tokens < 1:
+        raise UserError("--prompt-tokens: at least 1")
+    if args.prefetch_depth is not None and args.prefetch_depth < 0:
+        raise UserError("--prefetch-depth: 0 or more")
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads: at least 1")
+    if args.n_ctx is not None and args.n_ctx <= args.prompt_tokens + args.tokens:
+        raise UserError(f"--n-ctx {args.n_ctx} does not hold {args.prompt_tokens} prompt + {args.tokens} tokens")
+
+
+def _model_path(raw: str | None) -> Path:
+    from kimitui.model import default_model_path
+
+    return Path(raw).expanduser() if raw else default_model_path()
+
+
+def _disk(run) -> dict:
+    out = {"bandwidth_bytes_s": None, "note": None, "cached_at_start_bytes": run.cached_at_start, "cpu_contention": run.cpu_contention}
+    if run.error:
+        out["note"] = f"disk read failed: {run.error}"
+        return out
+    r = run.result
+    out.update(r)
+    if r["storage_bytes"] is not None and r["storage_bytes"] < COLD_SHARE * r["bytes"]:
+        out["note"] = (
+            f"not cold: only {format_bytes(r['storage_bytes'])} of {format_bytes(r['bytes'])} came from storage "
+            "(another process keeps the model mapped?)"
+        )
+    else:
+        out["bandwidth_bytes_s"] = r["bytes"] / r["seconds"]
+    return out
+
+
+def _run_figures(run) -> dict:
+    figures = {
+        "error": run.error,
+        "cached_at_start_bytes": run.cached_at_start,
+        "cgroup_peak_bytes": run.cgroup_peak,
+        "cpu_contention": run.cpu_contention,
+    }
+    if run.result:
+        figures.update(run.result)
+    return figures
+
+
+def _compute(run, skipped: str | None) -> dict:
+    if skipped:
+        return {"s_per_token": None, "decode_tok_s": None, "note": skipped}
+    if run.error:
+        return {"s_per_token": None, "decode_tok_s": None, "note": f"the in-RAM run failed: {run.error}"}
+    r = dict(run.result, cpu_contention=run.cpu_contention)
+    r["s_per_token"] = 1 / r["decode_tok_s"] if r["decode_tok_s"] else None
+    r["note"] = None
+    return r
+
+
+def physical_limit(model_map, pinned: int | None, bandwidth: float | None, compute_s: float | None) -> dict:
+    """1 / max(compute s/token, must-read bytes/token / bandwidth), with why where a term is missing."""
+    out = {
+        "pinned_bytes": pinned,
+        "must_read_bytes_per_token": None,
+        "model_minus_pinned_bytes": None,
+        "io_s_per_token": None,
+        "compute_s_per_token": compute_s,
+        "tok_s": None,
+        "bound": None,
+        "note": None,
+    }
+    if pinned is None:
+        out["note"] = "the kimitui run failed, so its pinned set is unknown"
+        return out
+    need = model_map.read_bytes_per_token(pinned)
+    out["must_read_bytes_per_token"] = need
+    out["model_minus_pinned_bytes"] = max(0, model_map.tensor_bytes - pinned)
+    if need == 0:
+        out["io_s_per_token"] = 0.0
+    elif bandwidth:
+        out["io_s_per_token"] = need / bandwidth
+    io_s = out["io_s_per_token"]
+    if io_s is None:
+        out["note"] = "disk bandwidth not measured"
+    elif compute_s is None and io_s == 0:
+        out["note"] = "nothing to read, and compute speed in RAM not measured"
+    elif compute_s is None:
+        out["tok_s"], out["bound"] = 1 / io_s, "io"
+        out["note"] = "compute speed in RAM not measured: this is the I/O bound alone, an upper bound"
+    else:
+        slowest = max(compute_s, io_s)
+        out["tok_s"], out["bound"] = 1 / slowest, ("io" if io_s > compute_s else "compute")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kimitui.engine.memory import SAFE_SHARE, available_memory
+    from kimitui.engine.session import default_threads
+    from kimitui.model.gguf_map import load_model_map
+
+    _check(args)
+    budget = None if args.budget == "auto" else _size(args.budget, "--budget")
+    limit = _size(args.cgroup_limit, "--cgroup-limit") if args.cgroup_limit else None
+    cgroups = MemoryCgroups.require() if limit is not None else None
+    path = _model_path(args.model)
+    model_map = load_model_map(path)  # checks the file too: one line on a bad GGUF
+    file_bytes = sum(model_map.file_sizes)
+    threads = args.threads or default_threads()
+    n_ctx = args.n_ctx or -(-(args.prompt_tokens + args.tokens + 1) // CTX_STEP) * CTX_STEP
+    spec = {
+        "model": str(path),
+        "n_ctx": n_ctx,
+        "threads": threads,
+        "budget": budget,
+        "prompt_tokens": args.prompt_tokens,
+        "tokens": args.tokens,
+        "policy": args.policy,
+        "prefetch_depth": args.prefetch_depth,
+    }
+
+    def engine_run(phase: str):
+        return run_child(phase, spec, path, cgroups=cgroups, limit=limit)
+
+    disk = _disk(run_child("disk", {"model": str(path), "sample_bytes": DISK_SAMPLE_BYTES, "threads": DISK_THREADS}, path))
+    room = int(available_memory() * SAFE_SHARE)
+    skipped = None
+    if file_bytes > room:
+        skipped = (
+            f"the model ({format_bytes(file_bytes)}) does not fit the memory safely available "
+            f"({format_bytes(room)}): compute speed with the weights in RAM not measured"
+        )
+    compute = _compute(None if skipped else run_child("compute", spec, path), skipped)
+    runs = {"kimitui": _run_figures(engine_run("engine"))}
+    if args.baseline:
+        runs["baseline"] = _run_figures(engine_run("llama"))
+    kimitui = runs["kimitui"]
+    limit_figures = physical_limit(
+        model_map,
+        None if kimitui["error"] else kimitui["pinned_bytes"],
+        disk["bandwidth_bytes_s"],
+        compute["s_per_token"],
+    )
+    for figures in runs.values():
+        rate = figures.get("decode_tok_s")
+        figures["share_of_limit"] = ratio(rate, limit_figures["tok_s"])
+        need = limit_figures["model_minus_pinned_bytes"]
+        figures["read_vs_model_minus_pinned"] = ratio(figures.get("read_bytes_per_token"), need)
+    report = {
+        "model": {
+            "path": str(path),
+            "name": model_map.name,
+            "architecture": model_map.architecture,
+            "n_layers": model_map.n_layers,
+            "file_bytes": file_bytes,
+            "tensor_bytes": model_map.tensor_bytes,
+        },
+        "settings": {
+            "prompt_tokens": args.prompt_tokens,
+            "tokens": args.tokens,
+            "threads": threads,
+            "n_ctx": n_ctx,
+            "budget_bytes": budget,
+            "cgroup_limit_bytes": limit,
+            "cgroup_version": cgroups.hierarchy.version if cgroups else None,
+        },
+        "disk": disk,
+        "compute": compute,
+        "limit": limit_figures,
+        "runs": runs,
+    }
+    if "baseline" in runs:
+        base = runs["baseline"]
+        report["ratios"] = {key: ratio(kimitui.get(key), base.get(key)) for key in RATIO_KEYS}
+        both = not kimitui["error"] and not base["error"]
+        report["same_tokens"] = kimitui["tokens"] == base["tokens"] if both else None
+    print(render(report))
+    if args.json:
+        write_json(args.json, report)
+    return 1 if any(figures["error"] for figures in runs.values()) else 0
+
+
+def render(report: dict) -> str:
+    m, s, disk, compute, lim = report["model"], report["settings"], report["disk"], report["compute"], report["limit"]
+    runs = report["runs"]
+    used = runs["kimitui"].get("budget_bytes")
+    budget = format_bytes(s["budget_bytes"]) if s["budget_bytes"] is not None else f"auto ({format_bytes(used)})"
+    cgroup = "none" if s["cgroup_limit_bytes"] is None else f"{format_bytes(s['cgroup_limit_bytes'])} ({s['cgroup_version']})"
+    lines = [
+        f"kimitui bench: {Path(m['path']).name} ({m['architecture']}, {m['n_layers']} layers, {format_bytes(m['tensor_bytes'])} of tensors)",
+        f"  {s['prompt_tokens']} prompt + {s['tokens']} generated tokens, greedy, {s['threads']} threads, "
+        f"n_ctx {s['n_ctx']}, budget {budget}, memory cgroup {cgroup}",
+    ]
+    if disk["bandwidth_bytes_s"] is not None:
+        lines.append(
+            f"disk: {format_rate(disk['bandwidth_bytes_s'])} cold parallel read ({format_bytes(disk['bytes'])}, "
+            f"{disk['threads']} threads x {format_bytes(disk['chunk_bytes'])} preads)"
+        )
+    else:
+        lines.append(f"disk: — ({disk['note']})")
+    if compute["decode_tok_s"] is not None:
+        lines.append(f"compute with weights in RAM: {compute['decode_tok_s']:.2f} tok/s ({format_ms(compute['s_per_token'])}/token)")
+    else:
+        lines.append(f"compute with weights in RAM: — ({compute['note']})")
+    if lim["must_read_bytes_per_token"] is not None:
+        lines.append(
+            f"must read per token: {format_bytes(lim['must_read_bytes_per_token'])} "
+            f"(tensors {format_bytes(m['tensor_bytes'])}, pinned {format_bytes(lim['pinned_bytes'])})"
+        )
+    if lim["tok_s"] is not None:
+        bound = "I/O bound" if lim["bound"] == "io" else "compute bound"
+        lines.append(f"physical limit: {lim['tok_s']:.3g} tok/s ({bound})" + (f"; {lim['note']}" if lim["note"] else ""))
+    else:
+        lines.append(f"physical limit: — ({lim['note']})")
+
+    names = [("kimitui", "kimitui")] + ([("baseline", "plain mmap")] if "baseline" in runs else [])
+    header = ("",) + tuple(label for _, label in names) + (("kimitui/plain",) if "baseline" in runs else ())
+    ratios = report.get("ratios", {})
+
+    def row(label: str, key: str, fmt) -> tuple[str, ...]:
+        cells = tuple(fmt(runs[name].get(key)) for name, _ in names)
+        if "baseline" in runs:
+            cells += (cell(ratios.get(key), ".2f", unit="x") if key in ratios else "",)
+        return (label,) + cells
+
+    def seconds(v):
+        return "—" if v is None else f"{v:.2f} s"
+
+    def per_s(v):
+        return cell(v, ".2f")
+
+    def share(v):
+        return cell(v, ".0f", scale=100, unit="%")
+
+    rows = [
+        header,
+        row("streaming", "streaming", lambda v: "—" if v is None else ("on" if v else "off")),
+        row("load (setup)", "load_s", seconds),
+        row("pinned (setup)", "pinned_bytes", lambda v: "—" if v is None else format_bytes(v)),
+        row("pinning time (setup)", "pin_s", seconds),
+        row("RSS after load", "rss_after_load_bytes", format_bytes),
+        row("prefill tok/s", "prefill_tok_s", per_s),
+        row("TTFT", "ttft_s", format_ms),
+        row("decode tok/s", "decode_tok_s", per_s),
+        row("token p50", "token_p50_s", format_ms),
+        row("token p95", "token_p95_s", format_ms),
+        row("read per token", "read_bytes_per_token", format_bytes),
+        row("  / (model - pinned)", "read_vs_model_minus_pinned", lambda v: cell(v, ".2f", unit="x")),
+        row("hit rate", "hit_rate", share),
+        row("stall per token", "stall_s_per_token", format_ms),
+        row("peak RSS", "peak_rss_bytes", format_bytes),
+        row("peak cgroup", "cgroup_peak_bytes", format_bytes),
+        row("of physical limit", "share_of_limit", share),
+        row("CPU contention", "cpu_contention", share),
+    ]
+    lines += ["", table(rows), ""]
+    notes = []
+    if report.get("same_tokens") is not None:
+        notes.append("same greedy tokens in both runs" if report["same_tokens"] else "the two runs produced DIFFERENT greedy tokens")
+    if all(runs[name].get("hit_rate") is None for name, _ in names):
+        notes.append("hit rate, stall: — (no streaming engine reports them yet)")
+    if s["cgroup_limit_bytes"] is None:
+        notes.append("peak cgroup: — (no --cgroup-limit: the runs share the caller's cgroup)")
+    if runs["kimitui"].get("streaming"):
+        notes.append(f"kimitui streams with policy {runs['kimitui']['policy']}, prefetch depth {runs['kimitui']['prefetch_depth']}")
+    for name, label in names:
+        figures = runs[name]
+        if figures["error"]:
+            notes.append(f"{label} run failed: {figures['error']}")
+        cached = figures["cached_at_start_bytes"]
+        if cached and cached > 0.01 * m["file_bytes"]:
+            notes.append(f"{label} run not cold: {format_bytes(cached)} of the model stayed cached (mapped by another process?)")
+        for key in ("fast_load_note", "pin_note"):
+            if figures.get(key):
+                notes.append(f"{label}: {figures[key]}")
+    noisy = contention_note(
+        {"disk read": disk["cpu_contention"], "compute in RAM": compute.get("cpu_contention")}
+        | {label: runs[name]["cpu_contention"] for name, label in names}
+    )
+    if noisy:
+        notes.append(noisy)
+    if compute.get("decode_read_bytes"):
+        notes.append(f"compute in RAM read {format_bytes(compute['decode_read_bytes'])} from storage while decoding")
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)

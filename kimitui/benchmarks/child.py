@@ -1,0 +1,317 @@
+"""The measured side of `kimitui bench` and `kimitui bench-load`, one phase per process.
+
+``python -m kimitui.benchmarks.child PHASE SPEC_JSON``. Results go to stdout as lines
+starting with ``@kimitui-bench `` and JSON, written straight to file descriptor 1 (Textual
+captures ``print`` while an app runs); the parent timestamps each line as it arrives.
+Imports stay inside the phases: for bench-load, interpreter start and imports are part of
+what is measured, and they must be the app's, not ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MARKER = "@kimitui-bench "
+DISK_CHUNK_BYTES = 4 * 2**20
+# An ordinary English paragraph, repeated to the requested prompt length: both runs of a
+# comparison tokenize it with the same vocabulary, so they see the same prompt tokens.
+PROMPT_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his "
+    "father had taught him, and wound the great clockwork that turned the lens. Ships passed "
+    "far out on the dark water, and he wrote their names in a book that nobody would read. "
+)
+
+
+def emit(kind: str, **payload) -> None:
+    os.write(1, (MARKER + json.dumps({"kind": kind, **payload}) + "\n").encode())
+
+
+def _read_bytes() -> int | None:
+    from kimitui.benchmarks.common import storage_read_bytes
+
+    return storage_read_bytes()
+
+
+def _peak_rss() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def prompt_tokens(llm, n: int) -> list[int]:
+    copies = 1
+    while True:
+        tokens = llm.tokenize((PROMPT_TEXT * copies).encode(), add_bos=True, special=False)
+        if len(tokens) >= n:
+            return tokens[:n]
+        copies *= 2
+
+
+def _delta(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else after - before
+
+
+def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
+    """Time a token stream the same way for every engine.
+
+    ``token_ids`` is a lazy iterator: nothing runs before the first ``next``. The first
+    token's time is the TTFT (prefill and the first sample); decode is the rest. Storage
+    reads are split the same way. ``streaming`` returns the streaming engine's counters
+    (or None while there is none).
+    """
+    from kimitui.engine.metrics import percentile
+
+    started = time.perf_counter()
+    io_start = _read_bytes()
+    stamps: list[float] = []
+    ids: list[int] = []
+    io_first = stream_first = None
+    for token in token_ids:
+        stamps.append(time.perf_counter())
+        ids.append(token)
+        if len(stamps) == 1:
+            io_first = _read_bytes()
+            stream_first = streaming() if streaming else None
+    io_end = _read_bytes()
+    stream_end = streaming() if streaming else None
+    if not stamps:
+        raise RuntimeError("the model produced no token (end of generation at once)")
+    ttft = stamps[0] - started
+    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+    decode_s = stamps[-1] - stamps[0]
+    n_decode = len(intervals)
+    decode_read = _delta(io_first, io_end)
+    hit_rate = stall = None
+    if stream_first is not None and stream_end is not None:
+        hits = stream_end.cache_hits - stream_first.cache_hits
+        misses = stream_end.cache_misses - stream_first.cache_misses
+        hit_rate = hits / (hits + misses) if hits + misses else None
+        stall = (stream_end.stall_s - stream_first.stall_s) / n_decode if n_decode else None
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": len(ids),
+        "tokens": ids,
+        "ttft_s": ttft,
+        "prefill_tok_s": n_prompt / ttft,
+        "decode_s": decode_s,
+        "decode_tok_s": n_decode / decode_s if n_decode and decode_s > 0 else None,
+        "token_p50_s": percentile(intervals, 50),
+        "token_p95_s": percentile(intervals, 95),
+        "prefill_read_bytes": _delta(io_start, io_first),
+        "decode_read_bytes": decode_read,
+        "read_bytes_per_token": decode_read / n_decode if decode_read is not None and n_decode else None,
+        "hit_rate": hit_rate,
+        "stall_s_per_token": stall,
+    }
+
+
+# --- bench phases ---------------------------------------------------------------------------
+
+
+def phase_disk(spec: dict) -> None:
+    """Cold parallel read bandwidth: positional reads of a few MiB from several threads,
+    the way the engine reads its pinned set."""
+    from kimitui.engine.pinning import ParallelReader
+    from kimitui.model.gguf_map import ByteRange
+
+    path = spec["model"]
+    length = min(spec["sample_bytes"], os.path.getsize(path))
+    before = _read_bytes()
+    done = ParallelReader(threads=spec["threads"], chunk_bytes=DISK_CHUNK_BYTES).read([path], [ByteRange(0, 0, length)])
+    emit(
+        "result",
+        bytes=done.done_bytes,
+        seconds=done.elapsed_s,
+        storage_bytes=_delta(before, _read_bytes()),
+        threads=spec["threads"],
+        chunk_bytes=DISK_CHUNK_BYTES,
+    )
+
+
+def _engine_generation(engine, spec: dict) -> dict:
+    from kimitui.engine.session import Sampling
+
+    tokens = prompt_tokens(engine.llm, spec["prompt_tokens"])
+    generation = engine.complete(tokens, Sampling(temperature=0.0, max_tokens=spec["tokens"]))
+    ids = (event.token_id for event in generation if event.token_id >= 0)  # -1: a final text flush
+    return measure_decode(ids, len(tokens), streaming=lambda: engine.metrics.view()["streaming"])
+
+
+def phase_engine(spec: dict) -> None:
+    """The kimitui engine: fast-start load, the pinned set (setup), then the measured reply."""
+    import llama_cpp  # noqa: F401 - imported before the clock starts, as the baseline does
+    from kimitui.engine.memory import default_budget
+    from kimitui.engine.session import Engine
+    from kimitui.engine.streaming import StreamSettings
+
+    # "auto" is sized here, inside the run's cgroup, exactly as the app sizes it.
+    budget = spec["budget"] if spec["budget"] is not None else default_budget()
+    stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth") if spec.get(k) is not None})
+    engine = Engine(spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream)
+    started = time.perf_counter()
+    engine.load()
+    load_s = time.perf_counter() - started
+    rss_after_load = _rss()
+    started = time.perf_counter()
+    engine.pin()
+    pin_s = time.perf_counter() - started
+    figures = _engine_generation(engine, spec)
+    emit(
+        "result",
+        load_s=load_s,
+        rss_after_load_bytes=rss_after_load,
+        pin_s=pin_s,
+        budget_bytes=budget,
+        streaming=engine.streamer is not None,
+        policy=stream.policy,
+        prefetch_depth=stream.prefetch_depth,
+        pinned_bytes=engine.pinned_bytes,
+        pin_note=engine.pin_note,
+        fast_load_note=engine.fast_load_note,
+        peak_rss_bytes=_peak_rss(),
+        **figures,
+    )
+
+
+def phase_compute(spec: dict) -> None:
+    """Compute speed with the weights in RAM: the engine's compute path (repacking off),
+    loaded the stock way, which reads the whole file into memory before the first token."""
+    import llama_cpp  # noqa: F401 - imported before the clock starts
+    from kimitui.engine.session import Engine
+
+    engine = Engine(spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], fast_load=False)
+    started = time.perf_counter()
+    engine.load()
+    load_s = time.perf_counter() - started
+    emit("result", load_s=load_s, peak_rss_bytes=_peak_rss(), **_engine_generation(engine, spec))
+
+
+def _plain_llama(spec: dict):
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        model_path=spec["model"],
+        n_ctx=spec["n_ctx"],
+        n_threads=spec["threads"],
+        n_threads_batch=spec["threads"],  # the engine prefills with the same threads
+        verbose=False,
+    )
+
+
+def phase_llama(spec: dict) -> None:
+    """Plain llama-cpp-python, stock mmap load, greedy: the baseline."""
+    import llama_cpp
+
+    started = time.perf_counter()
+    llm = _plain_llama(spec)
+    load_s = time.perf_counter() - started
+    rss_after_load = _rss()
+    tokens = prompt_tokens(llm, spec["prompt_tokens"])
+    vocab = llm._model.vocab
+
+    def greedy():
+        # The same sampler settings as the engine's Sampling(temperature=0.0): greedy.
+        for n, token in enumerate(llm.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)):
+            if llama_cpp.llama_vocab_is_eog(vocab, token) or n >= spec["tokens"]:
+                return
+            yield token
+
+    figures = measure_decode(greedy(), len(tokens))
+    emit("result", load_s=load_s, rss_after_load_bytes=rss_after_load, peak_rss_bytes=_peak_rss(), **figures)
+
+
+# --- bench-load phases ----------------------------------------------------------------------
+
+
+def phase_app_load(spec: dict) -> None:
+    """The real app, headless, from its own command line until the model is loaded.
+
+    "ready" is sent from Textual's message hook when the app dispatches LoadFinished: the
+    handler that runs next sets ``app.ready`` and starts reading the pinned set, so storage
+    reads sampled here are the load's alone. The pinned set is not part of start-to-ready.
+    """
+    import asyncio
+
+    from kimitui.benchmarks.common import cached_bytes
+    from kimitui.cli import build_parser, resolve_model, resolve_settings
+    from kimitui.tui.app import KimituiApp
+    from kimitui.tui.messages import LoadFailed, LoadFinished
+
+    settings = resolve_settings(build_parser().parse_args(spec["argv"]))
+    model_path = resolve_model(settings)
+    app = KimituiApp(settings, model_path)
+
+    failed = []
+
+    def hook(message) -> None:
+        if isinstance(message, LoadFinished):
+            read = _read_bytes()
+            emit("ready", read_bytes=read, load_s=app.engine.load_s, fast_load_note=app.engine.fast_load_note)
+            emit("resident", model_cached_bytes=cached_bytes(model_path), peak_rss_bytes=_peak_rss())
+        elif isinstance(message, LoadFailed):
+            failed.append(message.error)
+            emit("error", message=message.error)
+
+    async def main() -> None:
+        async with app.run_test(size=(120, 40), message_hook=hook) as pilot:
+            while not app.ready and not failed:
+                await pilot.pause(0.01)
+            if app.ready:
+                emit("result", ready=True)
+
+    asyncio.run(main())
+
+
+def phase_llama_load(spec: dict) -> None:
+    """Plain llama-cpp-python's load with stock settings, from interpreter start."""
+    from kimitui.benchmarks.common import cached_bytes
+
+    started = time.perf_counter()
+    _plain_llama(spec)
+    load_s = time.perf_counter() - started
+    emit("ready", read_bytes=_read_bytes(), load_s=load_s)
+    emit("resident", model_cached_bytes=cached_bytes(spec["model"]), peak_rss_bytes=_peak_rss())
+    emit("result", ready=True)
+
+
+PHASES = {
+    "disk": phase_disk,
+    "engine": phase_engine,
+    "compute": phase_compute,
+    "llama": phase_llama,
+    "app-load": phase_app_load,
+    "llama-load": phase_llama_load,
+}
+
+
+def main(argv: list[str]) -> int:
+    phase, spec = argv[0], json.loads(argv[1])
+    try:
+        PHASES[phase](spec)
+    except Exception as exc:  # reported to the parent as one line; it decides what to show
+        from kimitui.engine.session import EngineError
+        from kimitui.errors import UserError
+
+        if isinstance(exc, (EngineError, UserError)):
+            emit("error", message=str(exc))
+        else:  # our bug: the traceback goes to stderr, which the parent keeps
+            import traceback
+
+            traceback.print_exc()
+            emit("error", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

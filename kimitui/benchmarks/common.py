@@ -1,0 +1,227 @@
+"""What the benchmark commands share: a cold page cache, measured child processes, output.
+
+Every measured phase runs in a child process of its own, so its page cache state, RSS and
+I/O counters belong to that run alone; the model file is dropped from the page cache
+before each child starts, and how much of it was still cached is recorded, because pages
+another process keeps mapped cannot be dropped and would make a "cold" run warm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kimitui.benchmarks.cgroup import MemoryCgroups, RunCgroup
+from kimitui.benchmarks.child import MARKER
+from kimitui.errors import UserError
+from kimitui.units import format_bytes
+
+
+_LOW_BIT = bytes(i & 1 for i in range(256))
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached_bytes(path: Path) -> int | None:
+    """Bytes of ``path`` in the page cache (mincore over a mapping that is never touched);
+    None where mincore is not reachable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        pages = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        if mincore(address, size, vec) != 0:
+            return None
+        resident = bytes(vec).translate(_LOW_BIT).count(1)  # bit 0: page resident; the rest reserved
+    finally:
+        libc.munmap(address, size)
+    return min(size, resident * page)
+
+
+def cpu_waiting_us(pressure: Path = Path("/proc/pressure/cpu")) -> int | None:
+    """Microseconds during which some runnable task waited for a CPU (Linux PSI), since boot."""
+    try:
+        for line in pressure.read_text().splitlines():
+            if line.startswith("some "):
+                return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def storage_read_bytes() -> int | None:
+    """Bytes this process has caused to be read from storage; None where the OS has no
+    per-process counter (Darwin)."""
+    import psutil
+
+    try:
+        return int(psutil.Process().io_counters().read_bytes)
+    except (AttributeError, NotImplementedError, psutil.Error):
+        return None
+
+
+@dataclass
+class ChildRun:
+    """One measured child process, as the parent saw it."""
+
+    phase: str
+    spawned_at: float  # parent perf_counter just before the child was spawned
+    messages: dict[str, dict] = field(default_factory=dict)  # kind -> the child's last message of that kind
+    arrived: dict[str, float] = field(default_factory=dict)  # kind -> parent perf_counter when it arrived
+    returncode: int | None = None
+    error: str | None = None
+    cached_at_start: int | None = None  # bytes of the model still in the page cache after the drop
+    cgroup_limit: int | None = None
+    cgroup_peak: int | None = None
+    # Share of the run's wall time during which some task waited for a CPU: other work on
+    # the machine competing with the run, which makes its figures noisy.
+    cpu_contention: float | None = None
+
+    @property
+    def result(self) -> dict | None:
+        return None if self.error else self.messages.get("result")
+
+    def seconds_until(self, kind: str) -> float | None:
+        at = self.arrived.get(kind)
+        return None if at is None else at - self.spawned_at
+
+
+def run_child(
+    phase: str,
+    spec: dict,
+    model: Path,
+    *,
+    cgroups: MemoryCgroups | None = None,
+    limit: int | None = None,
+    stop_after: str | None = None,
+) -> ChildRun:
+    """Drop ``model`` from the page cache, run ``python -m kimitui.benchmarks.child phase``
+    (in a fresh cgroup when ``cgroups`` is given) and collect its messages. With
+    ``stop_after`` the child is killed as soon as it sends that message kind: what comes
+    after (the app's pinned set, teardown) is not part of the measurement."""
+    drop_from_page_cache(model)
+    cgroup: RunCgroup | None = cgroups.create(limit) if cgroups is not None else None
+    run = ChildRun(phase, 0.0, cgroup_limit=limit)
+    run.cached_at_start = cached_bytes(model)
+    command = [sys.executable, "-m", "kimitui.benchmarks.child", phase, json.dumps(spec)]
+    proc = None
+    try:
+        with tempfile.TemporaryFile("w+") as stderr:
+            waited = cpu_waiting_us()
+            run.spawned_at = time.perf_counter()
+            try:
+                proc = subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    preexec_fn=cgroup.join if cgroup is not None else None,
+                )
+            except subprocess.SubprocessError as exc:  # the child could not join the cgroup
+                raise UserError(f"cannot start a benchmark process in {cgroup.path}: {exc}") from None
+            for line in proc.stdout:
+                now = time.perf_counter()
+                if not line.startswith(MARKER):
+                    continue
+                message = json.loads(line[len(MARKER):])
+                kind = message.pop("kind")
+                run.messages[kind], run.arrived[kind] = message, now
+                if kind == stop_after:
+                    proc.kill()
+                    break
+            proc.stdout.close()
+            run.returncode = proc.wait()
+            wall = time.perf_counter() - run.spawned_at
+            waited_after = cpu_waiting_us()
+            if waited is not None and waited_after is not None and wall > 0:
+                run.cpu_contention = min(1.0, (waited_after - waited) / 1e6 / wall)
+            stopped = stop_after is not None and stop_after in run.messages
+            if "error" in run.messages:
+                run.error = run.messages["error"]["message"]
+            elif cgroup is not None and cgroup.oom_kills():
+                run.error = f"killed by the kernel's OOM killer at the cgroup limit of {format_bytes(limit)}"
+            elif run.returncode != 0 and not stopped:
+                stderr.seek(0)
+                tail = [line.strip() for line in stderr.read().splitlines() if line.strip()]
+                run.error = f"exited with status {run.returncode}" + (f": {tail[-1]}" if tail else "")
+            elif "result" not in run.messages and not stopped:
+                run.error = "ended without reporting a result"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if cgroup is not None:
+            run.cgroup_peak = cgroup.peak_bytes()
+            cgroup.remove()
+    return run
+
+
+NOISY_CONTENTION = 0.10
+
+
+def contention_note(shares: dict[str, float | None]) -> str | None:
+    """One line naming the runs during which other work competed for the CPU, if any did."""
+    noisy = [f"{name} {share:.0%}" for name, share in shares.items() if share is not None and share > NOISY_CONTENTION]
+    if not noisy:
+        return None
+    return (
+        "tasks waited for a CPU during part of: " + ", ".join(noisy)
+        + " of the run's time (other work on this machine, or the run's own extra threads): those figures are noisy, run again"
+    )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def cell(value: float | None, fmt: str, *, scale: float = 1.0, unit: str = "") -> str:
+    """A table cell: the em dash for a figure nobody measured."""
+    return "—" if value is None else f"{value * scale:{fmt}}{unit}"
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        first, *rest = row
+        lines.append("  ".join([first.ljust(widths[0])] + [c.rjust(w) for c, w in zip(rest, widths[1:])]).rstrip())
+    return "\n".join(lines)
+
+
+def write_json(path: Path, figures: dict) -> None:
+    try:
+        Path(path).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    except OSError as exc:
+        raise UserError(f"--json: cannot write {path} ({exc.strerror})") from None

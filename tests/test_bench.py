@@ -1,0 +1,148 @@
+"""`kimitui bench` and `bench-load` on a small synthetic model: real runs, figures checked
+for sense (never for speed), the cgroup path where this machine allows it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimitui.benchmarks.cgroup import Hierarchy, find_hierarchy
+from kimitui.cli import main
+from kimitui.model import synth
+from kimitui.model.gguf_map import load_model_map
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bench") / "dense100.gguf"
+    synth.write_model(synth.plan_dense(100 * MIB, "q4_1", synth.default_tokenizer()), path, progress=False)
+    return path
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kimitui", *argv], capture_output=True, text=True, timeout=300)
+
+
+def cgroup_or_skip() -> Hierarchy:
+    if os.geteuid() != 0:
+        pytest.skip("memory cgroups need root here")
+    found = find_hierarchy()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
+def test_bench_with_baseline_reports_measured_figures(small_model, tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_cli("bench", "--model", str(small_model), "--tokens", "4", "--prompt-tokens", "8", "--baseline", "--json", str(out))
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(out.read_text())
+    assert "kimitui" in done.stdout and "plain mmap" in done.stdout
+
+    assert report["disk"]["bandwidth_bytes_s"] > 0
+    assert report["disk"]["storage_bytes"] >= 0.9 * report["disk"]["bytes"]  # it was cold
+    assert report["compute"]["decode_tok_s"] > 0  # 100 MiB fits in RAM
+    runs = report["runs"]
+    for name in ("kimitui", "baseline"):
+        r = runs[name]
+        assert r["error"] is None
+        assert r["prompt_tokens"] == 8 and r["completion_tokens"] == 4
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0
+        assert 0 < r["token_p50_s"] <= r["token_p95_s"]
+        assert r["peak_rss_bytes"] > 0 and r["load_s"] > 0
+        for key in ("read_bytes_per_token", "prefill_read_bytes", "decode_read_bytes"):
+            assert key in r
+        assert r["read_bytes_per_token"] >= 0  # Linux has per-process I/O counters
+        # Nothing reports cache hits yet: unmeasured stays None, never a made-up number.
+        assert r["hit_rate"] is None and r["stall_s_per_token"] is None
+    assert report["same_tokens"] is True  # greedy on the same prompt: the comparison is fair
+    ratios = report["ratios"]
+    assert ratios["decode_tok_s"] == pytest.approx(runs["kimitui"]["decode_tok_s"] / runs["baseline"]["decode_tok_s"])
+    assert ratios["ttft_s"] == pytest.approx(runs["kimitui"]["ttft_s"] / runs["baseline"]["ttft_s"])
+
+    limit = report["limit"]
+    model_map = load_model_map(small_model)
+    assert limit["pinned_bytes"] == runs["kimitui"]["pinned_bytes"] > 0
+    assert limit["must_read_bytes_per_token"] == model_map.read_bytes_per_token(limit["pinned_bytes"])
+    assert limit["tok_s"] > 0
+    assert report["settings"]["cgroup_limit_bytes"] is None and runs["kimitui"]["cgroup_peak_bytes"] is None
+
+
+def test_bench_in_a_memory_cgroup(small_model, tmp_path):
+    hierarchy = cgroup_or_skip()
+    out = tmp_path / "bench.json"
+    limit = 512 * MIB
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimitui", "bench", "--model", str(small_model), "--tokens", "4", "--prompt-tokens", "8",
+         "--budget", "256MiB", "--cgroup-limit", "512MiB", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr + stdout
+    report = json.loads(out.read_text())
+    assert report["settings"]["cgroup_limit_bytes"] == limit
+    run = report["runs"]["kimitui"]
+    assert run["error"] is None and run["decode_tok_s"] > 0
+    assert 0 < run["cgroup_peak_bytes"] <= limit
+    # Every per-run cgroup is gone afterwards.
+    assert not list(hierarchy.own.glob(f"kimitui-bench-{proc.pid}-*"))
+
+
+def test_bench_load_times_the_app_and_the_stock_load(small_model, tmp_path):
+    out = tmp_path / "load.json"
+    done = run_cli("bench-load", "--model", str(small_model), "--n-ctx", "256", "--repeat", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(out.read_text())
+    app, base = report["runs"]["kimitui"][0], report["runs"]["baseline"][0]
+    assert app["error"] is None and base["error"] is None
+    assert app["ready_s"] > app["load_s"] > 0  # interpreter start and imports count
+    assert base["ready_s"] > base["load_s"] > 0
+    assert app["read_bytes"] is not None and base["read_bytes"] is not None
+    # The stock load reads the whole model (MAP_POPULATE); fast start does not.
+    assert base["read_bytes"] >= 0.9 * report["model"]["tensor_bytes"]
+    assert app["read_bytes"] < base["read_bytes"]
+    assert report["targets"]["share_of_baseline"] == pytest.approx(app["ready_s"] / base["ready_s"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["bench", "--tokens", "1"], "--tokens: at least 2"),
+        (["bench", "--budget", "lots"], "--budget: cannot read 'lots' as a size"),
+        (["bench", "--cgroup-limit", "2XB"], "--cgroup-limit: unknown size unit"),
+        (["bench", "--model", "/nonexistent.gguf"], "model file not found"),
+        (["bench-load", "--repeat", "0"], "--repeat: at least 1"),
+    ],
+)
+def test_bad_flags_end_in_one_line(argv, text, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert text in err and err.count("\n") == 1
+
+
+def test_find_hierarchy_v1_and_v2(tmp_path):
+    proc = tmp_path / "proc" / "self"
+    proc.mkdir(parents=True)
+    (proc / "mountinfo").write_text(
+        "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    )
+    (proc / "cgroup").write_text("4:memory:/jobs/a\n0::/\n")
+    assert find_hierarchy(tmp_path / "proc") == Hierarchy("v1", Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/memory/jobs/a"))
+
+    mount = tmp_path / "cg2"
+    mount.mkdir()
+    (mount / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (proc / "mountinfo").write_text(f"30 1 0:26 / {mount} rw - cgroup2 cgroup2 rw\n")
+    (proc / "cgroup").write_text("0::/user.slice/me\n")
+    assert find_hierarchy(tmp_path / "proc") == Hierarchy("v2", mount, mount / "user.slice" / "me")
+
+    (mount / "cgroup.controllers").write_text("cpu io pids\n")
+    assert "no memory cgroup controller" in find_hierarchy(tmp_path / "proc")
