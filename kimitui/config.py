@@ -54,6 +54,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "shard_size": Key("size", 64 * 2**20, 4 * 2**20, 2**30),
         "policy": Key("str", "pin-stream", choices=("pin-stream", "lru")),
         "io_threads": Key("int", 4, 1, 64),
+        "expert_policy": Key("str", "lfu", choices=("lfu", "lru")),
     },
     "metrics": {
         "interval": Key("float", 0.25, 0.05, 10.0),

@@ -42,6 +42,8 @@ class StreamingCounters:
     prefetch_queue_depth: int = 0
     prefetch_inflight_bytes: int = 0
     stall_s: float = 0.0
+    expert_hits: int | None = None  # None: the model streams no routed experts
+    expert_misses: int | None = None
 
 
 class EngineMetrics:

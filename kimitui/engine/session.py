@@ -89,7 +89,24 @@ def _ggml_base(llama_library: str):
     lib = ctypes.CDLL(candidates[0])
     lib.ggml_get_name.restype = ctypes.c_char_p
     lib.ggml_get_name.argtypes = (ctypes.c_void_p,)
+    lib.ggml_get_data.restype = ctypes.c_void_p
+    lib.ggml_get_data.argtypes = (ctypes.c_void_p,)
     return lib
+
+
+def _topk_ids(ggml, tensor: int) -> set[int]:
+    """Expert ids in a router's top-k node: int32, ne = [k, n_tokens], rows nb[1] apart.
+
+    ne and nb sit right after ggml_tensor's type and buffer fields, a layout ggml has kept
+    for years; the data pointer comes through ggml's own accessor.
+    """
+    k, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + 16)
+    row_stride = (ctypes.c_size_t * 2).from_address(tensor + 48)[1]
+    data = ggml.ggml_get_data(tensor)
+    ids: set[int] = set()
+    for token in range(n_tokens):
+        ids.update((ctypes.c_int32 * k).from_address(data + token * row_stride))
+    return ids
 
 
 def default_threads() -> int:
@@ -268,10 +285,14 @@ class Engine:
 
         def on_eval(tensor, ask, _user):
             name = ggml.ggml_get_name(tensor) or b""
-            if ask:  # observe only the node before each layer: embd, then l_out-<i>
-                return name == b"embd" or name.startswith(b"l_out-")
+            if ask:  # observe the node before each layer (embd, then l_out-<i>) and each router's top-k
+                return name == b"embd" or name.startswith((b"l_out-", b"ffn_moe_topk-"))
             streamer = self.streamer
-            if streamer is not None:
+            if streamer is None:
+                return True
+            if name.startswith(b"ffn_moe_topk-"):
+                streamer.on_experts(int(name[13:]), _topk_ids(ggml, tensor))
+            else:
                 streamer.on_layer_start(0 if name == b"embd" else int(name[6:]) + 1)
             return True
 
@@ -302,10 +323,23 @@ class Engine:
         streaming = self._callbacks is not None
         window = 0
         if streaming:
-            per_layer = max(layer.n_bytes for layer in model.layers)
+            # The layers in flight: trunk bytes only for MoE layers, whose experts come on demand.
+            per_layer = max(layer.trunk_bytes if model.is_moe else layer.n_bytes for layer in model.layers)
             window = per_layer * (self.stream_settings.prefetch_depth + 1)
-        pinned = plan_pinned(model, int(budget * 0.9) - working - window)
-        ranges = shard_ranges(model, pinned)
+        pin_budget = int(budget * 0.9) - working - window
+        pinned = plan_pinned(model, pin_budget)
+        moe_streaming = streaming and model.is_moe and len(pinned) < len(model.shards)
+        hot: list = []
+        counts = None
+        if moe_streaming:
+            from kimitui.engine.experts import hot_experts, load_heatmap
+
+            pinned = [s for s in pinned if not s.routed]
+            left = pin_budget - sum(s.length for s in pinned)
+            counts = load_heatmap(self.heatmap_path(model), model.n_layers, model.n_expert)
+            # Half of what is left pins the experts past runs used most; the rest caches.
+            hot = hot_experts(model, counts, left // 2)
+        ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
         try:
             ParallelReader().read(model.files, ranges, on_progress, cancel=self._abort_load)
         except OSError as exc:
@@ -315,10 +349,28 @@ class Engine:
         self.pin_note = lock_ranges(self.mapping.address, ranges)
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
-        if streaming and len(pinned) < len(model.shards):
+        if streaming and (len(pinned) < len(model.shards)):
             self.streamer = Streamer(model, {0: self.mapping.address}, {s.index for s in pinned}, self.stream_settings, self.metrics)
+            if moe_streaming:
+                capacity = max(0, pin_budget - self.pinned_bytes)
+                self.streamer.attach_experts(capacity, hot, counts)
             self.metrics.residency_source = self.streamer.residency_by_layer
             self.set_tracer(self.tracer)
+
+    def heatmap_path(self, model) -> Path:
+        import platformdirs
+
+        from kimitui.engine.experts import heatmap_path
+
+        return heatmap_path(model, Path(platformdirs.user_cache_dir("kimitui")))
+
+    def save_heatmap(self) -> None:
+        """Keep what routing taught us for the next run's pinned hot experts."""
+        streamer = self.streamer
+        if streamer is not None and streamer.experts is not None:
+            from kimitui.engine.experts import save_heatmap
+
+            save_heatmap(self.heatmap_path(streamer.model), streamer.experts.counts)
 
     def set_tracer(self, tracer: "Tracer | None") -> None:
         self.tracer = tracer
@@ -608,5 +660,6 @@ class Generation:
             result.finish_reason = finish
             result.decode_s = max(0.0, last - started - result.prompt_s)
             metrics.request_finished()
+            engine.save_heatmap()
             if tracer is not None:
                 tracer.request_finished(self.id, result)

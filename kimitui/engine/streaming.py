@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from kimitui.engine.experts import ExpertCache, ExpertUnit
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
 from kimitui.model.gguf_map import ModelMap, Shard
@@ -49,6 +50,7 @@ class StreamSettings:
     policy: str = "pin-stream"
     io_threads: int = 4
     window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
+    expert_policy: str = "lfu"  # the routed-expert cache: "lfu" or "lru"
 
 
 def minimum_budget(model: ModelMap) -> int:
@@ -100,13 +102,15 @@ class Streamer:
             sum(s.length for s in model.layer_shards(layer) if s.index in pinned) for layer in range(model.n_layers)
         ]
         # Called from I/O threads for every storage read: (shard, offset, bytes, start, seconds).
-        self.on_read: Callable[[Shard, int, int, float, float], None] | None = None
+        self.on_read: Callable[[Shard | ExpertUnit, int, int, float, float], None] | None = None
+        self.experts: ExpertCache | None = None
         self._report()
 
     # -- sizes --------------------------------------------------------------------------
 
     @property
     def streamed_bytes_per_token(self) -> int:
+        """Trunk bytes streamed per token (routed experts, when attached, come on demand)."""
         return sum(s.length for shards in self.layer_shards for s in shards)
 
     def _window(self) -> int:
@@ -123,34 +127,40 @@ class Streamer:
             buf = self._local.buf = memoryview(bytearray(CHUNK_BYTES))
         return buf
 
-    def _read_chunk(self, shard: Shard, offset: int, length: int) -> int:
+    def _read_chunk(self, unit, file: int, offset: int, length: int) -> int:
+        """Read one piece of a shard or an expert (``unit``, for messages and the trace)."""
         started = time.perf_counter()
-        if offset + length > os.fstat(self.fds[shard.file]).st_size:
-            got = max(0, os.fstat(self.fds[shard.file]).st_size - offset)
-        elif self.io.populate(self.addresses[shard.file], offset, length):
+        size = os.fstat(self.fds[file]).st_size
+        if offset + length > size:
+            got = max(0, size - offset)
+        elif self.io.populate(self.addresses[file], offset, length):
             got = length
         else:
-            got = os.preadv(self.fds[shard.file], [self._buffer()[:length]], offset)
+            got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
         if got != length:
+            what = f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
             raise StreamAbort(
-                f"model file {os.path.basename(self.model.files[shard.file])} ended at byte {offset + got}; "
-                f"shard {shard.index} of layer {shard.layer} needs bytes up to {shard.offset + shard.length} "
+                f"model file {os.path.basename(self.model.files[file])} ended at byte {offset + got}; "
+                f"{what} of layer {unit.layer} needs bytes up to {offset + length} "
                 "(file truncated or drive removed?)"
             )
         with self._lock:
             self.bytes_read += length
         if self.on_read is not None:
-            self.on_read(shard, offset, length, started, time.perf_counter() - started)
+            self.on_read(unit, offset, length, started, time.perf_counter() - started)
         return length
+
+    def _read_ranges(self, unit, ranges) -> list[Future]:
+        return [
+            self._pool.submit(self._read_chunk, unit, r.file, start, min(CHUNK_BYTES, r.end - start))
+            for r in ranges
+            for start in range(r.offset, r.end, CHUNK_BYTES)
+        ]
 
     def _submit(self, shard: Shard) -> None:
         """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
         self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
-        futures = [
-            self._pool.submit(self._read_chunk, shard, start, min(CHUNK_BYTES, shard.offset + shard.length - start))
-            for start in range(shard.offset, shard.offset + shard.length, CHUNK_BYTES)
-        ]
-        self._futures[shard.index] = futures
+        self._futures[shard.index] = self._read_ranges(shard, [shard.range])
         self.state[shard.index] = Residency.INFLIGHT
         self._resident_bytes += shard.length
 
@@ -278,6 +288,34 @@ class Streamer:
                     f"(layer {layer} needs byte {shard.offset + shard.length}); file truncated or drive removed?"
                 )
 
+    # -- routed experts -----------------------------------------------------------------
+
+    def attach_experts(self, capacity: int, pinned: list[ExpertUnit], counts: list[list[int]]) -> None:
+        """Stream MoE layers by expert: their routed shards leave the layer-by-layer stream."""
+        for layer in range(self.model.n_layers):
+            self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
+
+        def read_unit(unit: ExpertUnit) -> list[Future]:
+            return self._read_ranges(unit, unit.ranges)
+
+        def drop_unit(unit: ExpertUnit) -> None:
+            for r in unit.ranges:
+                self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
+
+        self.experts = ExpertCache(self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy)
+
+    def on_experts(self, layer: int, experts: set[int]) -> None:
+        """The router of ``layer`` chose ``experts`` (for every token of the batch)."""
+        if self.error is not None or self.experts is None:
+            return
+        try:
+            self.stall_s += self.experts.ensure(layer, experts)
+        except StreamAbort as exc:
+            self.error = str(exc)
+        except OSError as exc:
+            self.error = f"cannot read the model: {exc}"
+        self._report()
+
     # -- tuning and views ----------------------------------------------------------------
 
     def reconfigure(self, **changes) -> None:
@@ -294,7 +332,13 @@ class Streamer:
         """One cell per layer: pinned / resident / in flight / cold (the least ready shard wins)."""
         out = []
         for layer in range(self.model.n_layers):
-            states = [self.state[i] for i in self.model.layers[layer].shards]
+            streamed = {s.index for s in self.layer_shards[layer]}
+            # Routed shards of expert-streamed layers show in the expert heatmap instead.
+            states = [
+                self.state[i]
+                for i in self.model.layers[layer].shards
+                if self.state[i] == Residency.PINNED or i in streamed or self.experts is None
+            ]
             for candidate in (Residency.COLD, Residency.INFLIGHT, Residency.RESIDENT, Residency.PINNED):
                 if candidate in states:
                     out.append(candidate.value)
@@ -305,9 +349,12 @@ class Streamer:
 
     def _report(self) -> None:
         inflight = [i for i, st in enumerate(self.state) if st == Residency.INFLIGHT]
+        experts = self.experts
         self.metrics.update_streaming(
             cache_hits=self.hits,
             cache_misses=self.misses,
+            expert_hits=None if experts is None else experts.hits,
+            expert_misses=None if experts is None else experts.misses,
             prefetch_queue_depth=len(inflight),
             prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
             stall_s=self.stall_s,
@@ -317,11 +364,12 @@ class Streamer:
         """Cumulative counters; a tracer takes differences per token."""
         with self._lock:
             read = self.bytes_read
+        experts = self.experts
         return {
             "bytes_read": read,
-            "bytes_from_cache": self.bytes_from_cache,
-            "hits": self.hits,
-            "misses": self.misses,
+            "bytes_from_cache": self.bytes_from_cache + (experts.bytes_from_cache if experts else 0),
+            "hits": self.hits + (experts.hits if experts else 0),
+            "misses": self.misses + (experts.misses if experts else 0),
             "stall_s": self.stall_s,
             "prefetch_issued": self.prefetch_issued,
             "prefetch_used": self.prefetch_used,

@@ -124,6 +124,7 @@ class KimituiApp(App[int]):
                     prefetch_depth=settings["engine.prefetch_depth"],
                     policy=settings["engine.policy"],
                     io_threads=settings["engine.io_threads"],
+                    expert_policy=settings["engine.expert_policy"],
                 ),
             )
             self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)

@@ -1,0 +1,178 @@
+"""Just-in-time routed experts: read the experts the router picked, not the whole layer.
+
+At each MoE layer llama.cpp computes the router's top-k (``ffn_moe_topk-L``, int32 expert ids
+per token) before the expert matmuls. The engine's eval callback hands those ids here; every
+(layer, expert) not resident is read with parallel positional reads (gate, up and down slices
+of that expert) and compute waits only for those. A batch (prefill) asks for the union of its
+tokens' experts once. Resident experts live in a cache under the budget (LRU, or LFU which
+keeps the experts routed to most often); a usage heatmap per model is saved in the user cache
+dir so the next run pins the hot experts from the start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from kimitui.model.gguf_map import ModelMap
+
+EXPERT_POLICIES = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class ExpertUnit:
+    """One expert's slices in one layer: what a read and a cache entry are about."""
+
+    layer: int
+    expert: int
+    ranges: tuple  # ByteRange per routed tensor (gate, up, down)
+
+    @property
+    def length(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+    # The attributes a trace's read record uses, as on a Shard.
+    @property
+    def index(self) -> int:
+        return -1
+
+    @property
+    def file(self) -> int:
+        return self.ranges[0].file
+
+
+def heatmap_path(model: ModelMap, cache_dir: Path) -> Path:
+    """Keyed by what identifies the model's bytes (name, sizes, tensor layout), not its path."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(model.name.encode())
+    for size in model.file_sizes:
+        digest.update(str(size).encode())
+    for t in model.tensors[:64]:
+        digest.update(f"{t.name}:{t.offset}:{t.n_bytes}".encode())
+    return cache_dir / "heatmaps" / f"{digest.hexdigest()}.json"
+
+
+def load_heatmap(path: Path, n_layers: int, n_expert: int) -> list[list[int]]:
+    try:
+        data = json.loads(path.read_text())
+        counts = data["counts"]
+        if len(counts) == n_layers and all(len(row) == n_expert for row in counts):
+            return [[int(c) for c in row] for row in counts]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no usable history: start cold
+    return [[0] * n_expert for _ in range(n_layers)]
+
+
+def save_heatmap(path: Path, counts: list[list[int]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"counts": counts}))
+    os.replace(tmp, path)
+
+
+def hot_experts(model: ModelMap, counts: list[list[int]], byte_budget: int) -> list[ExpertUnit]:
+    """The most used (layer, expert) pairs that fit ``byte_budget``; never-used ones are not hot."""
+    ranked = sorted(
+        ((c, layer, e) for layer, row in enumerate(counts) for e, c in enumerate(row) if c > 0 and model.layers[layer].is_moe),
+        reverse=True,
+    )
+    chosen, left = [], byte_budget
+    for _count, layer, e in ranked:
+        unit = ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e)))
+        if unit.length > left:
+            break
+        chosen.append(unit)
+        left -= unit.length
+    return chosen
+
+
+class ExpertCache:
+    """Resident experts beyond the pinned hot set, within ``capacity`` bytes."""
+
+    def __init__(
+        self,
+        model: ModelMap,
+        capacity: int,
+        pinned: Iterable[ExpertUnit],
+        counts: list[list[int]],
+        read_unit: Callable[[ExpertUnit], list[Future]],
+        drop_unit: Callable[[ExpertUnit], None],
+        policy: str = "lfu",
+    ) -> None:
+        if policy not in EXPERT_POLICIES:
+            raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
+        self.model = model
+        self.capacity = capacity
+        self.policy = policy
+        self.pinned = {(u.layer, u.expert) for u in pinned}
+        self.counts = counts
+        self._read_unit = read_unit
+        self._drop_unit = drop_unit
+        self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()
+        self._resident_bytes = 0
+        n = model.n_layers
+        self.layer_hits = [0] * n
+        self.layer_misses = [0] * n
+        self.hits = self.misses = 0
+        self.bytes_from_cache = 0
+
+    def _unit(self, layer: int, expert: int) -> ExpertUnit:
+        return ExpertUnit(layer, expert, tuple(self.model.expert_ranges(layer, expert)))
+
+    def _victim(self, protect: set[tuple[int, int]]) -> tuple[int, int] | None:
+        candidates = [key for key in self._resident if key not in protect]
+        if not candidates:
+            return None
+        if self.policy == "lru":
+            return candidates[0]
+        # LFU with recency as the tie-break: the coldest expert by routing history goes first.
+        order = {key: i for i, key in enumerate(self._resident)}
+        return min(candidates, key=lambda k: (self.counts[k[0]][k[1]], order[k]))
+
+    def ensure(self, layer: int, experts: Iterable[int]) -> float:
+        """Make ``experts`` of ``layer`` resident; returns seconds waited on storage."""
+        wanted = sorted(set(experts))
+        pending: list[tuple[ExpertUnit, list[Future]]] = []
+        needed = {(layer, e) for e in wanted}
+        for e in wanted:
+            key = (layer, e)
+            self.counts[layer][e] += 1
+            if key in self.pinned or key in self._resident:
+                self.hits += 1
+                self.layer_hits[layer] += 1
+                unit = self._resident.get(key) or self._unit(layer, e)
+                self.bytes_from_cache += unit.length
+                if key in self._resident:
+                    self._resident.move_to_end(key)
+                continue
+            self.misses += 1
+            self.layer_misses[layer] += 1
+            unit = self._unit(layer, e)
+            while self._resident and self._resident_bytes + unit.length > self.capacity:
+                victim = self._victim(needed)
+                if victim is None:
+                    break
+                evicted = self._resident.pop(victim)
+                self._drop_unit(evicted)
+                self._resident_bytes -= evicted.length
+            pending.append((unit, self._read_unit(unit)))
+            self._resident[key] = unit
+            self._resident_bytes += unit.length
+        started = time.perf_counter()
+        for _unit, futures in pending:
+            for f in futures:
+                f.result()  # a failed read raises here, before the expert matmuls run
+        return time.perf_counter() - started if pending else 0.0
+
+    def resident_keys(self) -> set[tuple[int, int]]:
+        return set(self._resident) | self.pinned
+
+    def layer_hit_rates(self) -> list[float | None]:
+        return [h / (h + m) if h + m else None for h, m in zip(self.layer_hits, self.layer_misses)]

@@ -1,0 +1,127 @@
+"""Expert streaming on a real synthetic deepseek2 MoE: only routed experts are read, tokens
+match plain llama.cpp, the heatmap carries over to the next run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine.experts import ExpertCache, ExpertUnit, heatmap_path, hot_experts, load_heatmap
+from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.streaming import StreamSettings
+from kimitui.model import synth
+from kimitui.model.gguf_map import load_model_map
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe") / "moe.gguf"
+    spec = synth.plan_moe(200 * MIB, "q4_1", synth.default_tokenizer())
+    return synth.write_model(spec, out, seed=11, progress=False).paths[0]
+
+
+def run(engine: Engine, tokens: int = 8) -> str:
+    gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=tokens))
+    list(gen)
+    return gen.result.text
+
+
+def expert_engine(path: Path, budget_mib: int = 100, policy: str = "lfu") -> Engine:
+    engine = Engine(path, n_ctx=256, budget=budget_mib * MIB, stream_settings=StreamSettings(expert_policy=policy))
+    engine.load()
+    engine.pin()
+    return engine
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy):
+    stock = Engine(moe_model, n_ctx=256, fast_load=False)
+    stock.load()
+    expected = run(stock)
+    stock.close()
+
+    engine = expert_engine(moe_model, policy=policy)
+    try:
+        streamer = engine.streamer
+        assert streamer is not None and streamer.experts is not None
+        routed: set[tuple[int, int]] = set()
+        original = streamer.on_experts
+
+        def spy(layer, ids):
+            routed.update((layer, e) for e in ids)
+            original(layer, ids)
+
+        streamer.on_experts = spy
+        reads: list = []
+        streamer.on_read = lambda unit, offset, length, start, seconds: reads.append((unit, offset, length))
+        assert run(engine) == expected
+        model = load_model_map(moe_model)
+        expert_reads = {(u.layer, u.expert) for u, _, _ in reads if isinstance(u, ExpertUnit)}
+        assert expert_reads, "a budget this small must read experts"
+        assert expert_reads <= routed  # nothing the router did not pick
+        # No byte of an unrouted expert was read, through any unit.
+        for unit, offset, length in reads:
+            for layer in range(model.n_layers):
+                if not model.layers[layer].is_moe:
+                    continue
+                for e in range(model.layers[layer].n_expert):
+                    if (layer, e) in routed:
+                        continue
+                    for r in model.expert_ranges(layer, e):
+                        assert offset + length <= r.offset or offset >= r.end or unit.file != r.file
+        x = streamer.experts
+        # Each test has a fresh cache dir: every routing decision was counted once, as a hit or a miss.
+        assert x.hits + x.misses == sum(sum(row) for row in x.counts)
+        assert x.misses >= len(expert_reads)
+    finally:
+        engine.close()
+
+
+def test_heatmap_pins_hot_experts_next_run(moe_model):
+    first = expert_engine(moe_model)
+    try:
+        run(first)
+        model = first.streamer.model
+        path = first.heatmap_path(model)
+        assert path.exists()
+        counts = load_heatmap(path, model.n_layers, model.n_expert)
+        assert sum(map(sum, counts)) > 0
+    finally:
+        first.close()
+    second = expert_engine(moe_model)
+    try:
+        hot = second.streamer.experts.pinned
+        assert hot, "the next run pins what the last one used"
+        top = hot_experts(model, counts, 10**12)[0]
+        assert (top.layer, top.expert) in hot
+        run(second)
+        assert second.streamer.experts.hits > 0
+    finally:
+        second.close()
+    assert heatmap_path(model, path.parent.parent) == path
+
+
+def test_cache_evicts_by_policy(moe_model):
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    size = ExpertUnit(layer, 0, tuple(model.expert_ranges(layer, 0))).length
+    counts = [[0] * model.n_expert for _ in model.layers]
+    counts[layer][0] = 100  # expert 0 is popular
+    dropped: list[int] = []
+    cache = ExpertCache(model, 2 * size, [], counts, lambda unit: [], lambda unit: dropped.append(unit.expert), "lfu")
+    cache.ensure(layer, [0])
+    cache.ensure(layer, [1])
+    cache.ensure(layer, [2])  # over capacity: LFU keeps the popular expert 0
+    assert dropped == [1]
+    lru = ExpertCache(model, 2 * size, [], [row[:] for row in counts], lambda unit: [], lambda unit: dropped.append(unit.expert), "lru")
+    dropped.clear()
+    lru.ensure(layer, [0])
+    lru.ensure(layer, [1])
+    lru.ensure(layer, [2])  # LRU drops the oldest, popular or not
+    assert dropped == [0]
+    assert lru.misses == 3 and lru.hits == 0
+    lru.ensure(layer, [2, 1])
+    assert lru.hits == 2
