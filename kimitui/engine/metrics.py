@@ -61,6 +61,8 @@ class EngineMetrics:
         self.budget_bytes: int | None = None
         # Set by the streaming engine: one state per layer (pinned / resident / in flight / cold).
         self.residency_source: Callable[[], list[str]] | None = None
+        # Set when routed experts stream: (routing counts [layer][expert], hit rate per layer).
+        self.experts_source: Callable[[], tuple[list[list[int]], list[float | None]]] | None = None
         self._request_start: float | None = None
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -146,6 +148,7 @@ class Snapshot:
     rss_history: list[int] = field(default_factory=list)
     read_rate_history: list[float] = field(default_factory=list)
     residency: list[str] | None = None
+    experts: tuple[list[list[int]], list[float | None]] | None = None
     # every disk holding a model file, in file order, and its read rate (bytes/s; None until
     # two samples): a split set spread over drives shows each drive
     disk_rates: dict[str, float | None] = field(default_factory=dict)
@@ -295,6 +298,7 @@ class Sampler:
             read_rate_history=list(self._rate_history),
             disk_rates=disk_rates,
             residency=self.metrics.residency_source() if self.metrics.residency_source else None,
+            experts=self.metrics.experts_source() if self.metrics.experts_source else None,
         )
         self.latest = snap
         return snap

@@ -354,6 +354,8 @@ class Engine:
             if moe_streaming:
                 capacity = max(0, pin_budget - self.pinned_bytes)
                 self.streamer.attach_experts(capacity, hot, counts)
+                experts = self.streamer.experts
+                self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
             self.metrics.residency_source = self.streamer.residency_by_layer
             self.set_tracer(self.tracer)
 

@@ -81,6 +81,7 @@ class KimituiApp(App[int]):
         Binding("5", "toggle_panel(5)", "latency", group=Binding.Group("panels", compact=True)),
         Binding("6", "toggle_panel(6)", "API", group=Binding.Group("panels", compact=True)),
         Binding("7", "toggle_panel(7)", "residency", group=Binding.Group("panels", compact=True)),
+        Binding("8", "toggle_panel(8)", "experts", group=Binding.Group("panels", compact=True)),
         Binding("z", "maximize_panel", "maximise"),
         Binding("p", "pause", "pause"),
         Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),

@@ -61,9 +61,12 @@ class CachePanel(Panel):
             self.note.update(self.idle_note)
             return
         rate = snap.cache_hit_rate
+        experts = ""
+        if s.expert_hits is not None:
+            experts = f"\nexperts {s.expert_hits:,}/{s.expert_hits + s.expert_misses:,} hit"
         self.body.update(
             f"hits {s.cache_hits:,}  misses {s.cache_misses:,}\n"
-            f"hit rate {'—' if rate is None else f'{rate:.0%}'}"
+            f"hit rate {'—' if rate is None else f'{rate:.0%}'}{experts}"
         )
         self.note.update("")
 
@@ -159,6 +162,42 @@ class ResidencyPanel(Panel):
         self.note.update("█ pinned ▓ resident ▒ in flight ░ cold")
 
 
+HEAT = " ░▒▓█"
+
+
+class ExpertPanel(Panel):
+    """Routing heatmap: a row per MoE layer, experts bucketed to the panel's width, and the
+    layer's cache hit rate at the end."""
+
+    TITLE = "experts"
+    KEY = "8"
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        if snap.experts is None:
+            self.body.update("—")
+            self.note.update("no routed experts stream (dense model, or it fits)")
+            return
+        counts, rates = snap.experts
+        width = max(8, self.body.size.width - 10)
+        peak = max((max(row) for row in counts if row), default=0) or 1
+        lines = Text()
+        for layer, row in enumerate(counts):
+            if not any(row) and rates[layer] is None:
+                continue
+            per_cell = max(1, -(-len(row) // width))
+            cells = [max(row[i : i + per_cell]) for i in range(0, len(row), per_cell)]
+            lines.append(f"{layer:>3} ")
+            lines.append("".join(HEAT[min(4, -(-4 * c // peak))] for c in cells))
+            rate = rates[layer]
+            lines.append(f" {'—' if rate is None else f'{rate:.0%}':>4}\n")
+        s = snap.streaming
+        total = "—"
+        if s is not None and s.expert_hits is not None and s.expert_hits + s.expert_misses:
+            total = f"{s.expert_hits / (s.expert_hits + s.expert_misses):.0%}"
+        self.body.update(lines)
+        self.note.update(f"expert hit rate {total} · █ most routed")
+
+
 class ApiPanel(Panel):
     """Requests served by `--serve`, newest last; shown only while the API runs."""
 
@@ -191,5 +230,5 @@ class ApiPanel(Panel):
 
 
 PANEL_TYPES: tuple[type[Panel], ...] = (
-    CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel, ApiPanel, ResidencyPanel,
+    CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel, ApiPanel, ResidencyPanel, ExpertPanel,
 )
