@@ -29,21 +29,22 @@ def run(engine: Engine, tokens: int = 8) -> str:
     return gen.result.text
 
 
-def expert_engine(path: Path, budget_mib: int = 100, policy: str = "lfu") -> Engine:
-    engine = Engine(path, n_ctx=256, budget=budget_mib * MIB, stream_settings=StreamSettings(expert_policy=policy))
+def expert_engine(path: Path, budget_mib: int = 100, policy: str = "lfu", lookahead: bool = False) -> Engine:
+    settings = StreamSettings(expert_policy=policy, expert_lookahead=lookahead)
+    engine = Engine(path, n_ctx=256, budget=budget_mib * MIB, stream_settings=settings)
     engine.load()
     engine.pin()
     return engine
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru"])
-def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy):
+@pytest.mark.parametrize("policy,lookahead", [("lfu", False), ("lru", False), ("lfu", True)])
+def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookahead):
     stock = Engine(moe_model, n_ctx=256, fast_load=False)
     stock.load()
     expected = run(stock)
     stock.close()
 
-    engine = expert_engine(moe_model, policy=policy)
+    engine = expert_engine(moe_model, policy=policy, lookahead=lookahead)
     try:
         streamer = engine.streamer
         assert streamer is not None and streamer.experts is not None
@@ -61,6 +62,14 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy):
         model = load_model_map(moe_model)
         expert_reads = {(u.layer, u.expert) for u, _, _ in reads if isinstance(u, ExpertUnit)}
         assert expert_reads, "a budget this small must read experts"
+        x = streamer.experts
+        if lookahead:
+            # Read-ahead guesses from the last token's choice: what it read beyond the router's
+            # picks is counted as wasted, never silently.
+            assert x.prefetch_issued > 0 and x.prefetch_used <= x.prefetch_issued
+            guessed = expert_reads - routed
+            assert x.prefetch_wasted_bytes > 0 or not guessed
+            return
         assert expert_reads <= routed  # nothing the router did not pick
         # No byte of an unrouted expert was read, through any unit.
         for unit, offset, length in reads:
@@ -72,7 +81,6 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy):
                         continue
                     for r in model.expert_ranges(layer, e):
                         assert offset + length <= r.offset or offset >= r.end or unit.file != r.file
-        x = streamer.experts
         # Each test has a fresh cache dir: every routing decision was counted once, as a hit or a miss.
         assert x.hits + x.misses == sum(sum(row) for row in x.counts)
         assert x.misses >= len(expert_reads)

@@ -122,6 +122,12 @@ class ExpertCache:
         self.layer_misses = [0] * n
         self.hits = self.misses = 0
         self.bytes_from_cache = 0
+        # Look-ahead: the experts each layer chose last time, read early for the next token.
+        self.last_choice: list[set[int]] = [set() for _ in range(n)]
+        self._inflight: dict[tuple[int, int], list[Future]] = {}
+        self._prefetched: set[tuple[int, int]] = set()
+        self.prefetch_issued = self.prefetch_used = 0
+        self.prefetch_wasted_bytes = 0
 
     def _unit(self, layer: int, expert: int) -> ExpertUnit:
         return ExpertUnit(layer, expert, tuple(self.model.expert_ranges(layer, expert)))
@@ -136,14 +142,57 @@ class ExpertCache:
         order = {key: i for i, key in enumerate(self._resident)}
         return min(candidates, key=lambda k: (self.counts[k[0]][k[1]], order[k]))
 
+    def _make_room(self, length: int, protect: set[tuple[int, int]]) -> bool:
+        while self._resident and self._resident_bytes + length > self.capacity:
+            victim = self._victim(protect)
+            if victim is None:
+                return False
+            evicted = self._resident.pop(victim)
+            self._inflight.pop(victim, None)
+            if victim in self._prefetched:  # read ahead and never used
+                self._prefetched.discard(victim)
+                self.prefetch_wasted_bytes += evicted.length
+            self._drop_unit(evicted)
+            self._resident_bytes -= evicted.length
+        return self._resident_bytes + length <= self.capacity
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
+        """Start reading ``experts`` of ``layer`` without waiting; only into free or colder room."""
+        keys = {(layer, e) for e in experts}
+        for key in sorted(keys):
+            if key in self.pinned or key in self._resident:
+                continue
+            unit = self._unit(*key)
+            if not self._make_room(unit.length, keys | set(self._inflight)):
+                return
+            self._inflight[key] = self._read_unit(unit)
+            self._resident[key] = unit
+            self._resident_bytes += unit.length
+            self._prefetched.add(key)
+            self.prefetch_issued += 1
+
     def ensure(self, layer: int, experts: Iterable[int]) -> float:
         """Make ``experts`` of ``layer`` resident; returns seconds waited on storage."""
         wanted = sorted(set(experts))
+        self.last_choice[layer] = set(wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
         needed = {(layer, e) for e in wanted}
         for e in wanted:
             key = (layer, e)
             self.counts[layer][e] += 1
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.prefetch_used += 1
+            if key in self._inflight:
+                futures = self._inflight.pop(key)
+                if not all(f.done() for f in futures):  # read ahead, but not in time
+                    self.misses += 1
+                    self.layer_misses[layer] += 1
+                    pending.append((self._resident[key], futures))
+                    self._resident.move_to_end(key)
+                    continue
+                for f in futures:
+                    f.result()
             if key in self.pinned or key in self._resident:
                 self.hits += 1
                 self.layer_hits[layer] += 1
@@ -155,13 +204,7 @@ class ExpertCache:
             self.misses += 1
             self.layer_misses[layer] += 1
             unit = self._unit(layer, e)
-            while self._resident and self._resident_bytes + unit.length > self.capacity:
-                victim = self._victim(needed)
-                if victim is None:
-                    break
-                evicted = self._resident.pop(victim)
-                self._drop_unit(evicted)
-                self._resident_bytes -= evicted.length
+            self._make_room(unit.length, needed)
             pending.append((unit, self._read_unit(unit)))
             self._resident[key] = unit
             self._resident_bytes += unit.length

@@ -51,6 +51,7 @@ class StreamSettings:
     io_threads: int = 4
     window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
     expert_policy: str = "lfu"  # the routed-expert cache: "lfu" or "lru"
+    expert_lookahead: bool = False  # read the experts layer L+1 chose last token while layer L computes
 
 
 def minimum_budget(model: ModelMap) -> int:
@@ -310,6 +311,9 @@ class Streamer:
             return
         try:
             self.stall_s += self.experts.ensure(layer, experts)
+            following = layer + 1
+            if self.settings.expert_lookahead and following < self.model.n_layers and self.model.layers[following].is_moe:
+                self.experts.prefetch(following, self.experts.last_choice[following])
         except StreamAbort as exc:
             self.error = str(exc)
         except OSError as exc:
@@ -366,6 +370,7 @@ class Streamer:
             read = self.bytes_read
         experts = self.experts
         return {
+            "expert_prefetch_wasted_bytes": experts.prefetch_wasted_bytes if experts else None,
             "bytes_read": read,
             "bytes_from_cache": self.bytes_from_cache + (experts.bytes_from_cache if experts else 0),
             "hits": self.hits + (experts.hits if experts else 0),
