@@ -18,7 +18,7 @@ from kimitui.cli import main, resolve_model
 from kimitui.config import load_settings
 from kimitui.errors import UserError
 from kimitui.model import synth
-from kimitui.model.gguf_map import ROUTED_EXPERTS, load_model_map
+from kimitui.model.gguf_map import ROUTED_EXPERTS, _open_reader, load_model_map
 from kimitui.model.inspect_cmd import file_layout, render
 from kimitui.model.manifest import MANIFEST_NAME, read_manifest
 from kimitui.model.placement import assemble_split_set
@@ -70,7 +70,7 @@ def mapped(path: Path):
 
 @lru_cache(maxsize=None)
 def fields(path: Path) -> dict:
-    reader = GGUFReader(str(path))
+    reader = _open_reader(path)
     return {k: (f.types, f.contents()) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
@@ -286,25 +286,30 @@ def test_model_paths_must_be_a_list_of_strings(tmp_path, capsys):
 # --- writing safely ------------------------------------------------------------------------
 
 
-def test_interrupted_run_leaves_nothing_that_looks_complete(sources, sharded, tmp_path, monkeypatch):
+def test_interrupted_or_failed_run_leaves_nothing_that_looks_complete(sources, sharded, tmp_path, monkeypatch, capsys):
+    import errno
+
     from kimitui.model import bulkio
 
-    class Interrupt(bulkio.Progress):
+    class Stop(bulkio.Progress):
+        error: BaseException
+
         def add(self, n: int) -> None:
             super().add(n)
             if self.done > self.total // 2:
-                raise KeyboardInterrupt
+                raise self.error
 
-    out = tmp_path / "new"
+    monkeypatch.setattr("kimitui.model.shard.Progress", Stop)
+    # a full disk: one line, and nothing left behind
+    Stop.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    err = one_line_exit_2(["shard", str(sources["moe"]), str(tmp_path / "new")], capsys)
+    assert "No space left on device" in err and "partial files removed" in err
+    assert list((tmp_path / "new").iterdir()) == []
+    # ctrl+c over an existing set with --force: the old set stays whole until the new one is
+    Stop.error = KeyboardInterrupt()
     files = copy_set(sharded["moe"], tmp_path / "old")
-    with monkeypatch.context() as patch:
-        patch.setattr("kimitui.model.shard.Progress", Interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            shard_model(sources["moe"], out, file_size=FILE_SIZE)
-        assert list(out.iterdir()) == []
-        # over an existing set with --force: the old set stays whole until the new one is
-        with pytest.raises(KeyboardInterrupt):
-            shard_model(sources["moe"], files[0].parent, file_size=4 * FILE_SIZE, force=True)
+    with pytest.raises(KeyboardInterrupt):
+        shard_model(sources["moe"], files[0].parent, file_size=4 * FILE_SIZE, force=True)
     assert sorted(p.name for p in files[0].parent.iterdir()) == sorted([f.name for f in files] + [MANIFEST_NAME])
     assert main(["verify", str(files[0].parent)]) == 0
 
@@ -345,3 +350,43 @@ async def test_disk_panel_shows_each_drive_of_a_spread_set():
         lines = str(panel.body.content).splitlines()
     assert lines[-2:] == ["nvme0n1 2500.0 MB/s", "sda 310.0 MB/s"]
     assert max(len(line) for line in lines) <= 21  # fits a phone-wide panel
+
+
+def test_custom_alignment_and_raw_metadata_survive(tmp_path):
+    """Keys of every kind, strings that are not UTF-8, and a non-default alignment, which
+    llama.cpp reads from each file of a set."""
+    from gguf import GGUFWriter
+
+    src = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(src), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_key_value("odd.bytes", b"\xff\xfe not utf-8", GGUFValueType.STRING)
+    writer.add_array("odd.names", ["a", "bc", "déf"])
+    writer.add_array("odd.floats", [0.5, -1.25, 3.0])
+    writer.add_bool("odd.flag", True)
+    writer.add_uint64("odd.big", 2**40 + 7)
+    rng = np.random.default_rng(0)
+    names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight", "output.weight"]
+    for name in names:
+        writer.add_tensor(name, rng.standard_normal((300, 333)).astype(np.float32))  # 399,600 bytes: not a multiple of 64
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    result = shard_model(src, tmp_path / "out", file_size=1024**2)
+    paths = [result.directory / f.name for f in result.files]
+    assert len(paths) == 3  # non-layer tensors, then a layer per file: 800 KB + 400 KB would pass 1 MiB
+    before, after = GGUFReader(str(src)), [GGUFReader(str(p)) for p in paths]
+    raw = {k: [bytes(part) for part in f.parts] for k, f in before.fields.items() if k.startswith("odd.")}
+    assert raw == {k: [bytes(part) for part in f.parts] for k, f in after[0].fields.items() if k.startswith("odd.")}
+    got = {}
+    for reader in after:
+        assert reader.fields["general.alignment"].contents() == 64
+        for t in reader.tensors:
+            assert t.data_offset % 64 == 0
+            got[t.name] = np.array(t.data)
+    assert sorted(got) == sorted(names)
+    for t in before.tensors:
+        assert np.array_equal(got[t.name], t.data)
+

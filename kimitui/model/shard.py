@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 from kimitui.errors import UserError
 from kimitui.model.bulkio import Progress, read_ahead
-from kimitui.model.gguf_map import _SPLIT_RE, ROUTED_EXPERTS, ModelMap, TensorInfo, load_model_map
+from kimitui.model.gguf_map import _SPLIT_RE, ROUTED_EXPERTS, ModelMap, TensorInfo, _open_reader, load_model_map
 from kimitui.model.manifest import (
     CHECKSUMS,
     DEFAULT_CHECKSUM,
@@ -115,9 +115,9 @@ def existing_sets(directory: Path, prefix: str) -> list[Path]:
 def _kv_items(first_file: Path) -> tuple[str, int, list[tuple[str, object, object, object]]]:
     """(architecture, alignment, every other key as (key, value, type, sub type)) of a GGUF,
     values raw where that matters: strings as bytes, so any byte sequence survives."""
-    from gguf import GGUFReader, GGUFValueType, Keys
+    from gguf import GGUFValueType, Keys
 
-    reader = GGUFReader(str(first_file), "r")
+    reader = _open_reader(first_file)
     regenerated = {
         Keys.General.ARCHITECTURE,  # GGUFWriter writes it itself
         Keys.General.ALIGNMENT,  # written per file where it is not the default
@@ -228,8 +228,6 @@ def _write_one(
                 left -= len(view)
                 progress.add(len(view))
             pad(t.n_bytes)
-        out.flush()
-        os.fsync(out.fileno())
     finally:
         writer.close()
     size = path.stat().st_size
@@ -285,6 +283,10 @@ def shard_model(
             for i, f in enumerate(out_files)
         ]
         chunks.close()
+        # fsync once all are written: the kernel writes back while later files are copied,
+        # where a sync per file would stall the copy for each file's writeback
+        for f in out_files:
+            _fsync(partial / f.name)
         progress.close()
         # Old files go first, the old first file before any other (without it llama.cpp
         # cannot open the old set, so a half-replaced set is never loadable); the new
@@ -299,12 +301,15 @@ def shard_model(
             outdir,
             Manifest(model=m.name, checksum=algorithm, files=tuple(entries), shard_size=file_size, trunk_first=trunk_first),
         )
-        _fsync_dir(outdir)
+        _fsync(outdir)
         partial.rmdir()
-    except BaseException:
+    except BaseException as exc:
         chunks.close()
         progress.close()
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, OSError):  # a full disk, a drive gone: the user's to fix, in one line
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise UserError(f"shard into {outdir} failed: {exc.strerror or exc}{where}; partial files removed") from None
         raise
     finally:
         for fd in fds:
@@ -313,9 +318,9 @@ def shard_model(
     return ShardResult(outdir, tuple(entries), progress.seconds, trunk_files)
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make the renames durable (POSIX: a rename lives in the directory's own data)."""
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Flush a file to storage; on a directory, make the renames in it durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
