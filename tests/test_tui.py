@@ -277,3 +277,28 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
         assert app.engine.stream_settings.prefetch_depth == 1
         await ask(pilot, app, "Again")
         assert app.engine.streamer.settings.prefetch_depth == 1
+
+
+async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_path):
+    import os
+
+    from kimitui.model import synth
+
+    model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
+    app = make_app("--model", str(model), "--budget", "150MiB")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine.streamer is not None)
+        app.sampling.max_tokens = 200
+        await pilot.press(*"Tell me a story")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.view.text)
+        os.truncate(model, model.stat().st_size // 2)  # the drive goes away mid-reply
+        await wait_for(pilot, lambda: app.reply is None)
+        reply = app.query(MessageView).last()
+        assert str(reply.border_subtitle).startswith("error:") and "m.gguf" in str(reply.border_subtitle)
+        conv = app.conversation_id
+        # The app goes on: typing still works and the chat is saved.
+        await pilot.press(*"still here")
+        assert app.query_one(PromptInput).text == "still here"
+    msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].content == reply.text
