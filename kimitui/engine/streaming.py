@@ -309,6 +309,12 @@ class Streamer:
         """The router of ``layer`` chose ``experts`` (for every token of the batch)."""
         if self.error is not None or self.experts is None:
             return
+        n_expert = self.model.layers[layer].n_expert
+        if not experts or min(experts) < 0 or max(experts) >= n_expert:
+            # ggml's tensor layout moved under us: stop rather than guess which bytes to read.
+            self.error = f"layer {layer}: router ids {sorted(experts)[:8]} are not experts 0..{n_expert - 1} (unsupported llama.cpp build?)"
+            self._report()
+            return
         try:
             self.stall_s += self.experts.ensure(layer, experts)
             following = layer + 1
