@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve", metavar="[HOST:]PORT", help="also serve the HTTP API from this app's engine")
     parser.add_argument("--remote", metavar="URL", help="chat with a kimitui, llama-server or OpenAI-compatible server")
     parser.add_argument("--api-key", help="API key: required by --serve on a non-loopback host; sent by --remote")
+    parser.add_argument("--trace", metavar="FILE", help="write the per-token trace (JSON Lines) to FILE; see kimitui trace")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     return parser
 
@@ -60,6 +61,7 @@ FLAG_KEYS = {
     "n_ctx": ("model.n_ctx", "--n-ctx"),
     "threads": ("model.n_threads", "--threads"),
     "theme": ("ui.theme", "--theme"),
+    "trace": ("trace.path", "--trace"),
 }
 
 
@@ -69,6 +71,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         value = getattr(args, attr, None)
         if value is not None:
             apply_override(settings, dotted, value, flag)
+    if getattr(args, "trace", None) is not None:
+        apply_override(settings, "trace.enabled", True, "--trace")
     return settings
 
 
@@ -123,8 +127,8 @@ def run_app(args: argparse.Namespace) -> int:
     check_theme(settings["ui.theme"], settings.origin("ui.theme"))
     api_key = args.api_key or os.environ.get("KIMITUI_API_KEY") or settings["server.api_key"] or None
     if args.remote:
-        if args.serve or args.model:
-            raise UserError("--remote chats with a server's model: it cannot be combined with --serve or --model")
+        if args.serve or args.model or args.trace:
+            raise UserError("--remote chats with a server's model: it cannot be combined with --serve, --model or --trace")
         if not args.remote.startswith(("http://", "https://")):
             raise UserError(f"--remote: expected a URL such as http://192.168.1.20:8080, got {args.remote!r}")
         from kimitui.tui.app import KimituiApp
@@ -158,6 +162,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
     "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
     "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),
+    "trace": ("kimitui.trace.cli", "summarize or compare per-token traces (--trace FILE), or time what tracing costs"),
 }
 
 

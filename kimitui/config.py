@@ -63,6 +63,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "ui": {
         "theme": Key("str", ""),
     },
+    "trace": {
+        "enabled": Key("bool", False),
+        "path": Key("str", ""),
+        "max_size": Key("size", 64 * 2**20, 2**20, 2**40),
+        "keep": Key("int", 4, 0, 1000),
+    },
     "server": {
         "host": Key("str", "127.0.0.1"),
         "port": Key("int", 8080, 0, 65535),
