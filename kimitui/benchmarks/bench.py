@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
-from kimitui.benchmarks.common import cell, contention_note, ratio, run_child, table, write_json
+from kimitui.benchmarks.common import cell, noise_note, ratio, run_child, table, write_json
 from kimitui.engine.streaming import POLICIES
 from kimitui.errors import UserError
 from kimitui.units import format_bytes, format_ms, format_rate, parse_size
@@ -82,7 +82,7 @@ def _model_path(raw: str | None) -> Path:
 
 
 def _disk(run) -> dict:
-    out = {"bandwidth_bytes_s": None, "note": None, "cached_at_start_bytes": run.cached_at_start, "cpu_contention": run.cpu_contention}
+    out = {"bandwidth_bytes_s": None, "note": None, "cached_at_start_bytes": run.cached_at_start, "others_cpu": run.others_cpu}
     if run.error:
         out["note"] = f"disk read failed: {run.error}"
         return out
@@ -103,7 +103,7 @@ def _run_figures(run) -> dict:
         "error": run.error,
         "cached_at_start_bytes": run.cached_at_start,
         "cgroup_peak_bytes": run.cgroup_peak,
-        "cpu_contention": run.cpu_contention,
+        "others_cpu": run.others_cpu,
     }
     if run.result:
         figures.update(run.result)
@@ -115,7 +115,7 @@ def _compute(run, skipped: str | None) -> dict:
         return {"s_per_token": None, "decode_tok_s": None, "note": skipped}
     if run.error:
         return {"s_per_token": None, "decode_tok_s": None, "note": f"the in-RAM run failed: {run.error}"}
-    r = dict(run.result, cpu_contention=run.cpu_contention)
+    r = dict(run.result, others_cpu=run.others_cpu)
     r["s_per_token"] = 1 / r["decode_tok_s"] if r["decode_tok_s"] else None
     r["note"] = None
     return r
@@ -314,14 +314,16 @@ def render(report: dict) -> str:
         row("peak RSS", "peak_rss_bytes", format_bytes),
         row("peak cgroup", "cgroup_peak_bytes", format_bytes),
         row("of physical limit", "share_of_limit", share),
-        row("CPU contention", "cpu_contention", share),
+        row("CPU used by others", "others_cpu", share),
     ]
     lines += ["", table(rows), ""]
     notes = []
     if report.get("same_tokens") is not None:
         notes.append("same greedy tokens in both runs" if report["same_tokens"] else "the two runs produced DIFFERENT greedy tokens")
-    if all(runs[name].get("hit_rate") is None for name, _ in names):
-        notes.append("hit rate, stall: — (no streaming engine reports them yet)")
+    if runs["kimitui"].get("streaming") is False:
+        notes.append("hit rate, stall: — (the engine did not stream: the model fits its budget)")
+    if "baseline" in runs:
+        notes.append("plain mmap has no cache counters: its hit rate and stall are —")
     if s["cgroup_limit_bytes"] is None:
         notes.append("peak cgroup: — (no --cgroup-limit: the runs share the caller's cgroup)")
     if runs["kimitui"].get("streaming"):
@@ -336,9 +338,9 @@ def render(report: dict) -> str:
         for key in ("fast_load_note", "pin_note"):
             if figures.get(key):
                 notes.append(f"{label}: {figures[key]}")
-    noisy = contention_note(
-        {"disk read": disk["cpu_contention"], "compute in RAM": compute.get("cpu_contention")}
-        | {label: runs[name]["cpu_contention"] for name, label in names}
+    noisy = noise_note(
+        {"disk read": disk["others_cpu"], "compute in RAM": compute.get("others_cpu")}
+        | {label: runs[name]["others_cpu"] for name, label in names}
     )
     if noisy:
         notes.append(noisy)

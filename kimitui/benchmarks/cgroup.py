@@ -77,10 +77,12 @@ class RunCgroup:
         self.version = version
         self.limit = limit
 
-    def join(self) -> None:
-        """Move the calling process in: passed as ``preexec_fn``, so it runs in the child
-        between fork and exec, before the interpreter starts or touches the model."""
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside this cgroup: a shell moves itself in, then execs it, so
+        the process is in before the interpreter starts or touches the model (and, unlike
+        ``preexec_fn``, this is safe in a parent that has threads)."""
+        script = 'echo $$ > "$1" || exit 125; shift; exec "$@"'
+        return ["/bin/sh", "-c", script, "sh", str(self.path / "cgroup.procs"), *argv]
 
     def _read(self, name: str) -> str | None:
         try:
@@ -104,18 +106,17 @@ class RunCgroup:
 
     def remove(self) -> None:
         # The child has been reaped, but the kernel may take a moment to let its last
-        # threads go; EBUSY until then.
-        for _ in range(50):
+        # threads go: EBUSY until then.
+        for attempt in range(50):
             try:
                 self.path.rmdir()
                 return
             except FileNotFoundError:
                 return
             except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    raise
+                if exc.errno != errno.EBUSY or attempt == 49:
+                    raise UserError(f"cannot remove the benchmark cgroup {self.path} ({exc.strerror}); rmdir it by hand") from None
                 time.sleep(0.1)
-        self.path.rmdir()
 
 
 class MemoryCgroups:

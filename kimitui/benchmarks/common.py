@@ -70,15 +70,20 @@ def cached_bytes(path: Path) -> int | None:
     return min(size, resident * page)
 
 
-def cpu_waiting_us(pressure: Path = Path("/proc/pressure/cpu")) -> int | None:
-    """Microseconds during which some runnable task waited for a CPU (Linux PSI), since boot."""
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy, CPU seconds of this process and its
+    reaped children); None where psutil cannot read the machine's counters."""
+    import resource
+
+    import psutil
+
     try:
-        for line in pressure.read_text().splitlines():
-            if line.startswith("some "):
-                return int(line.rsplit("total=", 1)[1])
-    except (OSError, ValueError, IndexError):
+        t = psutil.cpu_times()
+    except (psutil.Error, OSError):
         return None
-    return None
+    busy = t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+    ours = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return busy, ours
 
 
 def storage_read_bytes() -> int | None:
@@ -105,9 +110,9 @@ class ChildRun:
     cached_at_start: int | None = None  # bytes of the model still in the page cache after the drop
     cgroup_limit: int | None = None
     cgroup_peak: int | None = None
-    # Share of the run's wall time during which some task waited for a CPU: other work on
-    # the machine competing with the run, which makes its figures noisy.
-    cpu_contention: float | None = None
+    # Share of the machine's CPU time that other processes used while the run lasted: work
+    # that competed with the run and makes its figures noisy.
+    others_cpu: float | None = None
 
     @property
     def result(self) -> dict | None:
@@ -136,21 +141,14 @@ def run_child(
     run = ChildRun(phase, 0.0, cgroup_limit=limit)
     run.cached_at_start = cached_bytes(model)
     command = [sys.executable, "-m", "kimitui.benchmarks.child", phase, json.dumps(spec)]
+    if cgroup is not None:
+        command = cgroup.command(command)
     proc = None
     try:
         with tempfile.TemporaryFile("w+") as stderr:
-            waited = cpu_waiting_us()
+            cpu_before = _cpu_seconds()
             run.spawned_at = time.perf_counter()
-            try:
-                proc = subprocess.Popen(
-                    command,
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                    preexec_fn=cgroup.join if cgroup is not None else None,
-                )
-            except subprocess.SubprocessError as exc:  # the child could not join the cgroup
-                raise UserError(f"cannot start a benchmark process in {cgroup.path}: {exc}") from None
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
             for line in proc.stdout:
                 now = time.perf_counter()
                 if not line.startswith(MARKER):
@@ -164,9 +162,11 @@ def run_child(
             proc.stdout.close()
             run.returncode = proc.wait()
             wall = time.perf_counter() - run.spawned_at
-            waited_after = cpu_waiting_us()
-            if waited is not None and waited_after is not None and wall > 0:
-                run.cpu_contention = min(1.0, (waited_after - waited) / 1e6 / wall)
+            cpu_after = _cpu_seconds()
+            if cpu_before is not None and cpu_after is not None and wall > 0:
+                # The child has been reaped, so its CPU time is in RUSAGE_CHILDREN.
+                others = (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])
+                run.others_cpu = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
             stopped = stop_after is not None and stop_after in run.messages
             if "error" in run.messages:
                 run.error = run.messages["error"]["message"]
@@ -188,18 +188,15 @@ def run_child(
     return run
 
 
-NOISY_CONTENTION = 0.10
+NOISY_OTHERS_CPU = 0.10
 
 
-def contention_note(shares: dict[str, float | None]) -> str | None:
-    """One line naming the runs during which other work competed for the CPU, if any did."""
-    noisy = [f"{name} {share:.0%}" for name, share in shares.items() if share is not None and share > NOISY_CONTENTION]
+def noise_note(shares: dict[str, float | None]) -> str | None:
+    """One line naming the runs during which other processes used the CPU, if any did."""
+    noisy = [f"{name} {share:.0%}" for name, share in shares.items() if share is not None and share > NOISY_OTHERS_CPU]
     if not noisy:
         return None
-    return (
-        "tasks waited for a CPU during part of: " + ", ".join(noisy)
-        + " of the run's time (other work on this machine, or the run's own extra threads): those figures are noisy, run again"
-    )
+    return "other processes (kernel threads included) used this share of the CPUs during: " + ", ".join(noisy) + ": those figures are noisy, run again"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

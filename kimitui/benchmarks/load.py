@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
-from kimitui.benchmarks.common import cell, contention_note, ratio, run_child, table, write_json
+from kimitui.benchmarks.common import cell, noise_note, ratio, run_child, table, write_json
 from kimitui.errors import UserError
 from kimitui.units import format_bytes, parse_size
 
@@ -58,7 +58,7 @@ def _figures(run) -> dict:
         "peak_rss_bytes": resident.get("peak_rss_bytes"),
         "cgroup_peak_bytes": run.cgroup_peak,
         "cached_at_start_bytes": run.cached_at_start,
-        "cpu_contention": run.cpu_contention,
+        "others_cpu": run.others_cpu,
         "fast_load_note": ready.get("fast_load_note"),
     }
 
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     metadata = _metadata_bytes(model_map)
     summary = {}
     for name, runs in (("kimitui", app_runs), ("baseline", base_runs)):
-        summary[name] = {key: _median(runs, key) for key in ("ready_s", "load_s", "read_bytes", "model_cached_at_ready_bytes", "cpu_contention")}
+        summary[name] = {key: _median(runs, key) for key in ("ready_s", "load_s", "read_bytes", "model_cached_at_ready_bytes", "others_cpu")}
         summary[name]["read_share_of_file"] = ratio(summary[name]["read_bytes"], file_bytes)
         summary[name]["cgroup_peak_bytes"] = max((r["cgroup_peak_bytes"] for r in runs if r["cgroup_peak_bytes"] is not None), default=None)
     k, b = summary["kimitui"], summary["baseline"]
@@ -164,7 +164,7 @@ def render(report: dict) -> str:
         ("  of the model file", cell(med["kimitui"]["read_share_of_file"], ".2%"), cell(med["baseline"]["read_share_of_file"], ".2%"), ""),
         ("model cached at ready", format_bytes(med["kimitui"]["model_cached_at_ready_bytes"]), format_bytes(med["baseline"]["model_cached_at_ready_bytes"]), ""),
         ("peak cgroup (max)", format_bytes(med["kimitui"]["cgroup_peak_bytes"]), format_bytes(med["baseline"]["cgroup_peak_bytes"]), ""),
-        ("CPU contention", cell(med["kimitui"]["cpu_contention"], ".0%"), cell(med["baseline"]["cpu_contention"], ".0%"), ""),
+        ("CPU used by others", cell(med["kimitui"]["others_cpu"], ".0%"), cell(med["baseline"]["others_cpu"], ".0%"), ""),
     ]
     lines += [table(rows), ""]
 
@@ -183,7 +183,7 @@ def render(report: dict) -> str:
                 notes.append(f"a {label} start failed: {r['error']}")
             if r["cached_at_start_bytes"] and r["cached_at_start_bytes"] > 0.01 * m["file_bytes"]:
                 notes.append(f"a {label} start was not cold: {format_bytes(r['cached_at_start_bytes'])} of the model stayed cached")
-    noisy = contention_note({f"{label} start {i + 1}": r["cpu_contention"] for name, label in (("kimitui", "app"), ("baseline", "plain")) for i, r in enumerate(runs[name])})
+    noisy = noise_note({f"{label} start {i + 1}": r["others_cpu"] for name, label in (("kimitui", "app"), ("baseline", "plain")) for i, r in enumerate(runs[name])})
     if noisy:
         notes.append(noisy)
     lines += [f"note: {n}" for n in notes]
