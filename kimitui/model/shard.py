@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -184,6 +185,7 @@ def _write_one(
     chunks: Iterator[memoryview],
     progress: Progress,
     algorithm: str,
+    hasher: ThreadPoolExecutor,
 ) -> FileEntry:
     import numpy as np
     from gguf import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFWriter, Keys
@@ -223,8 +225,11 @@ def _write_one(
             left = t.n_bytes
             while left > 0:
                 view = next(chunks)
+                # hash on another core while this one writes (both release the GIL); done
+                # before the next chunk, as the buffer is then reused and the order kept
+                hashed = hasher.submit(digest.update, view)
                 out.write(view)
-                digest.update(view)
+                hashed.result()
                 left -= len(view)
                 progress.add(len(view))
             pad(t.n_bytes)
@@ -275,10 +280,11 @@ def shard_model(
     fds = [os.open(f, os.O_RDONLY) for f in m.files]
     progress = Progress("shard", data_bytes, progress_stream)
     chunks = read_ahead((fds[t.file], t.offset, t.n_bytes) for f in out_files for t in f.tensors)
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="kimitui-hash")
     try:
         entries = [
             _write_one(
-                partial / f.name, arch, alignment, kv, f.tensors, i, count, len(m.tensors), chunks, progress, algorithm
+                partial / f.name, arch, alignment, kv, f.tensors, i, count, len(m.tensors), chunks, progress, algorithm, hasher
             )
             for i, f in enumerate(out_files)
         ]
@@ -312,6 +318,7 @@ def shard_model(
             raise UserError(f"shard into {outdir} failed: {exc.strerror or exc}{where}; partial files removed") from None
         raise
     finally:
+        hasher.shutdown()
         for fd in fds:
             os.close(fd)
     trunk_files = sum(1 for f in out_files if not f.routed) if trunk_first else 0
