@@ -232,6 +232,8 @@ class KimituiApp(App[int]):
         self.query_one(StatusBar).detail = f"{message.fraction:.0%}"
 
     def on_load_finished(self, message: LoadFinished) -> None:
+        if not self.query(StatusBar):  # a late message while the app shuts down
+            return
         self.ready = True
         status = self.query_one(StatusBar)
         status.state, status.detail = "idle", f"(loaded in {message.seconds:.1f}s)"
@@ -283,6 +285,8 @@ class KimituiApp(App[int]):
             self.notify(message.note, severity="warning", timeout=15)
 
     def on_load_failed(self, message: LoadFailed) -> None:
+        if not self.query(StatusBar):  # a late message while the app shuts down
+            return
         status = self.query_one(StatusBar)
         status.state, status.detail = "failed", ""
         self.notify(message.error, severity="error", timeout=30)
@@ -343,6 +347,8 @@ class KimituiApp(App[int]):
         self.post_message(ReplyFinished(reply.id, generation.result))
 
     async def on_token_received(self, message: TokenReceived) -> None:
+        if not self.query(StatusBar):  # a late message while the app shuts down
+            return
         reply = self.reply
         if reply is None or reply.id != message.reply_id:
             return
@@ -359,6 +365,8 @@ class KimituiApp(App[int]):
         await self._end_reply(message.reply_id, message.result, message.error)
 
     async def _end_reply(self, reply_id: int, result: GenerationResult, error: str | None) -> None:
+        if not self.query(StatusBar):  # a late message while the app shuts down
+            return
         reply = self.reply
         if reply is None or reply.id != reply_id:
             return
