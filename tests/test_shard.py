@@ -265,6 +265,11 @@ def test_set_spread_over_two_directories_loads_via_model_paths(sharded, tmp_path
     assert completion(path) == completion(sharded["moe"][0])
     assert assemble_split_set(files[0], [ssd]) == path  # reused, not rebuilt
 
+    # inspect finds the set the same way and says where each file really is
+    assert main(["inspect", str(files[0]), "--config", str(config), "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["file_layout"]
+    assert [f["file"] for f in layout] == [os.path.realpath(p) for p in real]
+
     # verify finds the files in model.paths too
     assert main(["verify", str(trunk_dir), "--config", str(config)]) == 0
     assert f"all {len(manifest.files)} files good" in capsys.readouterr().out

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
+from kimitui.config import load_settings
 from kimitui.errors import UserError
 from kimitui.model.gguf_map import DEFAULT_SHARD_SIZE, ROUTED_EXPERTS, ModelMap, load_model_map
+from kimitui.model.placement import assemble_split_set
 from kimitui.units import format_bytes, format_rate, parse_size
 
 
@@ -21,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", help="target shard size, 4MiB..1GiB (default 64MiB)")
     parser.add_argument("--bandwidth", default="1GB/s", help="storage read bandwidth, e.g. 400MB/s (default 1GB/s)")
     parser.add_argument("--budget", default="auto", help="memory for pinned weights, e.g. 6GiB (default: a safe share of available memory)")
+    parser.add_argument("--config", type=Path, help="TOML config whose model.paths are searched for the files (default: the usual one)")
 
 
 def parse_bandwidth(text: str) -> float:
@@ -63,8 +67,8 @@ def file_layout(m: ModelMap) -> tuple[list[dict], list[dict]]:
     """Per file: the layers whose trunk it holds, the layers whose routed experts it holds
     (all experts of each: an expert tensor holds every expert), the non-layer tensors. And
     the layers cut across files: a layer's trunk, or its routed experts, in more than one."""
-    files = [
-        {"file": str(f), "bytes": size, "tensor_bytes": 0, "trunk_layers": set(), "expert_layers": set(), "nonlayer": []}
+    files = [  # real paths: a set spread over drives is opened through symlinks
+        {"file": os.path.realpath(f), "bytes": size, "tensor_bytes": 0, "trunk_layers": set(), "expert_layers": set(), "nonlayer": []}
         for f, size in zip(m.files, m.file_sizes)
     ]
     where: dict[tuple[int, bool], set[int]] = {}
@@ -215,13 +219,15 @@ def render_cuts(n_files: int, cuts: list[dict]) -> str:
 def render_layout(layout: list[dict]) -> list[str]:
     """Which layers and experts each file holds, one row per file."""
     header = ("file", "bytes", "trunk layers", "expert layers", "other")
+    spread = len({Path(f["file"]).parent for f in layout}) > 1  # then where each file is matters
     rows = []
     for f in layout:
         experts = spans(f["expert_layers"])
         if f["expert_layers"]:
             experts += f" ({f['n_expert']} experts)"
         other = ", ".join(name.rsplit(".", 1)[0] for name in f["nonlayer"]) or "—"
-        rows.append((Path(f["file"]).name, format_bytes(f["bytes"]), spans(f["trunk_layers"]), experts, other))
+        name = f["file"] if spread else Path(f["file"]).name
+        rows.append((name, format_bytes(f["bytes"]), spans(f["trunk_layers"]), experts, other))
     return _table(header, rows, range(1, 2))
 
 
@@ -232,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--shard-size: {exc}") from None
     bandwidth = parse_bandwidth(args.bandwidth)
     budget = _budget(args.budget)
-    report = summarize(load_model_map(args.model, shard_size), bandwidth, budget)
+    search = [Path(d).expanduser() for d in load_settings(args.config, explicit=args.config is not None)["model.paths"]]
+    report = summarize(load_model_map(assemble_split_set(args.model, search), shard_size), bandwidth, budget)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
