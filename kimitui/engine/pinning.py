@@ -133,11 +133,12 @@ def _libc() -> ctypes.CDLL:
     return lib
 
 
-def lock_ranges(address: int, ranges: Sequence[ByteRange]) -> str | None:
-    """mlock the pinned ranges of a mapping that starts at ``address``; None, or why it failed."""
+def lock_ranges(addresses: dict[int, int], ranges: Sequence[ByteRange]) -> str | None:
+    """mlock pinned ranges; ``addresses`` maps each file index to its mapping. None, or why not."""
     page = os.sysconf("SC_PAGE_SIZE")
     libc = _libc()
     for r in ranges:
+        address = addresses[r.file]
         start = (address + r.offset) & ~(page - 1)
         end = address + r.end
         if libc.mlock(start, end - start) != 0:
@@ -146,9 +147,10 @@ def lock_ranges(address: int, ranges: Sequence[ByteRange]) -> str | None:
     return None
 
 
-def unlock_ranges(address: int, ranges: Sequence[ByteRange]) -> None:
+def unlock_ranges(addresses: dict[int, int], ranges: Sequence[ByteRange]) -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     libc = _libc()
     for r in ranges:
+        address = addresses[r.file]
         start = (address + r.offset) & ~(page - 1)
         libc.munlock(start, address + r.end - start)

@@ -188,7 +188,7 @@ class Engine:
         self.repack = repack
         self.fast_load = fast_load
         self.fast_load_note: str | None = None  # why the stock load was used, when it was
-        self.mapping = None  # loadhooks.Mapping of the model file once loaded with fast start
+        self.mappings: dict = {}  # file index -> loadhooks.Mapping, once loaded with fast start
         self.budget = budget
         self.stream_settings = stream_settings or StreamSettings()
         self.shard_size = shard_size
@@ -264,7 +264,9 @@ class Engine:
         # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
         self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
         if hooks is not None:
-            self.mapping = hooks.mapping_of(self.model_path)
+            found = {i: hooks.mapping_of(path) for i, path in enumerate(self.info.files or (self.model_path,))}
+            # Every file of a split set must be mapped where we can see it, or none is managed.
+            self.mappings = found if all(m is not None for m in found.values()) else {}
         self._formatter = self._make_formatter()
         self.load_s = time.perf_counter() - started
         self.load_progress = 1.0
@@ -309,7 +311,7 @@ class Engine:
         With the stock load (no fast start) llama.cpp has already read the whole file, so
         there is nothing left to pin. Raises EngineError if the model file cannot be read.
         """
-        if self.mapping is None:
+        if not self.mappings:
             return
         from kimitui.engine.memory import default_budget
         from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned, shard_ranges
@@ -346,11 +348,12 @@ class Engine:
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
         if self._abort_load.is_set():
             return
-        self.pin_note = lock_ranges(self.mapping.address, ranges)
+        addresses = {i: m.address for i, m in self.mappings.items()}
+        self.pin_note = lock_ranges(addresses, ranges)
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
         if streaming and (len(pinned) < len(model.shards)):
-            self.streamer = Streamer(model, {0: self.mapping.address}, {s.index for s in pinned}, self.stream_settings, self.metrics)
+            self.streamer = Streamer(model, addresses, {s.index for s in pinned}, self.stream_settings, self.metrics)
             if moe_streaming:
                 capacity = max(0, pin_budget - self.pinned_bytes)
                 self.streamer.attach_experts(capacity, hot, counts)
@@ -419,8 +422,8 @@ class Engine:
         if self.streamer is not None:
             self.streamer.close()
             self.streamer = None
-        if self.mapping is not None and self.pinned_ranges:
-            unlock_ranges(self.mapping.address, self.pinned_ranges)
+        if self.mappings and self.pinned_ranges:
+            unlock_ranges({i: m.address for i, m in self.mappings.items()}, self.pinned_ranges)
         self.pinned_ranges, self.pinned_bytes = [], 0
         self.pin()
 
@@ -434,6 +437,11 @@ class Engine:
                 self._llm.close()
                 self._llm = None
         self.state = EngineState.EMPTY
+
+    @property
+    def mapping(self):
+        """The first (or only) model file's mapping; None with the stock load."""
+        return self.mappings.get(0)
 
     @property
     def llm(self):

@@ -208,8 +208,11 @@ class Streamer:
             self._finish_layer(layer - 1)
         if layer >= n:  # output stage: non-layer tensors are always pinned
             self.current_layer = None
+            self._check_files(None)
             self._prefetch_from(0)
             return
+        if layer == 0:
+            self._check_files(None)
         self.current_layer = layer
         self._check_files(layer)
         self.bytes_from_cache += self._pinned_by_layer[layer]
@@ -280,13 +283,15 @@ class Streamer:
             if self.state[index] == Residency.INFLIGHT and all(f.done() and f.exception() is None for f in futures):
                 self.state[index] = Residency.RESIDENT
 
-    def _check_files(self, layer: int) -> None:
-        """Pinned bytes live in the mapping too: a file that shrank would SIGBUS there, so stop first."""
+    def _check_files(self, layer: int | None) -> None:
+        """Pinned bytes live in the mapping too: a file that shrank would SIGBUS there, so stop
+        first. ``layer`` None checks the non-layer tensors (embeddings, output)."""
         for shard in self.model.layer_shards(layer):
             if os.fstat(self.fds[shard.file]).st_size < shard.offset + shard.length:
+                where = "the output tensors" if layer is None else f"layer {layer}"
                 raise StreamAbort(
                     f"model file {os.path.basename(self.model.files[shard.file])} is shorter than its header says "
-                    f"(layer {layer} needs byte {shard.offset + shard.length}); file truncated or drive removed?"
+                    f"({where} need byte {shard.offset + shard.length}); file truncated or drive removed?"
                 )
 
     # -- routed experts -----------------------------------------------------------------
