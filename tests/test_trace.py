@@ -16,8 +16,7 @@ from kimitui.engine.streaming import StreamSettings
 from kimitui.errors import UserError
 from kimitui.model import synth
 from kimitui.model.gguf_map import Shard
-from kimitui.trace import TraceWriter, default_trace_path, open_trace
-from kimitui.trace import check_not_model_drive
+from kimitui.trace import TraceWriter, check_not_model_drive, default_trace_path, open_trace
 from kimitui.trace.cli import METRICS
 from kimitui.trace.reader import read_trace
 from kimitui.trace.writer import COUNTERS, rotated_path
@@ -172,6 +171,17 @@ def test_summarize_and_compare_recorded_runs(engine, tmp_path, capsys):
     assert gen_line(text, "tokens").split()[1:] == ["8", "8", "=", "0.0%"]
 
 
+def test_bench_measures_both_ways_on_the_engine(engine, tmp_path):
+    from kimitui.trace.bench import measure
+
+    result = measure(engine, rounds=2, tokens=3, trace_dir=tmp_path)
+    assert len(result["off_ms_per_token"]) == len(result["on_ms_per_token"]) == 2
+    assert sorted(p.name for p in tmp_path.glob("round-*.jsonl")) == ["round-0.jsonl", "round-1.jsonl"]
+    # Every token of this model streams: read records and writer time come with each.
+    assert result["reads_per_token"] > 0 and result["writer_us_per_token"] > 0
+    assert result["trace_bytes_per_token"] > 0
+
+
 def gen_line(text: str, start: str) -> str:
     return next(line for line in text.splitlines() if line.startswith(start))
 
@@ -245,6 +255,14 @@ def test_rotation_by_size_keeps_n_files_each_readable(tmp_path):
     second.close()
     assert records_of(rotated_path(path, 1))[-1]["type"] == "close"
     assert records_of(path)[0]["session"] == second.session != writer.session
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")
+def test_a_full_drive_stops_the_trace_not_the_reply():
+    writer = TraceWriter("/dev/full")
+    drive(writer, "req-1", tokens=2)  # the request's end flushes: the write fails, nothing raises
+    writer.close()
+    assert writer.error == "trace stopped: cannot write /dev/full: No space left on device"
 
 
 BAD = [

@@ -16,7 +16,7 @@ from kimitui.config import APP_NAME, Settings
 from kimitui.errors import UserError
 from kimitui.trace.writer import TraceWriter
 
-__all__ = ["TraceWriter", "default_trace_path", "open_trace"]
+__all__ = ["TraceWriter", "check_not_model_drive", "default_trace_path", "open_trace"]
 
 
 def default_trace_path() -> Path:

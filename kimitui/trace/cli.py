@@ -80,6 +80,14 @@ def _text(x) -> str:
     return "—" if x is None else str(x)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _yes_no(x: bool | None) -> str:
+    return "—" if x is None else "yes" if x else "no"
+
+
 def settings_line(s: dict) -> str:
     budget = format_bytes(s.get("budget")) if s.get("budget") is not None else "none"
     return (
@@ -100,7 +108,7 @@ def render_summary(console: Console, summary: dict) -> None:
     console.print(
         Text.assemble(
             (", ".join(summary["files"]), "bold"),
-            f" — {o['requests']} requests · {o['tokens']} tokens · {', '.join(summary['models']) or 'no model'}",
+            f" — {_plural(o['requests'], 'request')} · {_plural(o['tokens'], 'token')} · {', '.join(summary['models']) or 'no model'}",
         )
     )
     for n, s in enumerate(summary["settings"], start=1):
@@ -127,7 +135,10 @@ def render_summary(console: Console, summary: dict) -> None:
             "(I/O wait, bytes, hit rate show —)"
         )
     reads = o["reads"]
-    line = f"storage reads: {reads['count']:,} · {format_bytes(reads['bytes'])} · {format_rate(reads['rate_bytes_s'])} while reading"
+    if not reads["count"]:
+        line = "storage reads: none recorded"
+    else:
+        line = f"storage reads: {reads['count']:,} · {format_bytes(reads['bytes'])} · {format_rate(reads['rate_bytes_s'])} while reading"
     if o["idle_bytes_read"]:
         line += f" · {format_bytes(o['idle_bytes_read'])} landed between requests (read-ahead after a reply's last token)"
     console.print(line)
@@ -152,7 +163,7 @@ def render_summary(console: Console, summary: dict) -> None:
 SETTINGS = (
     ("budget", "budget", format_bytes), ("shard_size", "shard size", format_bytes),
     ("prefetch_depth", "prefetch depth", _text), ("policy", "policy", _text),
-    ("pinned_bytes", "pinned", format_bytes), ("streaming", "streaming", _text),
+    ("pinned_bytes", "pinned", format_bytes), ("streaming", "streaming", _yes_no),
 )
 # key, label, format, which way is better (None: neither), change in % ("rel") or points ("pp")
 METRICS = (
@@ -228,9 +239,8 @@ def render_compare(console: Console, result: dict, name_a: str, name_b: str) -> 
     table.add_row("model", models_a, models_b, "≠" if models_a != models_b else "", style="bold" if models_a != models_b else "")
     formats = {key: fmt for key, _, fmt in SETTINGS}
     for s in result["settings"]:
-        fmt = formats[s["key"]]
-        show = lambda v: v if v == "varies" else fmt(v)  # noqa: E731 - one use, keeps the row readable
-        table.add_row(s["label"], show(s["a"]), show(s["b"]), "≠" if s["differs"] else "", style="bold" if s["differs"] else "")
+        a, b = (v if v == "varies" else formats[s["key"]](v) for v in (s["a"], s["b"]))
+        table.add_row(s["label"], a, b, "≠" if s["differs"] else "", style="bold" if s["differs"] else "")
     table.add_section()
     formats = {key: fmt for key, _, fmt, _, _ in METRICS}
     for m in result["metrics"]:

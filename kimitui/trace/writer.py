@@ -233,7 +233,8 @@ class TraceWriter:
 
     def _fail(self, exc: OSError) -> None:
         """A full or vanished log drive stops the trace, never the reply: the app shows ``error``."""
-        self.error = f"trace stopped: cannot write {self.path}: {exc.strerror or exc}"
+        if self.error is None:
+            self.error = f"trace stopped: cannot write {self.path}: {exc.strerror or exc}"
 
     def _start_part(self) -> None:
         self._size = 0
@@ -293,5 +294,8 @@ class TraceWriter:
             self._emit({"type": "close", "t": round(time.time(), 6), "idle": self._since_mark(now)})
             self._closed = True
             self._flush()
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:  # what a failed flush left in the file's own buffer
+                self._fail(exc)
             self._listeners.clear()
