@@ -47,10 +47,11 @@ def format_record(record: dict) -> Text:
         if record["stall_s"] is None:
             line.append(" · not streamed")
         else:
+            # Compute is wall - stall; the breakdown bar shows it. Short enough for a phone.
             line.append(
-                f" · stall {format_ms(record['stall_s'])} · compute {format_ms(record['compute_s'])}"
-                f" · read {format_bytes(record['bytes_read'])} · cache {format_bytes(record['bytes_from_cache'])}"
-                f" · {record['hits']}/{record['hits'] + record['misses']} hits"
+                f" · stall {format_ms(record['stall_s'])} · read {format_bytes(record['bytes_read'])}"
+                f" · cache {format_bytes(record['bytes_from_cache'])}"
+                f" · hits {record['hits']}/{record['hits'] + record['misses']}"
                 f" · prefetch {record['prefetch_used']}/{record['prefetch_issued']}"
             )
         return line
@@ -131,7 +132,8 @@ class TraceLog(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="filter: token · read · -read · req-3 · any text", id="trace-filter")
-        yield RichLog(max_lines=self.KEEP, wrap=False, auto_scroll=True, id="trace-lines")
+        # Wrapped, not cut: on a phone-width pane a record's end matters as much as its start.
+        yield RichLog(max_lines=self.KEEP, wrap=True, min_width=20, auto_scroll=True, id="trace-lines")
 
     def on_mount(self) -> None:
         self.set_interval(DRAIN_S, self.drain)
