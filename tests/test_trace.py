@@ -257,6 +257,19 @@ def test_rotation_by_size_keeps_n_files_each_readable(tmp_path):
     assert records_of(path)[0]["session"] == second.session != writer.session
 
 
+def test_expert_reads_name_the_expert(tmp_path):
+    from kimitui.engine.experts import ExpertUnit
+    from kimitui.model.gguf_map import ByteRange
+
+    writer = TraceWriter(tmp_path / "moe.jsonl")
+    writer.request_started("req-1", "moe.gguf", {})
+    unit = ExpertUnit(layer=3, expert=17, ranges=(ByteRange(1, 4096, 1000), ByteRange(1, 9000, 1000)))
+    writer.read(unit, 4096, 1000, time.perf_counter(), 0.002)
+    writer.close()
+    (read,) = [r for r in records_of(tmp_path / "moe.jsonl") if r["type"] == "read"]
+    assert (read["expert"], read["shard"], read["layer"], read["file"], read["bytes"]) == (17, None, 3, 1, 1000)
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")
 def test_a_full_drive_stops_the_trace_not_the_reply():
     writer = TraceWriter("/dev/full")
