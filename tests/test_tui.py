@@ -315,3 +315,25 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
         assert app.query_one(PromptInput).text == "still here"
     msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].content == reply.text
+
+
+async def test_trace_flag_shows_the_live_trace_and_writes_the_file(tmp_path):
+    import json
+
+    from kimitui.model import synth
+    from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
+
+    model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
+    trace = tmp_path / "trace.jsonl"
+    app = make_app("--model", str(model), "--budget", "150MiB", "--trace", str(trace))
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert app.query_one(TraceLog).display
+        await wait_for(pilot, lambda: app.engine.streamer is not None)
+        await ask(pilot, app, "Hi")
+        assert app.query_one(TokenBreakdown).is_mounted
+        await wait_for(pilot, lambda: len(app.query_one(TraceLog).query_one("RichLog").lines) > 0)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    kinds = {r["type"] for r in records}
+    assert {"request", "token", "read", "end"} <= kinds
+    end = [r for r in records if r["type"] == "end"][-1]
+    assert len([r for r in records if r["type"] == "token"]) == end["completion_tokens"] > 0

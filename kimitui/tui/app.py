@@ -26,6 +26,7 @@ from kimitui.engine.metrics import EngineMetrics, Sampler
 from kimitui.engine.session import Engine, EngineError, Generation, GenerationResult, Sampling
 from kimitui.engine.streaming import StreamSettings
 from kimitui.history import HistoryStore
+from kimitui.trace import open_trace
 from kimitui.tui.messages import (
     LoadFailed,
     LoadFinished,
@@ -42,6 +43,7 @@ from kimitui.tui.screens.sampling import SamplingScreen
 from kimitui.tui.screens.tuning import TuningScreen
 from kimitui.tui.themes import DEFAULT_THEME, bundled_themes
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
+from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
 from kimitui.tui.widgets.panels import PANEL_TYPES, ApiPanel, Panel
 from kimitui.tui.widgets.status import StatusBar
 from kimitui.units import format_bytes, format_rate
@@ -82,6 +84,7 @@ class KimituiApp(App[int]):
         Binding("6", "toggle_panel(6)", "API", group=Binding.Group("panels", compact=True)),
         Binding("7", "toggle_panel(7)", "residency", group=Binding.Group("panels", compact=True)),
         Binding("8", "toggle_panel(8)", "experts", group=Binding.Group("panels", compact=True)),
+        Binding("9", "toggle_trace", "trace", group=Binding.Group("panels", compact=True)),
         Binding("z", "maximize_panel", "maximise"),
         Binding("p", "pause", "pause"),
         Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),
@@ -110,6 +113,7 @@ class KimituiApp(App[int]):
             self.engine = RemoteEngine(url, api_key=key)
             self.metrics = self.engine.metrics
             self.sampler: Sampler = RemoteSampler(self.engine, interval=max(1.0, settings["metrics.interval"]))
+            self.trace = None
         else:
             self.metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
             self.metrics.budget_bytes = default_budget() if budget == "auto" else budget
@@ -129,8 +133,12 @@ class KimituiApp(App[int]):
                 ),
             )
             self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
+            self.trace = open_trace(settings, list(self.engine.inspect().files))
+            if self.trace is not None:
+                self.trace.attach(self.engine)
         self.api_socket = api_socket
         self.api_server = None
+        self._trace_error_shown = False
         self.sampling = Sampling(
             temperature=settings["sampling.temperature"],
             top_p=settings["sampling.top_p"],
@@ -150,6 +158,7 @@ class KimituiApp(App[int]):
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
                 yield ChatLog(id="chat-log")
+                yield TraceLog(id="trace-log")
                 yield PromptInput(id="prompt")
             with Vertical(id="panels"):
                 for panel_type in PANEL_TYPES:
@@ -169,6 +178,14 @@ class KimituiApp(App[int]):
             status.model_name = f"remote {self.engine.url}"
         status.budget = self.metrics.budget_bytes or 0
         status.state = "loading"
+        trace_log = self.query_one(TraceLog)
+        trace_log.display = self.trace is not None
+        if self.trace is not None:
+            bar = TokenBreakdown(id="token-breakdown")
+            self.query_one("#panel-5", Panel).mount(bar)  # the last token's split, under the latency sparkline
+            # feed() only queues; the widgets drain on a UI timer, so read threads never wait for the UI.
+            self.trace.subscribe(trace_log.feed)
+            self.trace.subscribe(bar.feed)
         api_panel = self.query_one(ApiPanel)
         api_panel.display = self.api_socket is not None
         if self.api_socket is not None:
@@ -196,6 +213,8 @@ class KimituiApp(App[int]):
             self.reply.generation.cancel()
         self.engine.abort_load()
         self.sampler.stop()
+        if self.trace is not None:
+            self.trace.close()
         if self.api_server is not None:
             self.api_server.stop()
 
@@ -388,6 +407,9 @@ class KimituiApp(App[int]):
             note = f"error: {error}"
             self.notify(error, severity="error", timeout=15)
         await reply.view.finish(note)
+        if self.trace is not None and self.trace.error and not self._trace_error_shown:
+            self._trace_error_shown = True
+            self.notify(f"trace stopped: {self.trace.error}", severity="warning", timeout=15)
         self.store.update_message(reply.message_id, reply.view.text, complete=error is None, stats=stats)
         status = self.query_one(StatusBar)
         status.state, status.detail = "idle", ""
@@ -485,6 +507,11 @@ class KimituiApp(App[int]):
         self.push_screen(
             TuningScreen(engine.budget or 0, settings.prefetch_depth, engine.shard_size, settings.policy), applied
         )
+
+    def action_toggle_trace(self) -> None:
+        if self.trace is not None:
+            log = self.query_one(TraceLog)
+            log.display = not log.display
 
     def action_toggle_panel(self, key: int) -> None:
         panel = self.query_one(f"#panel-{key}", Panel)
