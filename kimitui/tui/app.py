@@ -179,7 +179,8 @@ class KimituiApp(App[int]):
         status.budget = self.metrics.budget_bytes or 0
         status.state = "loading"
         trace_log = self.query_one(TraceLog)
-        trace_log.display = self.trace is not None
+        # On a phone-sized terminal the chat needs the room: the pane starts hidden (key 9 shows it).
+        trace_log.display = self.trace is not None and self.size.width >= 100
         if self.trace is not None:
             bar = TokenBreakdown(id="token-breakdown")
             self.query_one("#panel-5", Panel).mount(bar)  # the last token's split, under the latency sparkline
