@@ -108,7 +108,6 @@ class ChildRun:
     returncode: int | None = None
     error: str | None = None
     cached_at_start: int | None = None  # bytes of the model still in the page cache after the drop
-    cgroup_limit: int | None = None
     cgroup_peak: int | None = None
     # Share of the machine's CPU time that other processes used while the run lasted: work
     # that competed with the run and makes its figures noisy.
@@ -138,7 +137,7 @@ def run_child(
     after (the app's pinned set, teardown) is not part of the measurement."""
     drop_from_page_cache(model)
     cgroup: RunCgroup | None = cgroups.create(limit) if cgroups is not None else None
-    run = ChildRun(phase, 0.0, cgroup_limit=limit)
+    run = ChildRun(phase, 0.0)
     run.cached_at_start = cached_bytes(model)
     command = [sys.executable, "-m", "kimitui.benchmarks.child", phase, json.dumps(spec)]
     if cgroup is not None:
