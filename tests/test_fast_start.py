@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.benchmarks.common import drop_from_page_cache
 from kimitui.engine import loadhooks
 from kimitui.engine.macho import MachOSlotFinder
 from kimitui.model import synth
@@ -48,14 +49,6 @@ print(json.dumps({"read": read, "rss_file": resident, "text": gen.result.text, "
                   "mapping": None if engine.mapping is None else [engine.mapping.path, engine.mapping.length],
                   "note": engine.fast_load_note}))
 """
-
-
-def drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def load_in_subprocess(path: Path, mode: str) -> dict:
