@@ -41,11 +41,24 @@ def _field_value(reader, key: str):
         return None
 
 
+_checked: dict[tuple, ModelInfo] = {}
+
+
 def read_model_info(path: Path) -> ModelInfo:
+    """Checked once per process and file state: start-up asks twice (command line, engine), and
+    parsing a large vocabulary costs most of a second."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
     if not path.is_file():
         raise UserError(f"model path is not a file: {path}")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _checked:
+        _checked[key] = _read_model_info(path)
+    return _checked[key]
+
+
+def _read_model_info(path: Path) -> ModelInfo:
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
