@@ -57,12 +57,29 @@ def run(args: argparse.Namespace) -> int:
     check_bind(host, api_key)
     model_path = resolve_model(settings)
     sock = bind_socket(host, settings["server.port"])
+    from kimitui.cli import check_budget
+    from kimitui.engine.memory import default_budget
+    from kimitui.engine.streaming import StreamSettings
+
+    check_budget(settings, model_path)
+    budget = settings["engine.budget"]
+    metrics = EngineMetrics(settings["metrics.latency_window"])
+    metrics.budget_bytes = default_budget() if budget == "auto" else budget
+    # The same engine as the app's: budget, pinned set and streaming settings from the config.
     engine = Engine(
         model_path,
         n_ctx=settings["model.n_ctx"],
         n_threads=settings["model.n_threads"],
         n_batch=settings["model.n_batch"],
-        metrics=EngineMetrics(settings["metrics.latency_window"]),
+        metrics=metrics,
+        budget=metrics.budget_bytes,
+        shard_size=settings["engine.shard_size"],
+        stream_settings=StreamSettings(
+            prefetch_depth=settings["engine.prefetch_depth"],
+            policy=settings["engine.policy"],
+            io_threads=settings["engine.io_threads"],
+            expert_policy=settings["engine.expert_policy"],
+        ),
     )
     server = uvicorn_server(create_app(engine, settings, api_key=api_key), quiet=False)
     failure: list[str] = []
@@ -70,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             engine.load()
+            engine.pin()
         except EngineError as exc:
             if not server.should_exit:  # else: stopped while loading, nothing to report
                 failure.append(str(exc))
