@@ -51,8 +51,15 @@ def read_model_info(path: Path) -> ModelInfo:
         raise UserError(f"model file not found: {path}")
     if not path.is_file():
         raise UserError(f"model path is not a file: {path}")
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    from kimitui.model.gguf_map import split_set
+
+    try:
+        # Every file of a set is part of the key: a damaged later file must be seen again.
+        key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in split_set(path))
+    except (OSError, UserError):
+        key = None  # let the full check name what is wrong
+    if key is None:
+        return _read_model_info(path)
     if key not in _checked:
         _checked[key] = _read_model_info(path)
     return _checked[key]
