@@ -511,6 +511,30 @@ class Engine:
         return Generation(self, build, sampling)
 
 
+def engine_from_settings(settings, model_path: Path) -> Engine:
+    """The engine as configured (model, budget, streaming keys): one recipe for app and server."""
+    from kimitui.engine.memory import default_budget
+
+    budget = settings["engine.budget"]
+    metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
+    metrics.budget_bytes = default_budget() if budget == "auto" else budget
+    return Engine(
+        model_path,
+        n_ctx=settings["model.n_ctx"],
+        n_threads=settings["model.n_threads"],
+        n_batch=settings["model.n_batch"],
+        metrics=metrics,
+        budget=metrics.budget_bytes,
+        shard_size=settings["engine.shard_size"],
+        stream_settings=StreamSettings(
+            prefetch_depth=settings["engine.prefetch_depth"],
+            policy=settings["engine.policy"],
+            io_threads=settings["engine.io_threads"],
+            expert_policy=settings["engine.expert_policy"],
+        ),
+    )
+
+
 def _held_back(text: str, stops: Sequence[str]) -> int:
     """Length of the longest tail of ``text`` that could start a stop string."""
     hold = 0

@@ -47,8 +47,7 @@ def resolve(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kimitui.cli import resolve_model
-    from kimitui.engine.metrics import EngineMetrics
-    from kimitui.engine.session import Engine, EngineError
+    from kimitui.engine.session import EngineError
     from kimitui.server.app import create_app
     from kimitui.server.runner import base_url, bind_socket, check_bind, uvicorn_server
 
@@ -58,29 +57,11 @@ def run(args: argparse.Namespace) -> int:
     model_path = resolve_model(settings)
     sock = bind_socket(host, settings["server.port"])
     from kimitui.cli import check_budget
-    from kimitui.engine.memory import default_budget
-    from kimitui.engine.streaming import StreamSettings
+    from kimitui.engine.session import engine_from_settings
 
     check_budget(settings, model_path)
-    budget = settings["engine.budget"]
-    metrics = EngineMetrics(settings["metrics.latency_window"])
-    metrics.budget_bytes = default_budget() if budget == "auto" else budget
     # The same engine as the app's: budget, pinned set and streaming settings from the config.
-    engine = Engine(
-        model_path,
-        n_ctx=settings["model.n_ctx"],
-        n_threads=settings["model.n_threads"],
-        n_batch=settings["model.n_batch"],
-        metrics=metrics,
-        budget=metrics.budget_bytes,
-        shard_size=settings["engine.shard_size"],
-        stream_settings=StreamSettings(
-            prefetch_depth=settings["engine.prefetch_depth"],
-            policy=settings["engine.policy"],
-            io_threads=settings["engine.io_threads"],
-            expert_policy=settings["engine.expert_policy"],
-        ),
-    )
+    engine = engine_from_settings(settings, model_path)
     server = uvicorn_server(create_app(engine, settings, api_key=api_key), quiet=False)
     failure: list[str] = []
 

@@ -21,10 +21,8 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from kimitui.config import Settings, data_dir
-from kimitui.engine.memory import default_budget
-from kimitui.engine.metrics import EngineMetrics, Sampler
-from kimitui.engine.session import Engine, EngineError, Generation, GenerationResult, Sampling
-from kimitui.engine.streaming import StreamSettings
+from kimitui.engine.metrics import Sampler
+from kimitui.engine.session import Engine, EngineError, Generation, GenerationResult, Sampling, engine_from_settings
 from kimitui.history import HistoryStore
 from kimitui.trace import open_trace
 from kimitui.tui.messages import (
@@ -105,7 +103,6 @@ class KimituiApp(App[int]):
         """
         super().__init__()
         self.settings = settings
-        budget = settings["engine.budget"]
         if remote is not None:
             from kimitui.server.client import RemoteEngine, RemoteSampler
 
@@ -115,23 +112,8 @@ class KimituiApp(App[int]):
             self.sampler: Sampler = RemoteSampler(self.engine, interval=max(1.0, settings["metrics.interval"]))
             self.trace = None
         else:
-            self.metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
-            self.metrics.budget_bytes = default_budget() if budget == "auto" else budget
-            self.engine = Engine(
-                model_path,
-                n_ctx=settings["model.n_ctx"],
-                n_threads=settings["model.n_threads"],
-                n_batch=settings["model.n_batch"],
-                metrics=self.metrics,
-                budget=self.metrics.budget_bytes,
-                shard_size=settings["engine.shard_size"],
-                stream_settings=StreamSettings(
-                    prefetch_depth=settings["engine.prefetch_depth"],
-                    policy=settings["engine.policy"],
-                    io_threads=settings["engine.io_threads"],
-                    expert_policy=settings["engine.expert_policy"],
-                ),
-            )
+            self.engine = engine_from_settings(settings, model_path)
+            self.metrics = self.engine.metrics
             self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
             self.trace = open_trace(settings, list(self.engine.inspect().files))
             if self.trace is not None:
