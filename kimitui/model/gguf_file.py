@@ -31,16 +31,6 @@ class ModelInfo:
     files: tuple[Path, ...] = ()  # every file, in split order (just `path` for a single file)
 
 
-def _field_value(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except Exception:  # a field of a type this gguf version cannot render: treat as absent
-        return None
-
-
 _checked: dict[tuple, ModelInfo] = {}
 
 
@@ -69,7 +59,7 @@ def _read_model_info(path: Path) -> ModelInfo:
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from kimitui.model.gguf_map import _open_reader, split_set
+    from kimitui.model.gguf_map import _open_reader, field_value, split_set
     from kimitui.model.manifest import quick_check
 
     files = split_set(path)
@@ -80,7 +70,7 @@ def _read_model_info(path: Path) -> ModelInfo:
         size = os.path.getsize(file)
         file_bytes += size
         if len(files) > 1:
-            number, count = _field_value(reader, "split.no"), _field_value(reader, "split.count")
+            number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
             if number != index or count != len(files):
                 raise UserError(
                     f"{file}: its header says split {number} of {count}, its name says {index} of "
@@ -108,7 +98,7 @@ def _read_model_info(path: Path) -> ModelInfo:
             first = reader
     assert first is not None
     if len(files) > 1:
-        expected = _field_value(first, "split.tensors.count")
+        expected = field_value(first, "split.tensors.count")
         if expected is not None and expected != n_tensors:
             raise UserError(
                 f"{files[0]}: the set's files hold {n_tensors} tensors, its split.tensors.count says "
@@ -116,10 +106,10 @@ def _read_model_info(path: Path) -> ModelInfo:
             )
     quick_check(files)
 
-    arch = _field_value(first, "general.architecture") or "unknown"
-    name = _field_value(first, "general.name") or files[0].stem
-    n_layers = _field_value(first, f"{arch}.block_count")
-    ctx = _field_value(first, f"{arch}.context_length")
+    arch = field_value(first, "general.architecture") or "unknown"
+    name = field_value(first, "general.name") or files[0].stem
+    n_layers = field_value(first, f"{arch}.block_count")
+    ctx = field_value(first, f"{arch}.context_length")
     return ModelInfo(
         path=files[0],
         name=str(name),
@@ -129,6 +119,6 @@ def _read_model_info(path: Path) -> ModelInfo:
         n_tensors=n_tensors,
         n_layers=int(n_layers) if n_layers is not None else None,
         context_length=int(ctx) if ctx is not None else None,
-        has_chat_template=_field_value(first, "tokenizer.chat_template") is not None,
+        has_chat_template=field_value(first, "tokenizer.chat_template") is not None,
         files=tuple(files),
     )

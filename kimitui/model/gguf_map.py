@@ -439,7 +439,7 @@ def _open_reader(path: Path):
         raise UserError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from None
 
 
-def _field(reader, key: str):
+def field_value(reader, key: str):
     f = reader.fields.get(key)
     if f is None:
         return None
@@ -466,19 +466,19 @@ def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> Mo
         size = os.path.getsize(file)
         sizes.append(size)
         if len(files) > 1:
-            split_no, split_count = _field(reader, "split.no"), _field(reader, "split.count")
+            split_no, split_count = field_value(reader, "split.no"), field_value(reader, "split.count")
             if split_count is not None and (split_count != len(files) or split_no != file_index):
                 raise UserError(
                     f"{file}: says it is split {split_no} of {split_count}, its name says "
                     f"{file_index} of {len(files)} (files from different sets?)"
                 )
         if file_index == 0:
-            arch = _field(reader, "general.architecture") or "unknown"
-            name = _field(reader, "general.name") or files[0].stem
-            n_layers_kv = _field(reader, f"{arch}.block_count")
-            n_expert_kv = _field(reader, f"{arch}.expert_count")
-            n_used = _field(reader, f"{arch}.expert_used_count")
-            n_shared = _field(reader, f"{arch}.expert_shared_count")
+            arch = field_value(reader, "general.architecture") or "unknown"
+            name = field_value(reader, "general.name") or files[0].stem
+            n_layers_kv = field_value(reader, f"{arch}.block_count")
+            n_expert_kv = field_value(reader, f"{arch}.expert_count")
+            n_used = field_value(reader, f"{arch}.expert_used_count")
+            n_shared = field_value(reader, f"{arch}.expert_shared_count")
             alignment = int(reader.alignment)
         for info in reader.tensor_fields:
             _, name_data, _, dims, raw_dtype, rel_offset = info.parts
