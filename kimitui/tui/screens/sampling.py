@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label
+from textual.containers import Vertical
+from textual.widgets import Input, Label
 
 from kimitui.config import SCHEMA, coerce
+from kimitui.tui.screens.form import FormScreen
 from kimitui.engine.session import Sampling
 
 FIELDS = (
@@ -19,9 +18,7 @@ FIELDS = (
 )
 
 
-class SamplingScreen(ModalScreen[tuple[Sampling, str] | None]):
-    BINDINGS = [Binding("escape", "dismiss(None)", "cancel")]
-
+class SamplingScreen(FormScreen[tuple[Sampling, str] | None]):
     def __init__(self, sampling: Sampling, system_prompt: str) -> None:
         super().__init__()
         self.sampling = sampling
@@ -40,18 +37,7 @@ class SamplingScreen(ModalScreen[tuple[Sampling, str] | None]):
                 yield Label(label)
                 yield Input(str(current[key]), id=f"field-{key}")
             yield Label("", id="sampling-error")
-            with Horizontal():
-                yield Button("Apply", variant="primary", id="apply")
-                yield Button("Cancel", id="cancel")
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "cancel":
-            self.dismiss(None)
-        else:
-            self.apply()
-
-    def on_input_submitted(self) -> None:
-        self.apply()
+            yield from self.buttons()
 
     def apply(self) -> None:
         values = {}

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select
+from textual.containers import Vertical
+from textual.widgets import Input, Label, Select
 
 from kimitui.config import SCHEMA, coerce
+from kimitui.tui.screens.form import FormScreen
 from kimitui.engine.streaming import POLICIES
 from kimitui.units import format_bytes
 
 
-class TuningScreen(ModalScreen[dict | None]):
+class TuningScreen(FormScreen[dict | None]):
     """Dismisses with the changed values ({"budget": bytes, ...}) or None."""
-
-    BINDINGS = [Binding("escape", "dismiss(None)", "cancel")]
 
     def __init__(self, budget: int, prefetch_depth: int, shard_size: int, policy: str) -> None:
         super().__init__()
@@ -34,18 +31,7 @@ class TuningScreen(ModalScreen[dict | None]):
             yield Label("policy")
             yield Select([(p, p) for p in POLICIES], value=self.current["policy"], allow_blank=False, id="tune-policy")
             yield Label("", id="tuning-error")
-            with Horizontal():
-                yield Button("Apply", variant="primary", id="apply")
-                yield Button("Cancel", id="cancel")
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "cancel":
-            self.dismiss(None)
-        else:
-            self.apply()
-
-    def on_input_submitted(self) -> None:
-        self.apply()
+            yield from self.buttons()
 
     def apply(self) -> None:
         values: dict = {}
