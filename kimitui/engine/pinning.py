@@ -118,7 +118,14 @@ class ParallelReader:
 
         try:
             with ThreadPoolExecutor(self.threads, thread_name_prefix="kimitui-read") as pool:
-                for future in [pool.submit(read_chunk, c) for c in chunks]:
+                futures = []
+                for chunk in chunks:
+                    # A cancelled read (the process is shutting down) submits nothing more:
+                    # an executor refuses new work once the interpreter is exiting.
+                    if cancel is not None and cancel.is_set():
+                        break
+                    futures.append(pool.submit(read_chunk, chunk))
+                for future in futures:
                     future.result()
         finally:
             for fd in fds.values():
