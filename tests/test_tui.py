@@ -13,7 +13,7 @@ from kimitui.tui.app import KimituiApp
 from kimitui.tui.messages import TokenReceived
 from kimitui.tui.screens.history import HistoryScreen
 from kimitui.tui.screens.sampling import SamplingScreen
-from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
+from kimitui.tui.widgets.chat import MessageView, PromptInput
 from kimitui.tui.widgets.panels import LatencyPanel, MemoryPanel, Panel
 from kimitui.tui.widgets.status import StatusBar
 
