@@ -97,7 +97,7 @@ def test_live_tuning_applies_from_the_next_token(model):
 TRUNCATE_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.session import Engine, EngineError, Sampling
 from kimitui.engine.streaming import StreamSettings
 path = Path(sys.argv[1])
 engine = Engine(path, n_ctx=256, budget=int(sys.argv[2]), stream_settings=StreamSettings(prefetch_depth=1))
