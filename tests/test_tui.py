@@ -306,7 +306,8 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
             return real(layer)
 
         streamer.on_layer_start = cut_then_start
-        await wait_for(pilot, lambda: app.reply is None)
+        # The reply ends, then its note is written (after the markdown stream stops).
+        await wait_for(pilot, lambda: app.reply is None and app.query(MessageView).last().border_subtitle)
         reply = app.query(MessageView).last()
         assert str(reply.border_subtitle).startswith("error:") and "m.gguf" in str(reply.border_subtitle)
         conv = app.conversation_id

@@ -242,14 +242,12 @@ def phase_app_load(spec: dict) -> None:
     """
     import asyncio
 
-    from kimitui.benchmarks.common import cached_bytes
-    from kimitui.cli import build_parser, resolve_model, resolve_settings
-    from kimitui.tui.app import KimituiApp
-    from kimitui.tui.messages import LoadFailed, LoadFinished
+    from kimitui.cli import build_app, build_parser
 
-    settings = resolve_settings(build_parser().parse_args(spec["argv"]))
-    model_path = resolve_model(settings)
-    app = KimituiApp(settings, model_path)
+    app = build_app(build_parser().parse_args(spec["argv"]))  # exactly what `kimitui ARGV` builds
+    model_path = app.engine.model_path
+    from kimitui.benchmarks.common import cached_bytes
+    from kimitui.tui.messages import LoadFailed, LoadFinished
 
     failed = []
 

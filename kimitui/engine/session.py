@@ -209,6 +209,9 @@ class Engine:
         self._llm = None
         self._formatter = None
         self._abort_load = threading.Event()
+        self._on_load_progress: Callable[[float], None] | None = None
+        self._early_load: threading.Thread | None = None
+        self._early_error: BaseException | None = None
 
     # -- loading -------------------------------------------------------------------------
 
@@ -218,16 +221,45 @@ class Engine:
             self.info = read_model_info(self.model_path)
         return self.info
 
+    def start_loading(self) -> None:
+        """Begin the load now on a thread of its own; a later ``load()`` joins it.
+
+        The app calls this before it imports and starts its UI: llama.cpp's load runs in C,
+        outside the GIL, so the two overlap instead of adding up on the way to ready."""
+        if self._early_load is None and self.state is EngineState.EMPTY:
+            self.state = EngineState.LOADING
+            self._early_load = threading.Thread(target=self._load_early, name="kimitui-load", daemon=True)
+            self._early_load.start()
+
+    def _load_early(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:  # handed to whoever joins in load()
+            self._early_error = exc
+
     def load(self, on_progress: Callable[[float], None] | None = None) -> None:
         """Blocking load; call from a worker thread. Raises EngineError on failure."""
+        self._on_load_progress = on_progress
+        early = self._early_load
+        if early is None:
+            self._load()
+            return
+        if on_progress is not None:
+            on_progress(self.load_progress)  # what happened before we joined
+        early.join()
+        if self._early_error is not None:
+            raise self._early_error
+
+    def _load(self) -> None:
         self.inspect()
         self.state = EngineState.LOADING
         started = time.perf_counter()
 
         def progress(value: float) -> bool:
             self.load_progress = value
-            if on_progress is not None:
-                on_progress(value)
+            listener = self._on_load_progress
+            if listener is not None:
+                listener(value)
             return not self._abort_load.is_set()
 
         import llama_cpp
@@ -246,7 +278,10 @@ class Engine:
         callbacks = self._stream_callbacks() if self._may_stream() else (None, None)
         rss_before = psutil.Process().memory_info().rss
         try:
-            with _llama_params(progress, self.repack, *callbacks):
+            # llama.cpp calls the progress callback once per tensor, each call a wait for the
+            # GIL while the UI starts beside it; with fast start the load reads nothing and takes
+            # a fraction of a second, so only the stock load, which reads the whole file, has one.
+            with _llama_params(progress if hooks is None else None, self.repack, *callbacks):
                 self._llm = llama_cpp.Llama(
                     model_path=str(self.model_path),
                     n_ctx=self.n_ctx,
@@ -269,11 +304,18 @@ class Engine:
             self.mappings = found if all(m is not None for m in found.values()) else {}
         self._formatter = self._make_formatter()
         self.load_s = time.perf_counter() - started
-        self.load_progress = 1.0
+        if self.load_progress < 1.0:
+            progress(1.0)  # fast start: the one step there was
         self.state = EngineState.READY
 
     def abort_load(self) -> None:
         self._abort_load.set()
+
+    def cancel_loading(self) -> None:
+        """Stop a load started with ``start_loading`` and wait for its thread."""
+        self.abort_load()
+        if self._early_load is not None:
+            self._early_load.join()
 
     def _may_stream(self) -> bool:
         # The eval callback costs a Python call per graph node: only models that cannot be

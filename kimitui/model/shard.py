@@ -118,7 +118,7 @@ def _kv_items(first_file: Path) -> tuple[str, int, list[tuple[str, object, objec
     values raw where that matters: strings as bytes, so any byte sequence survives."""
     from gguf import GGUFValueType, Keys
 
-    reader = _open_reader(first_file)
+    reader = _open_reader(first_file, arrays=True)
     regenerated = {
         Keys.General.ARCHITECTURE,  # GGUFWriter writes it itself
         Keys.General.ALIGNMENT,  # written per file where it is not the default

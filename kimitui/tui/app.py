@@ -95,10 +95,12 @@ class KimituiApp(App[int]):
         model_path: Path | None,
         *,
         remote: tuple[str, str | None] | None = None,
+        engine: Engine | None = None,
         api_socket: socket.socket | None = None,
     ) -> None:
         """``model_path`` runs the engine in-process; ``remote`` = (url, api key) chats with a server.
 
+        ``engine``, built from the same settings, may already be loading (``start_loading``).
         ``api_socket``, already listening, serves the HTTP API from this process's engine.
         """
         super().__init__()
@@ -112,7 +114,7 @@ class KimituiApp(App[int]):
             self.sampler: Sampler = RemoteSampler(self.engine, interval=max(1.0, settings["metrics.interval"]))
             self.trace = None
         else:
-            self.engine = engine_from_settings(settings, model_path)
+            self.engine = engine or engine_from_settings(settings, model_path)
             self.metrics = self.engine.metrics
             self.sampler = Sampler(self.metrics, interval=settings["metrics.interval"], model_path=model_path)
             self.trace = open_trace(settings, list(self.engine.inspect().files))
@@ -389,13 +391,14 @@ class KimituiApp(App[int]):
         if error:
             note = f"error: {error}"
             self.notify(error, severity="error", timeout=15)
-        await reply.view.finish(note)
+        # Saved before the view is finished: the app may be closing while it awaits.
+        self.store.update_message(reply.message_id, reply.view.text, complete=error is None, stats=stats)
         if self.trace is not None and self.trace.error and not self._trace_error_shown:
             self._trace_error_shown = True
             self.notify(f"trace stopped: {self.trace.error}", severity="warning", timeout=15)
-        self.store.update_message(reply.message_id, reply.view.text, complete=error is None, stats=stats)
         status = self.query_one(StatusBar)
         status.state, status.detail = "idle", ""
+        await reply.view.finish(note)
 
     # -- actions -------------------------------------------------------------------------
 
