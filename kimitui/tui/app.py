@@ -36,9 +36,6 @@ from kimitui.tui.messages import (
     SnapshotReady,
     TokenReceived,
 )
-from kimitui.tui.screens.history import HistoryScreen
-from kimitui.tui.screens.sampling import SamplingScreen
-from kimitui.tui.screens.tuning import TuningScreen
 from kimitui.tui.themes import DEFAULT_THEME, bundled_themes
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
 from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
@@ -443,6 +440,8 @@ class KimituiApp(App[int]):
         self.query_one(PromptInput).focus()
 
     def action_history(self) -> None:
+        from kimitui.tui.screens.history import HistoryScreen  # dialogs load when first opened: start-up is on the clock
+
         self.push_screen(HistoryScreen(self.store, Path.cwd()), self._open_conversation)
 
     async def _open_conversation(self, conversation_id: int | None) -> None:
@@ -469,6 +468,8 @@ class KimituiApp(App[int]):
         self.notify(f"copied {len(last.text)} characters")
 
     def action_sampling(self) -> None:
+        from kimitui.tui.screens.sampling import SamplingScreen
+
         def applied(result: tuple[Sampling, str] | None) -> None:
             if result is not None:
                 self.sampling, self.system_prompt = result
@@ -478,6 +479,8 @@ class KimituiApp(App[int]):
         self.push_screen(SamplingScreen(self.sampling, self.system_prompt), applied)
 
     def action_tuning(self) -> None:
+        from kimitui.tui.screens.tuning import TuningScreen
+
         engine = self.engine
         if not isinstance(engine, Engine):
             self.notify("remote mode: the server's engine is tuned on the server")
