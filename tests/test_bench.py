@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.benchmarks.bench import DISK_THREADS
 from kimitui.benchmarks.cgroup import Hierarchy, find_hierarchy
 from kimitui.cli import main
 from kimitui.model import synth
@@ -47,7 +48,8 @@ def test_bench_with_baseline_reports_measured_figures(small_model, tmp_path):
     assert "kimitui" in done.stdout and "plain mmap" in done.stdout
 
     disk = report["disk"]
-    assert len(disk["samples"]) == 2
+    assert len(disk["samples"]) == 2 * len(DISK_THREADS)  # each thread count, before and after
+    assert {s["threads"] for s in disk["samples"]} == set(DISK_THREADS)
     for sample in disk["samples"]:
         assert sample["storage_bytes"] >= 0.9 * sample["bytes"]  # it was cold
     assert disk["bandwidth_bytes_s"] == max(s["bandwidth_bytes_s"] for s in disk["samples"]) > 0
@@ -76,6 +78,23 @@ def test_bench_with_baseline_reports_measured_figures(small_model, tmp_path):
     assert limit["must_read_bytes_per_token"] == model_map.read_bytes_per_token(limit["pinned_bytes"])
     assert limit["tok_s"] > 0
     assert report["settings"]["cgroup_limit_bytes"] is None and runs["kimitui"]["cgroup_peak_bytes"] is None
+
+
+def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
+    model = tmp_path / "moe.gguf"
+    synth.write_model(synth.plan_moe(200 * MIB, "q4_1", synth.default_tokenizer()), model, progress=False)
+    out = tmp_path / "bench.json"
+    done = run_cli("bench", "--model", str(model), "--budget", "100MiB", "--tokens", "6", "--prompt-tokens", "8", "--json", str(out))
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(out.read_text())
+    run = report["runs"]["kimitui"]
+    assert run["streaming"] and report["model"]["moe"]
+    assert 0 <= run["expert_hit_rate"] <= 1
+    assert run["needed_bytes_per_token"] > 0  # 100 MiB cannot hold 200 MiB: some experts come from storage
+    assert run["read_vs_needed"] == pytest.approx(run["read_bytes_per_token"] / run["needed_bytes_per_token"])
+    assert run["expert_prefetch_wasted_bytes_per_token"] >= 0
+    assert set(report["targets"]) == {"decode_vs_plain_at_least_4x", "read_vs_needed_at_most_1.15x", "4x_within_the_physical_limit"}
+    assert "targets (issue 4)" in done.stdout and "expert hit rate" in done.stdout
 
 
 def test_bench_in_a_memory_cgroup(small_model, tmp_path):

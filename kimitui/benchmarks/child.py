@@ -66,8 +66,8 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
 
     ``token_ids`` is a lazy iterator: nothing runs before the first ``next``. The first
     token's time is the TTFT (prefill and the first sample); decode is the rest. Storage
-    reads are split the same way. ``streaming`` returns the streaming engine's counters
-    (or None while there is none).
+    reads are split the same way. ``streaming`` returns the streaming engine's cumulative
+    counters (``Streamer.counters()``, or None while there is none).
     """
     from kimitui.engine.metrics import percentile
 
@@ -91,12 +91,22 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
     decode_s = stamps[-1] - stamps[0]
     n_decode = len(intervals)
     decode_read = _delta(io_first, io_end)
-    hit_rate = stall = None
-    if stream_first is not None and stream_end is not None:
-        hits = stream_end.cache_hits - stream_first.cache_hits
-        misses = stream_end.cache_misses - stream_first.cache_misses
-        hit_rate = hits / (hits + misses) if hits + misses else None
-        stall = (stream_end.stall_s - stream_first.stall_s) / n_decode if n_decode else None
+    streamed: dict = {}
+    if stream_first is not None and stream_end is not None and n_decode:
+        def delta(key):
+            a, b = stream_first.get(key), stream_end.get(key)
+            return None if a is None or b is None else b - a
+
+        hits, misses = delta("hits"), delta("misses")
+        streamed["hit_rate"] = hits / (hits + misses) if hits + misses else None
+        streamed["stall_s_per_token"] = delta("stall_s") / n_decode
+        streamed["needed_bytes_per_token"] = delta("bytes_needed") / n_decode
+        expert_hits, expert_misses = delta("expert_hits"), delta("expert_misses")
+        if expert_hits is not None:
+            seen = expert_hits + expert_misses
+            streamed["expert_hit_rate"] = expert_hits / seen if seen else None
+            streamed["expert_prefetch_wasted_bytes_per_token"] = delta("expert_prefetch_wasted_bytes") / n_decode
+        streamed["shard_prefetch_wasted_per_token"] = delta("prefetch_wasted") / n_decode
     return {
         "prompt_tokens": n_prompt,
         "completion_tokens": len(ids),
@@ -110,8 +120,9 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
         "prefill_read_bytes": _delta(io_start, io_first),
         "decode_read_bytes": decode_read,
         "read_bytes_per_token": decode_read / n_decode if decode_read is not None and n_decode else None,
-        "hit_rate": hit_rate,
-        "stall_s_per_token": stall,
+        "hit_rate": None,
+        "stall_s_per_token": None,
+        **streamed,
     }
 
 
@@ -144,7 +155,7 @@ def _engine_generation(engine, spec: dict) -> dict:
     tokens = prompt_tokens(engine.llm, spec["prompt_tokens"])
     generation = engine.complete(tokens, Sampling(temperature=0.0, max_tokens=spec["tokens"]))
     ids = (event.token_id for event in generation if event.token_id >= 0)  # -1: a final text flush
-    return measure_decode(ids, len(tokens), streaming=lambda: engine.metrics.view()["streaming"])
+    return measure_decode(ids, len(tokens), streaming=lambda: engine.streamer.counters() if engine.streamer else None)
 
 
 def phase_engine(spec: dict) -> None:
@@ -156,7 +167,7 @@ def phase_engine(spec: dict) -> None:
 
     # "auto" is sized here, inside the run's cgroup, exactly as the app sizes it.
     budget = spec["budget"] if spec["budget"] is not None else default_budget()
-    stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth") if spec.get(k) is not None})
+    stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth", "io_threads") if spec.get(k) is not None})
     engine = Engine(spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream)
     started = time.perf_counter()
     engine.load()
@@ -175,6 +186,7 @@ def phase_engine(spec: dict) -> None:
         streaming=engine.streamer is not None,
         policy=stream.policy,
         prefetch_depth=stream.prefetch_depth,
+        io_threads=stream.io_threads,
         pinned_bytes=engine.pinned_bytes,
         pin_note=engine.pin_note,
         fast_load_note=engine.fast_load_note,

@@ -122,6 +122,7 @@ class ExpertCache:
         self.layer_misses = [0] * n
         self.hits = self.misses = 0
         self.bytes_from_cache = 0
+        self.bytes_needed = 0  # bytes compute used that were not resident before (read for it)
         # Look-ahead: the experts each layer chose last time, read early for the next token.
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
         self._inflight: dict[tuple[int, int], list[Future]] = {}
@@ -180,7 +181,8 @@ class ExpertCache:
         for e in wanted:
             key = (layer, e)
             self.counts[layer][e] += 1
-            if key in self._prefetched:
+            read_ahead = key in self._prefetched
+            if read_ahead:
                 self._prefetched.discard(key)
                 self.prefetch_used += 1
             if key in self._inflight:
@@ -188,6 +190,7 @@ class ExpertCache:
                 if not all(f.done() for f in futures):  # read ahead, but not in time
                     self.misses += 1
                     self.layer_misses[layer] += 1
+                    self.bytes_needed += self._resident[key].length
                     pending.append((self._resident[key], futures))
                     self._resident.move_to_end(key)
                     continue
@@ -198,12 +201,15 @@ class ExpertCache:
                 self.layer_hits[layer] += 1
                 unit = self._resident.get(key) or self._unit(layer, e)
                 self.bytes_from_cache += unit.length
+                if read_ahead:  # in memory in time, but read from storage for this token
+                    self.bytes_needed += unit.length
                 if key in self._resident:
                     self._resident.move_to_end(key)
                 continue
             self.misses += 1
             self.layer_misses[layer] += 1
             unit = self._unit(layer, e)
+            self.bytes_needed += unit.length
             self._make_room(unit.length, needed)
             pending.append((unit, self._read_unit(unit)))
             self._resident[key] = unit

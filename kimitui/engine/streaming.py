@@ -97,6 +97,7 @@ class Streamer:
         self.hits = self.misses = 0
         self.stall_s = 0.0
         self.bytes_read = 0
+        self.bytes_needed = 0  # streamed bytes compute used that were not resident before (read for it)
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.bytes_from_cache = 0  # pinned or already-read bytes compute found resident
         self._pinned_by_layer = [
@@ -223,6 +224,8 @@ class Streamer:
             arrived = self.state[i] == Residency.RESIDENT or (
                 self.state[i] == Residency.INFLIGHT and all(f.done() for f in futures)
             )
+            if self.state[i] != Residency.RESIDENT:
+                self.bytes_needed += shard.length
             if arrived:
                 self.hits += 1
                 self.bytes_from_cache += shard.length
@@ -382,7 +385,10 @@ class Streamer:
         experts = self.experts
         return {
             "expert_prefetch_wasted_bytes": experts.prefetch_wasted_bytes if experts else None,
+            "expert_hits": experts.hits if experts else None,
+            "expert_misses": experts.misses if experts else None,
             "bytes_read": read,
+            "bytes_needed": self.bytes_needed + (experts.bytes_needed if experts else 0),
             "bytes_from_cache": self.bytes_from_cache + (experts.bytes_from_cache if experts else 0),
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
