@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kimitui.engine.platform import MADV_DONTNEED, MS_INVALIDATE, POSIX_FADV_DONTNEED, F_RDADVISE, PlatformIO
+from kimitui.engine.platform import F_RDADVISE, F_RDAHEAD, MADV_DONTNEED, MS_INVALIDATE, POSIX_FADV_DONTNEED, POSIX_FADV_RANDOM, PlatformIO
 from kimitui.engine.session import Engine, Sampling
 from kimitui.engine.streaming import StreamSettings
 from kimitui.model import synth
@@ -195,3 +195,36 @@ def test_linux_drop_uses_fadvise():
     page = io.page
     io.drop(3, 10 * page, 0, 2 * page)
     assert calls.calls == [("madvise", 10 * page, 2 * page, MADV_DONTNEED), ("fadvise", 3, 0, 2 * page, POSIX_FADV_DONTNEED)]
+
+
+def test_exact_reads_turn_read_ahead_off_per_platform():
+    calls = RecordingSyscalls()
+    PlatformIO("darwin", calls).exact_reads(7)
+    PlatformIO("linux", calls).exact_reads(3)
+    assert calls.calls == [("fcntl", 7, F_RDAHEAD, 0), ("fadvise", 3, 0, 0, POSIX_FADV_RANDOM)]
+
+
+def test_expert_reads_fetch_little_more_than_the_experts(tmp_path):
+    """A fault on the mapping would bring the disk's read-ahead window with each expert slice;
+    the engine's expert reads go through a descriptor with read-ahead off."""
+    from kimitui.benchmarks.common import drop_from_page_cache
+
+    path = tmp_path / "moe.gguf"
+    synth.write_model(synth.plan_moe(200 * MIB, "q4_1", synth.default_tokenizer()), path, progress=False)
+    drop_from_page_cache(path)
+    engine = Engine(path, n_ctx=256, budget=100 * MIB)
+    try:
+        engine.load()
+        engine.pin()
+        streamer = engine.streamer
+        assert streamer is not None and streamer.experts is not None
+        list(engine.complete("The", Sampling(temperature=0.0, max_tokens=4)))
+        counters = streamer.counters()
+        # Everything read was asked for: the bytes read are the pieces submitted, and the
+        # kernel-side page cache of the file holds about what we read plus what we pinned.
+        from kimitui.benchmarks.common import cached_bytes
+
+        assert counters["bytes_needed"] > 0
+        assert cached_bytes(path) <= 1.25 * (engine.pinned_bytes + counters["bytes_read"]) + 4 * MIB
+    finally:
+        engine.close()

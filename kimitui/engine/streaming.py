@@ -80,6 +80,8 @@ class Streamer:
         self.metrics = metrics
         self.io = platform_io or PlatformIO()
         self.fds = {i: os.open(path, os.O_RDONLY) for i, path in enumerate(model.files)}
+        for fd in self.fds.values():
+            self.io.exact_reads(fd)
         self.file_sizes = list(model.file_sizes)
         self.state = [Residency.PINNED if s.index in pinned else Residency.COLD for s in model.shards]
         self.layer_shards = [[s for s in model.layer_shards(layer) if s.index not in pinned] for layer in range(model.n_layers)]
@@ -135,7 +137,10 @@ class Streamer:
         size = os.fstat(self.fds[file]).st_size
         if offset + length > size:
             got = max(0, size - offset)
-        elif self.io.populate(self.addresses[file], offset, length):
+        # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
+        # are read through our descriptor instead, because a fault on the mapping brings the
+        # disk's whole read-ahead window (8 MiB here) with each small slice.
+        elif not isinstance(unit, ExpertUnit) and self.io.populate(self.addresses[file], offset, length):
             got = length
         else:
             got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
