@@ -133,3 +133,39 @@ def test_cache_evicts_by_policy(moe_model):
     assert lru.misses == 3 and lru.hits == 0
     lru.ensure(layer, [2, 1])
     assert lru.hits == 2
+
+
+def test_lfu_evicts_the_least_used_then_the_least_recent_over_a_long_run(moe_model):
+    """The heap-based LFU picks the same victims as a scan over every resident expert would."""
+    import random
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, layer in enumerate(model.layers) if layer.is_moe)
+    size = sum(r.length for r in model.expert_ranges(layer, 0))
+    counts = [[0] * model.n_expert for _ in model.layers]
+    dropped: list[int] = []
+    cache = ExpertCache(model, 6 * size, [], counts, lambda unit: [], lambda unit: dropped.append(unit.expert), "lfu")
+    rng = random.Random(1)
+    uses: dict[int, int] = {}
+    last: dict[int, int] = {}
+    resident: set[int] = set()
+    tick = 0
+    for step in range(400):
+        wanted = set(rng.choices(range(model.n_expert), weights=[1 / (e + 1) for e in range(model.n_expert)], k=2))
+        expected = []
+        for e in sorted(wanted):  # the cache's own order: bookkeeping first, then room per miss
+            uses[e] = uses.get(e, 0) + 1
+            tick += 1
+            if e in resident:
+                last[e] = tick
+                continue
+            if len(resident) == 6:
+                victim = min((r for r in resident if r not in wanted), key=lambda r: (uses[r], last[r]))
+                resident.discard(victim)
+                expected.append(victim)
+            resident.add(e)
+            last[e] = tick
+        dropped.clear()
+        cache.ensure(layer, wanted)
+        assert dropped == expected, step
+    assert cache.resident_keys() == {(layer, e) for e in resident}

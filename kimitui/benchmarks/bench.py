@@ -421,6 +421,12 @@ def render(report: dict) -> str:
             "needed: the streamed bytes compute used that were not in memory before the token "
             "(routed experts that missed the cache, trunk not pinned); read: from storage, readahead included"
         )
+    if m["moe"] and runs["kimitui"].get("streaming"):
+        hot = runs["kimitui"].get("hot_expert_bytes") or 0
+        notes.append(
+            f"the pinned set holds {format_bytes(hot)} of hot experts from the heatmap earlier runs saved"
+            if hot else "no heatmap from earlier runs: the pinned set is the trunk alone, the expert cache starts empty"
+        )
     if "baseline" in runs:
         notes.append("plain mmap has no cache counters: its hit rate and stall are —")
     if s["cgroup_limit_bytes"] is None:

@@ -188,6 +188,7 @@ def phase_engine(spec: dict) -> None:
         prefetch_depth=stream.prefetch_depth,
         io_threads=stream.io_threads,
         pinned_bytes=engine.pinned_bytes,
+        hot_expert_bytes=engine.hot_expert_bytes,
         pin_note=engine.pin_note,
         fast_load_note=engine.fast_load_note,
         peak_rss_bytes=_peak_rss(),

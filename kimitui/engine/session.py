@@ -199,6 +199,7 @@ class Engine:
         self.working_bytes = 0
         self._repin_pending = False
         self.pinned_bytes = 0
+        self.hot_expert_bytes = 0  # of the pinned set: experts earlier runs' heatmap marked hot
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
         self.metrics = metrics or EngineMetrics()
         self.state = EngineState.EMPTY
@@ -394,6 +395,7 @@ class Engine:
         self.pin_note = lock_ranges(addresses, ranges)
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
+        self.hot_expert_bytes = sum(unit.length for unit in hot)
         if streaming and (len(pinned) < len(model.shards)):
             self.streamer = Streamer(model, addresses, {s.index for s in pinned}, self.stream_settings, self.metrics)
             if moe_streaming:
