@@ -48,7 +48,7 @@ print(json.dumps({"resident": resident, "total": total, "note": engine.pin_note,
 @pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists(), reason="needs root and the cgroup v1 memory controller")
 def test_pinned_set_survives_cgroup_pressure(tmp_path):
     model = synth.write_model(synth.plan_dense(240 * MIB, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", seed=2, progress=False).paths[0]
-    budget = 120 * MIB
+    budget = 160 * MIB  # non-layer tensors (~41 MiB) plus working memory and the window must fit
     group = CGROUP_V1 / f"kimitui-test-{os.getpid()}"
     group.mkdir()
     try:

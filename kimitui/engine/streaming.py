@@ -64,6 +64,63 @@ class StreamAbort(Exception):
     """A model read failed; the message is what the user sees."""
 
 
+class Dropper:
+    """Releases streamed ranges on a thread of its own.
+
+    Evicting experts costs a madvise and an fadvise per slice, hundreds of slices per token:
+    on the compute thread that was a third of a token's time. A range read again before its
+    turn comes is kept (``keep``); the lock is held across each release, so a read submitted
+    after ``keep`` returns can never be thrown away by a release still under way.
+    """
+
+    def __init__(self, release: Callable[[object], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._pending: dict[object, tuple] = {}  # key -> ranges, oldest first
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="kimitui-drop", daemon=True)
+        self._thread.start()
+
+    def later(self, key, ranges) -> None:
+        with self._lock:
+            self._pending[key] = tuple(ranges)
+            self._idle.clear()
+        self._wake.set()
+
+    def keep(self, key) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def flush(self) -> None:
+        """Wait until every queued release is done."""
+        self._wake.set()
+        self._idle.wait()
+
+    def close(self) -> None:
+        self._closing = True
+        self.flush()
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        self._idle.set()
+                        break
+                    key = next(iter(self._pending))
+                    for r in self._pending.pop(key):
+                        self._release(r)
+            if self._closing:
+                return
+
+
 class Streamer:
     def __init__(
         self,
@@ -91,6 +148,7 @@ class Streamer:
         self._resident_bytes = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kimitui-stream")
+        self._dropper = Dropper(lambda r: self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length))
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
@@ -166,6 +224,7 @@ class Streamer:
 
     def _submit(self, shard: Shard) -> None:
         """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
+        self._dropper.keep(("shard", shard.index))
         self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
         self._futures[shard.index] = self._read_ranges(shard, [shard.range])
         self.state[shard.index] = Residency.INFLIGHT
@@ -186,7 +245,7 @@ class Streamer:
         if shard.index in self._prefetched:
             self.prefetch_wasted += 1
             self._prefetched.discard(shard.index)
-        self.io.drop(self.fds[shard.file], self.addresses[shard.file], shard.offset, shard.length)
+        self._dropper.later(("shard", shard.index), [shard.range])
         self.state[shard.index] = Residency.COLD
         self._resident_bytes -= shard.length
         self._lru.pop(shard.index, None)
@@ -310,11 +369,11 @@ class Streamer:
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
 
         def read_unit(unit: ExpertUnit) -> list[Future]:
+            self._dropper.keep(("expert", unit.layer, unit.expert))
             return self._read_ranges(unit, unit.ranges)
 
         def drop_unit(unit: ExpertUnit) -> None:
-            for r in unit.ranges:
-                self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
+            self._dropper.later(("expert", unit.layer, unit.expert), unit.ranges)
 
         self.experts = ExpertCache(self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy)
 
@@ -371,7 +430,7 @@ class Streamer:
         return out
 
     def _report(self) -> None:
-        inflight = [i for i, st in enumerate(self.state) if st == Residency.INFLIGHT]
+        inflight = [i for i in self._futures if self.state[i] == Residency.INFLIGHT]  # only shards with reads
         experts = self.experts
         self.metrics.update_streaming(
             cache_hits=self.hits,
@@ -408,5 +467,6 @@ class Streamer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._dropper.close()
         for fd in self.fds.values():
             os.close(fd)
