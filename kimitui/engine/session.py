@@ -154,6 +154,23 @@ def _llama_params(progress: Callable[[float], bool] | None, repack: bool, eval_c
             C.llama_context_default_params = original_ctx
 
 
+_log_sink = None
+
+
+def _silence_llama_log(llama_cpp) -> None:
+    """Send llama.cpp's log lines nowhere, without a Python call per line.
+
+    llama-cpp-python installs a Python log callback; a load logs thousands of lines, each one a
+    wait for the GIL while the UI starts beside it. libc's getpid stands in as the callback: it
+    takes no arguments, so under the C calling conventions of x86-64 and arm64 (arguments in
+    registers, cleaned up by the caller) it ignores the level, text and user pointer it is given.
+    """
+    global _log_sink
+    if _log_sink is None:
+        _log_sink = ctypes.cast(ctypes.CDLL(None).getpid, llama_cpp.llama_log_callback)
+    llama_cpp.llama_log_set(_log_sink, None)
+
+
 class Tracer(Protocol):
     """Receives what a trace records (kimitui.trace implements it); called on the engine's threads."""
 
@@ -264,10 +281,8 @@ class Engine:
             return not self._abort_load.is_set()
 
         import llama_cpp
-        import llama_cpp._logger as llama_logger
-
         # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
-        llama_logger.logger.setLevel(100)
+        _silence_llama_log(llama_cpp)
         hooks = None
         if self.fast_load:
             from kimitui.engine import loadhooks
