@@ -17,6 +17,7 @@ where the bytes a token must read are the model map's figure for what the engine
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
@@ -245,8 +246,17 @@ def run(args: argparse.Namespace) -> int:
         "io_threads": args.io_threads,
     }
 
+    def show_pinning(kind: str, message: dict) -> None:
+        # The pinned set is read before the measured reply: its progress goes to stderr.
+        if kind != "pinning":
+            return
+        if sys.stderr.isatty():
+            print(f"\r{message['line']}", end="\n" if message["finished"] else "", file=sys.stderr, flush=True)
+        elif message["finished"]:
+            print(message["line"], file=sys.stderr, flush=True)
+
     def engine_run(phase: str):
-        return run_child(phase, spec, path, cgroups=cgroups, limit=limit)
+        return run_child(phase, spec, path, cgroups=cgroups, limit=limit, on_message=show_pinning)
 
     def disk_samples() -> list[dict]:
         return [

@@ -174,7 +174,15 @@ def phase_engine(spec: dict) -> None:
     load_s = time.perf_counter() - started
     rss_after_load = _rss()
     started = time.perf_counter()
-    engine.pin()
+    shown = [0.0]
+
+    def pinning(progress) -> None:
+        now = time.perf_counter()
+        if progress.finished or now - shown[0] >= 0.25:
+            shown[0] = now
+            emit("pinning", line=progress.describe(), finished=progress.finished)
+
+    engine.pin(pinning)
     pin_s = time.perf_counter() - started
     figures = _engine_generation(engine, spec)
     emit(

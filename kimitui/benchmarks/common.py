@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from kimitui.benchmarks.cgroup import MemoryCgroups, RunCgroup
 from kimitui.benchmarks.child import MARKER
@@ -130,11 +131,13 @@ def run_child(
     cgroups: MemoryCgroups | None = None,
     limit: int | None = None,
     stop_after: str | None = None,
+    on_message: Callable[[str, dict], None] | None = None,
 ) -> ChildRun:
     """Drop ``model`` from the page cache, run ``python -m kimitui.benchmarks.child phase``
     (in a fresh cgroup when ``cgroups`` is given) and collect its messages. With
     ``stop_after`` the child is killed as soon as it sends that message kind: what comes
-    after (the app's pinned set, teardown) is not part of the measurement."""
+    after (the app's pinned set, teardown) is not part of the measurement. ``on_message``
+    sees every message as it arrives (progress to show while the child runs)."""
     drop_from_page_cache(model)
     cgroup: RunCgroup | None = cgroups.create(limit) if cgroups is not None else None
     run = ChildRun(phase, 0.0)
@@ -155,6 +158,8 @@ def run_child(
                 message = json.loads(line[len(MARKER):])
                 kind = message.pop("kind")
                 run.messages[kind], run.arrived[kind] = message, now
+                if on_message is not None:
+                    on_message(kind, message)
                 if kind == stop_after:
                     proc.kill()
                     break

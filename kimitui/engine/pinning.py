@@ -44,6 +44,13 @@ class PinProgress:
     def finished(self) -> bool:
         return self.done_bytes >= self.total_bytes
 
+    def describe(self) -> str:
+        """One line for a status bar or a terminal: bytes, MB/s, ETA."""
+        from kimitui.units import format_bytes, format_rate
+
+        eta = "—" if self.eta_s is None else f"{self.eta_s:.1f}s"
+        return f"pinning {format_bytes(self.done_bytes)}/{format_bytes(self.total_bytes)} · {format_rate(self.rate)} · ETA {eta}"
+
 
 def plan_pinned(model: ModelMap, pin_bytes: int) -> list[Shard]:
     """Whole shards to pin, most useful first: what every token reads (non-layer tensors,

@@ -41,7 +41,7 @@ from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
 from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
 from kimitui.tui.widgets.panels import PANEL_TYPES, ApiPanel, Panel
 from kimitui.tui.widgets.status import StatusBar
-from kimitui.units import format_bytes, format_rate
+from kimitui.units import format_bytes
 
 PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history database
 
@@ -266,10 +266,7 @@ class KimituiApp(App[int]):
     def on_pin_progressed(self, message: PinProgressed) -> None:
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
-        p = message.progress
-        rate = format_rate(p.rate)
-        eta = "—" if p.eta_s is None else f"{p.eta_s:.1f}s"
-        self.query_one(StatusBar).pinning = f"pinning {format_bytes(p.done_bytes)}/{format_bytes(p.total_bytes)} · {rate} · ETA {eta}"
+        self.query_one(StatusBar).pinning = message.progress.describe()
 
     def on_pin_finished(self, message: PinFinished) -> None:
         if not self.query(StatusBar):
