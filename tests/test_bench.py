@@ -80,6 +80,18 @@ def test_bench_with_baseline_reports_measured_figures(small_model, tmp_path):
     assert report["settings"]["cgroup_limit_bytes"] is None and runs["kimitui"]["cgroup_peak_bytes"] is None
 
 
+def test_bench_rounds_alternate_and_report_the_median_run(small_model, tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_cli("bench", "--model", str(small_model), "--tokens", "3", "--prompt-tokens", "4", "--baseline", "--rounds", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(out.read_text())
+    for name in ("kimitui", "baseline"):
+        rates = report["rounds"][name]
+        assert len(rates) == 3 and all(r > 0 for r in rates)
+        assert report["runs"][name]["decode_tok_s"] == sorted(rates)[1]
+    assert "decode tok/s of every round" in done.stdout
+
+
 def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
     model = tmp_path / "moe.gguf"
     synth.write_model(synth.plan_moe(200 * MIB, "q4_1", synth.default_tokenizer()), model, progress=False)
@@ -143,6 +155,7 @@ def test_bench_load_times_the_app_and_the_stock_load(small_model, tmp_path):
         (["bench", "--cgroup-limit", "2XB"], "--cgroup-limit: unknown size unit"),
         (["bench", "--model", "/nonexistent.gguf"], "model file not found"),
         (["bench-load", "--repeat", "0"], "--repeat: at least 1"),
+        (["bench", "--rounds", "0"], "--rounds: at least 1"),
     ],
 )
 def test_bad_flags_end_in_one_line(argv, text, capsys):

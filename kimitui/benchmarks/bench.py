@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-threads", type=int, help="the engine's I/O threads when it streams (default: the engine's)")
     parser.add_argument("--threads", type=int, help="compute threads for every run (default: one per physical core)")
     parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each kind, alternating; each kind's median run (by decode tok/s) is reported (default 1)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure to FILE as JSON")
 
 
@@ -81,6 +82,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--prompt-tokens: at least 1")
     if args.prefetch_depth is not None and args.prefetch_depth < 0:
         raise UserError("--prefetch-depth: 0 or more")
+    if args.rounds < 1:
+        raise UserError("--rounds: at least 1")
     if args.io_threads is not None and args.io_threads < 1:
         raise UserError("--io-threads: at least 1")
     if args.threads is not None and args.threads < 1:
@@ -137,6 +140,15 @@ def _run_figures(run) -> dict:
         figures.update(run.result)
         figures["decode_tok_s_p50"] = _median_rate(figures)
     return figures
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median decode speed (the lower middle of an even count); a failed
+    run wins, so that its error is reported."""
+    failed = [r for r in runs if r["error"] or r.get("decode_tok_s") is None]
+    if failed:
+        return failed[0]
+    return sorted(runs, key=lambda r: r["decode_tok_s"])[(len(runs) - 1) // 2]
 
 
 def _median_rate(figures: dict) -> float | None:
@@ -273,9 +285,12 @@ def run(args: argparse.Namespace) -> int:
             f"({format_bytes(room)}): compute speed with the weights in RAM not measured"
         )
     compute = _compute(None if skipped else run_child("compute", spec, path), skipped)
-    runs = {"kimitui": _run_figures(engine_run("engine"))}
-    if args.baseline:
-        runs["baseline"] = _run_figures(engine_run("llama"))
+    rounds: dict[str, list[dict]] = {"kimitui": []} | ({"baseline": []} if args.baseline else {})
+    for _ in range(args.rounds):  # alternating, so drift on the machine hits both kinds alike
+        rounds["kimitui"].append(_run_figures(engine_run("engine")))
+        if args.baseline:
+            rounds["baseline"].append(_run_figures(engine_run("llama")))
+    runs = {name: _median_run(each) for name, each in rounds.items()}
     disk = _disk(disk_before + disk_samples())  # before the runs and after
     kimitui = runs["kimitui"]
     limit_figures = physical_limit(
@@ -313,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         "compute": compute,
         "limit": limit_figures,
         "runs": runs,
+        "rounds": {name: [r.get("decode_tok_s") for r in each] for name, each in rounds.items()},
     }
     if "baseline" in runs:
         base = runs["baseline"]
@@ -413,6 +429,11 @@ def render(report: dict) -> str:
         row("of physical limit", "share_of_limit", share),
         row("CPU used by others", "others_cpu", share),
     ]
+    if len(next(iter(report["rounds"].values()))) > 1:
+        each = "; ".join(
+            f"{label} " + ", ".join(cell(v, ".2f") for v in report["rounds"][name]) for name, label in names
+        )
+        lines.append(f"decode tok/s of every round: {each} (the median run of each is shown)")
     lines += ["", table(rows), ""]
     if report["targets"]:
         verdicts = []
