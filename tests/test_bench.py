@@ -68,6 +68,10 @@ def test_bench_with_baseline_reports_measured_figures(small_model, tmp_path):
         # Nothing reports cache hits yet: unmeasured stays None, never a made-up number.
         assert r["hit_rate"] is None and r["stall_s_per_token"] is None
     assert report["same_tokens"] is True  # greedy on the same prompt: the comparison is fair
+    # The model fits: replies also alternated in one process, and the target is judged on them.
+    inter = report["interleaved"]
+    assert len(inter["kimitui"]) == len(inter["plain"]) >= 5 and all(v > 0 for v in inter["kimitui"] + inter["plain"])
+    assert report["targets"]["decode_vs_plain_within_3%"]["value"] == pytest.approx(inter["ratio"])
     ratios = report["ratios"]
     assert ratios["decode_tok_s"] == pytest.approx(runs["kimitui"]["decode_tok_s"] / runs["baseline"]["decode_tok_s"])
     assert ratios["ttft_s"] == pytest.approx(runs["kimitui"]["ttft_s"] / runs["baseline"]["ttft_s"])

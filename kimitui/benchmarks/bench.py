@@ -17,6 +17,7 @@ where the bytes a token must read are the model map's figure for what the engine
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ TARGET_FIT_GAP = 0.03
 # Issue 4's, for a Mixture-of-Experts model.
 TARGET_MOE_SPEEDUP = 4.0
 TARGET_MOE_READ_OVERHEAD = 1.15
+INTERLEAVED_ROUNDS = 5  # at least, for a model that fits: alternating replies in one process
 COLD_SHARE = 0.9  # a "cold" read must have come from storage for at least this share
 CTX_STEP = 256
 RATIO_KEYS = (
@@ -142,6 +144,16 @@ def _run_figures(run) -> dict:
     return figures
 
 
+def _interleaved(run) -> dict:
+    if run.error:
+        return {"error": run.error}
+    r = dict(run.result)
+    if "skipped" not in r:
+        pairs = [k / p for k, p in zip(r["kimitui"], r["plain"]) if k and p]
+        r["ratio"] = statistics.median(pairs) if pairs else None
+    return r
+
+
 def _median_run(runs: list[dict]) -> dict:
     """The run with the median decode speed (the lower middle of an even count); a failed
     run wins, so that its error is reported."""
@@ -228,7 +240,10 @@ def targets(report: dict) -> dict:
         # Whether 2x is physically possible here at all: the limit over plain's decode.
         judge("2x_within_the_physical_limit", report.get("limit_vs_plain"), lambda v: v >= TARGET_STREAM_SPEEDUP)
     elif kimitui.get("streaming") is False:
-        judge("decode_vs_plain_within_3%", ratios.get("decode_tok_s"), lambda v: v >= 1 - TARGET_FIT_GAP)
+        # Judged on the replies that alternated in one process (see phase_interleaved), when run.
+        inter = report.get("interleaved") or {}
+        value = inter["ratio"] if inter.get("ratio") is not None else ratios.get("decode_tok_s")
+        judge("decode_vs_plain_within_3%", value, lambda v: v >= 1 - TARGET_FIT_GAP)
     return out
 
 
@@ -291,6 +306,9 @@ def run(args: argparse.Namespace) -> int:
         if args.baseline:
             rounds["baseline"].append(_run_figures(engine_run("llama")))
     runs = {name: _median_run(each) for name, each in rounds.items()}
+    interleaved = None
+    if args.baseline and runs["kimitui"].get("streaming") is False:
+        interleaved = _interleaved(run_child("interleaved", spec | {"rounds": max(args.rounds, INTERLEAVED_ROUNDS)}, path, cgroups=cgroups, limit=limit))
     disk = _disk(disk_before + disk_samples())  # before the runs and after
     kimitui = runs["kimitui"]
     limit_figures = physical_limit(
@@ -329,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
         "limit": limit_figures,
         "runs": runs,
         "rounds": {name: [r.get("decode_tok_s") for r in each] for name, each in rounds.items()},
+        "interleaved": interleaved,
     }
     if "baseline" in runs:
         base = runs["baseline"]
@@ -429,6 +448,17 @@ def render(report: dict) -> str:
         row("of physical limit", "share_of_limit", share),
         row("CPU used by others", "others_cpu", share),
     ]
+    inter = report.get("interleaved")
+    if inter:
+        if inter.get("error") or inter.get("skipped"):
+            lines.append(f"one process, alternating replies: — ({inter.get('error') or inter.get('skipped')})")
+        else:
+            lines.append(
+                f"one process, alternating replies ({len(inter['kimitui'])} each): kimitui "
+                + ", ".join(cell(v, ".1f") for v in inter["kimitui"])
+                + " tok/s; plain " + ", ".join(cell(v, ".1f") for v in inter["plain"])
+                + f" tok/s; median of the paired ratios {inter['ratio']:.3f}x"
+            )
     if len(next(iter(report["rounds"].values()))) > 1:
         each = "; ".join(
             f"{label} " + ", ".join(cell(v, ".2f") for v in report["rounds"][name]) for name, label in names
