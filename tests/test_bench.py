@@ -105,6 +105,10 @@ def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
     report = json.loads(out.read_text())
     run = report["runs"]["kimitui"]
     assert run["streaming"] and report["model"]["moe"]
+    # Experts are timed at this disk's rate for expert-sized scattered reads, measured too.
+    assert report["disk"]["random_bandwidth_bytes_s"] > 0
+    assert report["disk"]["slice_bytes"] == load_model_map(model).expert_slice_bytes
+    assert report["limit"]["must_read_expert_bytes_per_token"] > 0
     assert 0 <= run["expert_hit_rate"] <= 1
     assert run["needed_bytes_per_token"] > 0  # 100 MiB cannot hold 200 MiB: some experts come from storage
     assert run["read_vs_needed"] == pytest.approx(run["read_bytes_per_token"] / run["needed_bytes_per_token"])

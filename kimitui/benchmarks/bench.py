@@ -114,6 +114,10 @@ def _disk_sample(run) -> dict:
         )
     else:
         out["bandwidth_bytes_s"] = r["bytes"] / r["seconds"]
+    out["random_bandwidth_bytes_s"] = None
+    if r.get("random_bytes"):
+        cold = r["random_storage_bytes"] is None or r["random_storage_bytes"] >= COLD_SHARE * r["random_bytes"]
+        out["random_bandwidth_bytes_s"] = r["random_bytes"] / r["random_seconds"] if cold else None
     return out
 
 
@@ -121,8 +125,11 @@ def _disk(samples: list[dict]) -> dict:
     """The best of the samples: the limit is what the disk can do, and this disk's rate was
     seen to vary by more than 1.5x from one minute to the next."""
     rates = [s["bandwidth_bytes_s"] for s in samples if s["bandwidth_bytes_s"] is not None]
+    random_rates = [s["random_bandwidth_bytes_s"] for s in samples if s.get("random_bandwidth_bytes_s")]
     return {
         "bandwidth_bytes_s": max(rates) if rates else None,
+        "random_bandwidth_bytes_s": max(random_rates) if random_rates else None,
+        "slice_bytes": next((s["slice_bytes"] for s in samples if s.get("slice_bytes")), None),
         "sample_bytes": next((s["bytes"] for s in samples if "bytes" in s), None),
         "threads": next((s["threads"] for s in samples if s["bandwidth_bytes_s"] == max(rates)), None) if rates else None,
         "chunk_bytes": next((s["chunk_bytes"] for s in samples if "chunk_bytes" in s), None),
@@ -182,8 +189,12 @@ def _compute(run, skipped: str | None) -> dict:
     return r
 
 
-def physical_limit(model_map, pinned: int | None, bandwidth: float | None, compute_s: float | None) -> dict:
-    """1 / max(compute s/token, must-read bytes/token / bandwidth), with why where a term is missing."""
+def physical_limit(
+    model_map, pinned: int | None, bandwidth: float | None, compute_s: float | None, random_bandwidth: float | None = None
+) -> dict:
+    """1 / max(compute s/token, must-read bytes/token / bandwidth), with why where a term is
+    missing. Routed experts come in small scattered slices: with ``random_bandwidth`` (this
+    disk's rate for such reads) their share of the bytes is timed at that rate."""
     out = {
         "pinned_bytes": pinned,
         "must_read_bytes_per_token": None,
@@ -197,13 +208,15 @@ def physical_limit(model_map, pinned: int | None, bandwidth: float | None, compu
     if pinned is None:
         out["note"] = "the kimitui run failed, so its pinned set is unknown"
         return out
-    need = model_map.read_bytes_per_token(pinned)
+    trunk, experts = model_map.read_split_per_token(pinned)
+    need = trunk + experts
     out["must_read_bytes_per_token"] = need
+    out["must_read_expert_bytes_per_token"] = experts
     out["model_minus_pinned_bytes"] = max(0, model_map.tensor_bytes - pinned)
     if need == 0:
         out["io_s_per_token"] = 0.0
     elif bandwidth:
-        out["io_s_per_token"] = need / bandwidth
+        out["io_s_per_token"] = trunk / bandwidth + experts / (random_bandwidth or bandwidth)
     io_s = out["io_s_per_token"]
     if io_s is None:
         out["note"] = "disk bandwidth not measured"
@@ -287,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
 
     def disk_samples() -> list[dict]:
         return [
-            _disk_sample(run_child("disk", {"model": str(path), "sample_bytes": DISK_SAMPLE_BYTES, "threads": n}, path))
+            _disk_sample(run_child("disk", {"model": str(path), "sample_bytes": DISK_SAMPLE_BYTES, "threads": n, "slice_bytes": model_map.expert_slice_bytes}, path))
             for n in DISK_THREADS
         ]
 
@@ -316,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         None if kimitui["error"] else kimitui["pinned_bytes"],
         disk["bandwidth_bytes_s"],
         compute["s_per_token"],
+        disk["random_bandwidth_bytes_s"],
     )
     for figures in runs.values():
         rate = figures.get("decode_tok_s")
@@ -383,6 +397,12 @@ def render(report: dict) -> str:
         )
     else:
         lines.append(f"disk: — ({disk['note']})")
+    if disk.get("random_bandwidth_bytes_s"):
+        each = ", ".join(format_rate(d.get("random_bandwidth_bytes_s")) for d in disk["samples"])
+        lines.append(
+            f"disk, expert-sized reads: {format_rate(disk['random_bandwidth_bytes_s'])} cold, {format_bytes(disk['slice_bytes'])} "
+            f"at scattered offsets, read-ahead off, the best of {each}"
+        )
     if compute["decode_tok_s"] is not None:
         lines.append(
             f"compute with weights in RAM: {compute['decode_tok_s']:.2f} tok/s ({format_ms(compute['s_per_token'])}/token; "
@@ -393,7 +413,9 @@ def render(report: dict) -> str:
     if lim["must_read_bytes_per_token"] is not None:
         lines.append(
             f"must read per token: {format_bytes(lim['must_read_bytes_per_token'])} "
-            f"(tensors {format_bytes(m['tensor_bytes'])}, pinned {format_bytes(lim['pinned_bytes'])})"
+            f"(tensors {format_bytes(m['tensor_bytes'])}, pinned {format_bytes(lim['pinned_bytes'])}"
+            + (f"; routed experts {format_bytes(lim['must_read_expert_bytes_per_token'])}, uniform routing assumed" if m["moe"] else "")
+            + ")"
         )
     if lim["tok_s"] is not None:
         bound = "I/O bound" if lim["bound"] == "io" else "compute bound"

@@ -139,6 +139,12 @@ def phase_disk(spec: dict) -> None:
     length = min(spec["sample_bytes"], os.path.getsize(path))
     before = _read_bytes()
     done = ParallelReader(threads=spec["threads"], chunk_bytes=DISK_CHUNK_BYTES).read([path], [ByteRange(0, 0, length)])
+    figures = {}
+    if spec.get("slice_bytes"):
+        from kimitui.benchmarks.common import drop_from_page_cache
+
+        drop_from_page_cache(path)
+        figures = _random_reads(path, spec["slice_bytes"], spec["threads"], spec["sample_bytes"])
     emit(
         "result",
         bytes=done.done_bytes,
@@ -146,7 +152,39 @@ def phase_disk(spec: dict) -> None:
         storage_bytes=_delta(before, _read_bytes()),
         threads=spec["threads"],
         chunk_bytes=DISK_CHUNK_BYTES,
+        **figures,
     )
+
+
+def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) -> dict:
+    """Cold reads of one expert slice each at scattered page-aligned offsets, read-ahead off:
+    how fast this disk delivers routed experts, which come in pieces of tens of KiB."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kimitui.engine.platform import PlatformIO
+
+    size = os.path.getsize(path)
+    count = max(1, min(4000, sample_bytes // 4 // slice_bytes))
+    rng = random.Random(0)
+    page = os.sysconf("SC_PAGE_SIZE")
+    offsets = [rng.randrange(0, max(1, size - slice_bytes)) // page * page for _ in range(count)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        PlatformIO().exact_reads(fd)
+        before = _read_bytes()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            got = sum(pool.map(lambda offset: len(os.pread(fd, slice_bytes, offset)), offsets))
+        seconds = time.perf_counter() - started
+    finally:
+        os.close(fd)
+    return {
+        "random_bytes": got,
+        "random_seconds": seconds,
+        "random_storage_bytes": _delta(before, _read_bytes()),
+        "slice_bytes": slice_bytes,
+    }
 
 
 def _engine_generation(engine, spec: dict) -> dict:

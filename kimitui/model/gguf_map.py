@@ -208,24 +208,39 @@ class ModelMap:
         return self.trunk_bytes - table + row + experts
 
     def read_bytes_per_token(self, budget: int) -> int:
-        """Bytes a token must read from storage when `budget` bytes stay pinned, pinned in
-        order of use per byte: the trunk every token walks, then routed experts (uniform
-        routing: a pinned expert byte saves n_used/n_expert of a byte per token), then the
-        embedding table (one row per token)."""
+        """Bytes a token must read from storage when `budget` bytes stay pinned."""
+        return sum(self.read_split_per_token(budget))
+
+    def read_split_per_token(self, budget: int) -> tuple[int, int]:
+        """(trunk bytes, routed-expert bytes) a token must read from storage when `budget`
+        bytes stay pinned, pinned in order of use per byte: the trunk every token walks, then
+        routed experts (uniform routing: a pinned expert byte saves n_used/n_expert of a byte
+        per token), then the embedding table (one row per token). The two are apart because
+        they are read differently: the trunk in long runs, experts in small scattered slices."""
         table, row = self._embedding_split
         every_token = self.trunk_bytes - table
         left = max(0, budget)
         pinned = min(left, every_token)
-        read = every_token - pinned
+        trunk = every_token - pinned
         left -= pinned
+        experts = 0
         expert_active = self.active_bytes_per_token - every_token - row
         if self.routed_bytes:
             pinned = min(left, self.routed_bytes)
-            read += expert_active - expert_active * pinned // self.routed_bytes
+            experts = expert_active - expert_active * pinned // self.routed_bytes
             left -= pinned
         if left < table:
-            read += row
-        return read
+            trunk += row
+        return trunk, experts
+
+    @property
+    def expert_slice_bytes(self) -> int | None:
+        """A typical piece of one expert in one tensor: the size of an expert read."""
+        layer = next((i for i, info in enumerate(self.layers) if info.is_moe), None)
+        if layer is None:
+            return None
+        lengths = sorted(r.length for r in self.expert_ranges(layer, 0))
+        return lengths[len(lengths) // 2]
 
     def tok_s_floor(self, bandwidth: float, budget: int) -> float | None:
         """Tokens/s that reading the unpinned active bytes at `bandwidth` B/s allows; None
