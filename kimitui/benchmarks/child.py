@@ -165,7 +165,8 @@ def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) 
     from kimitui.engine.platform import PlatformIO
 
     size = os.path.getsize(path)
-    count = max(1, min(4000, sample_bytes // 4 // slice_bytes))
+    # A quarter of the file at most, so that few reads land on pages another one brought in.
+    count = max(1, min(4000, min(sample_bytes, size) // 4 // slice_bytes))
     rng = random.Random(0)
     page = os.sysconf("SC_PAGE_SIZE")
     offsets = [rng.randrange(0, max(1, size - slice_bytes)) // page * page for _ in range(count)]
