@@ -245,7 +245,8 @@ def targets(report: dict) -> dict:
     if kimitui.get("streaming") and report["model"]["moe"]:
         judge("decode_vs_plain_at_least_4x", ratios.get("decode_tok_s"), lambda v: v >= TARGET_MOE_SPEEDUP)
         judge("read_vs_needed_at_most_1.15x", kimitui.get("read_vs_needed"), lambda v: v <= TARGET_MOE_READ_OVERHEAD)
-        judge("4x_within_the_physical_limit", report.get("limit_vs_plain"), lambda v: v >= TARGET_MOE_SPEEDUP)
+        # No judge against the limit here: it assumes uniform routing, and real (or Zipf
+        # synthetic) routing lets a cache read less, so it is an estimate, not a bound.
     elif kimitui.get("streaming"):
         judge("decode_vs_plain_at_least_2x", ratios.get("decode_tok_s"), lambda v: v >= TARGET_STREAM_SPEEDUP)
         judge("read_vs_model_minus_pinned_at_most_1.1x", kimitui.get("read_vs_model_minus_pinned"), lambda v: v <= TARGET_READ_OVERHEAD)
@@ -423,7 +424,13 @@ def render(report: dict) -> str:
     else:
         lines.append(f"physical limit: — ({lim['note']})")
     if report.get("limit_vs_plain") is not None:
-        lines.append(f"physical limit / plain mmap decode: {report['limit_vs_plain']:.2f}x (no engine can beat plain mmap by more here)")
+        if m["moe"]:
+            lines.append(
+                f"physical limit / plain mmap decode: {report['limit_vs_plain']:.2f}x (an estimate for MoE: skewed routing "
+                "lets a cache read less than uniform routing, so the limit can be passed)"
+            )
+        else:
+            lines.append(f"physical limit / plain mmap decode: {report['limit_vs_plain']:.2f}x (no engine can beat plain mmap by more here)")
 
     names = [("kimitui", "kimitui")] + ([("baseline", "plain mmap")] if "baseline" in runs else [])
     header = ("",) + tuple(label for _, label in names) + (("kimitui/plain",) if "baseline" in runs else ())
