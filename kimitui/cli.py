@@ -161,12 +161,12 @@ def build_app(args: argparse.Namespace):
     engine.start_loading()  # llama.cpp loads while Textual is imported and starts
     try:
         check_theme(settings)  # imports Textual's themes: after the load has started
-    except UserError:
+        from kimitui.tui.app import KimituiApp
+
+        return KimituiApp(settings, model_path, engine=engine, api_socket=api_socket)
+    except BaseException:
         engine.cancel_loading()  # never leave llama.cpp running in a thread at exit
         raise
-    from kimitui.tui.app import KimituiApp
-
-    return KimituiApp(settings, model_path, engine=engine, api_socket=api_socket)
 
 
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
