@@ -94,6 +94,41 @@ def test_live_tuning_applies_from_the_next_token(model):
         engine.close()
 
 
+def test_budget_and_shard_size_apply_from_the_next_token_mid_reply(model, stock_text):
+    engine = streaming_engine(model)
+    try:
+        first = engine.streamer
+        pinned_before = engine.pinned_bytes
+        gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=TOKENS))
+        seen = []
+        for event in gen:
+            seen.append((engine.pinned_bytes, engine.streamer))
+            if len(seen) == 2:
+                assert "next token" in engine.retune(budget=120 * MIB, shard_size=16 * MIB)
+        # The third token already ran on the new pinned set and a streamer of 16 MiB shards.
+        assert seen[1] == (pinned_before, first)
+        assert seen[2][0] != pinned_before and seen[2][1] is not first
+        assert len(engine.streamer.model.shards) > len(first.model.shards)  # cut at 16 MiB, not 64
+        assert gen.result.text == stock_text  # same greedy tokens across the switch
+    finally:
+        engine.close()
+
+
+def test_lowering_the_budget_of_a_model_that_fits_starts_streaming_next_reply(model, stock_text):
+    engine = Engine(model, n_ctx=256, budget=2**30)
+    try:
+        engine.load()
+        engine.pin()
+        assert engine.streamer is None  # it fits: no eval callback, plain llama.cpp speed
+        assert "next reply" in engine.retune(budget=150 * MIB)
+        text, _ = greedy(engine)
+        assert engine.streamer is not None and engine.streamer.bytes_read > 0
+        assert engine.pinned_bytes < 150 * MIB
+        assert text == stock_text
+    finally:
+        engine.close()
+
+
 TRUNCATE_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path

@@ -215,6 +215,8 @@ class Engine:
         self.pinned_ranges: list = []
         self.working_bytes = 0
         self._repin_pending = False
+        self._rebuild_pending = False  # a fresh context with the streaming callbacks is due
+        self._pin_listener: Callable | None = None
         self.pinned_bytes = 0
         self.hot_expert_bytes = 0  # of the pinned set: experts earlier runs' heatmap marked hot
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
@@ -369,6 +371,8 @@ class Engine:
         With the stock load (no fast start) llama.cpp has already read the whole file, so
         there is nothing left to pin. Raises EngineError if the model file cannot be read.
         """
+        if on_progress is not None:
+            self._pin_listener = on_progress  # a later re-pin (live tuning) reports to it too
         if not self.mappings:
             return
         from kimitui.engine.memory import default_budget
@@ -453,9 +457,10 @@ class Engine:
         }
 
     def retune(self, *, budget: int | None = None, shard_size: int | None = None, **stream) -> str:
-        """Live tuning. Prefetch depth and policy apply from the next token; budget and shard
-        size change the pinned set, which is re-read when the next reply starts. Returns a line
-        saying when the change applies."""
+        """Live tuning, applied from the next token. Budget and shard size change the pinned
+        set: it is re-read before that token (mid-reply, or when the next reply starts), and
+        the token waits for it, which the latency panel shows. Returns a line saying when the
+        change applies."""
         changes = {k: v for k, v in stream.items() if v is not None}
         if changes:
             self.stream_settings = replace(self.stream_settings, **changes)
@@ -470,21 +475,49 @@ class Engine:
         if not repin:
             return "applies from the next token"
         if self._callbacks is None and self.inspect().tensor_bytes > (self.budget or 0) * 0.8:
-            return "a budget below the model's size needs streaming, which starts with a reload: restart with --budget"
+            if not self.mappings:
+                return "no streaming after the stock load (it read the whole model): the budget applies at the next start"
+            # The model fitted, so it runs without the eval callback, which a llama.cpp context
+            # only takes when it is created: the next reply starts on a fresh one.
+            self._rebuild_pending = self._repin_pending = True
+            return "applies from the next reply: streaming starts on a fresh llama.cpp context"
         self._repin_pending = True
-        return "the pinned set is re-read when the next reply starts"
+        return "applies from the next token, after the pinned set is re-read"
+
+    def _rebuild_context(self) -> None:
+        """Give the loaded model a fresh llama.cpp context with the streaming callbacks.
+
+        The old context goes first (its KV cache could be gigabytes); the next reply prefills
+        its prompt again."""
+        import llama_cpp._internals as internals
+
+        self._rebuild_pending = False
+        llm = self._llm
+        params = llm.context_params
+        params.cb_eval, params.abort_callback = self._stream_callbacks()
+        llm._ctx.close()
+        try:
+            llm._ctx = internals.LlamaContext(model=llm._model, params=params, verbose=False)
+        except Exception as exc:
+            self.state = EngineState.FAILED
+            raise EngineError(f"llama.cpp could not make a new context for streaming: {exc}") from None
+        llm._stack.callback(llm._ctx.close)
+        llm.reset()
 
     def _repin(self) -> None:
         from kimitui.engine.pinning import unlock_ranges
 
+        if self._rebuild_pending:
+            self._rebuild_context()
         self._repin_pending = False
         if self.streamer is not None:
+            self.save_heatmap()  # what routing taught so far seeds the new pinned set
             self.streamer.close()
             self.streamer = None
         if self.mappings and self.pinned_ranges:
             unlock_ranges({i: m.address for i, m in self.mappings.items()}, self.pinned_ranges)
         self.pinned_ranges, self.pinned_bytes = [], 0
-        self.pin()
+        self.pin(self._pin_listener)
 
     def close(self) -> None:
         self.abort_load()
@@ -642,12 +675,17 @@ class Generation:
         try:
             self.result.queued_s = time.perf_counter() - queued_at
             engine.state = EngineState.GENERATING
-            if engine._repin_pending:
-                engine._repin()
             try:
+                if engine._repin_pending:
+                    try:
+                        engine._repin()
+                    except EngineError as exc:
+                        self.result.finish_reason, self.result.error = "error", str(exc)
+                        raise
                 yield from self._run()
             finally:
-                engine.state = EngineState.READY
+                if engine.state is EngineState.GENERATING:  # FAILED stays
+                    engine.state = EngineState.READY
         finally:
             engine.turns.release(self.ticket)
 
@@ -672,7 +710,10 @@ class Generation:
 
         vocab = llm._model.vocab
         tracer = engine.tracer
-        counters = engine.streamer.counters if engine.streamer is not None else (lambda: None)
+
+        def counters() -> dict | None:  # the streamer is replaced when live tuning re-pins
+            return engine.streamer.counters() if engine.streamer is not None else None
+
         before = counters()
         if tracer is not None:
             tracer.request_started(self.id, engine.model_path.name, engine.tuning())
@@ -722,6 +763,11 @@ class Generation:
                 safe = len(text) - _held_back(text, stops)
                 yield TokenEvent(text[emitted:safe], token, index, wall)
                 emitted = max(emitted, safe)
+                if engine._repin_pending and not engine._rebuild_pending:
+                    # Budget or shard size changed mid-reply: from the next token on. Its wait
+                    # for the re-read pinned set is part of its time, where the panels show it.
+                    engine._repin()
+                    before = counters()
                 if self._cancel.is_set():
                     finish = "cancelled"
                     break

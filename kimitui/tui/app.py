@@ -266,7 +266,9 @@ class KimituiApp(App[int]):
     def on_pin_progressed(self, message: PinProgressed) -> None:
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
-        self.query_one(StatusBar).pinning = message.progress.describe()
+        p = message.progress
+        # A re-pin from live tuning ends without a PinFinished: its last progress says it all.
+        self.query_one(StatusBar).pinning = f"pinned {format_bytes(p.total_bytes)}" if p.finished else p.describe()
 
     def on_pin_finished(self, message: PinFinished) -> None:
         if not self.query(StatusBar):

@@ -21,7 +21,7 @@ class TuningScreen(FormScreen[dict | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="tuning-box"):
-            yield Label("Engine  [dim]depth and policy: next token · budget and shard size: next reply[/]")
+            yield Label("Engine  [dim]applies from the next token · budget and shard size re-read the pinned set first[/]")
             yield Label("budget")
             yield Input(format_bytes(self.current["budget"]).replace(" ", ""), id="tune-budget")
             yield Label("prefetch depth (layers ahead)")
