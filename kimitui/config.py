@@ -55,6 +55,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "policy": Key("str", "pin-stream", choices=("pin-stream", "lru")),
         "io_threads": Key("int", 4, 1, 64),
         "expert_policy": Key("str", "lfu", choices=("lfu", "lru")),
+        "expert_lookahead": Key("bool", False),
     },
     "metrics": {
         "interval": Key("float", 0.25, 0.05, 10.0),

@@ -100,7 +100,7 @@ def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
     model = tmp_path / "moe.gguf"
     synth.write_model(synth.plan_moe(200 * MIB, "q4_1", synth.default_tokenizer()), model, progress=False)
     out = tmp_path / "bench.json"
-    done = run_cli("bench", "--model", str(model), "--budget", "100MiB", "--tokens", "6", "--prompt-tokens", "8", "--json", str(out))
+    done = run_cli("bench", "--model", str(model), "--budget", "100MiB", "--tokens", "6", "--prompt-tokens", "8", "--expert-lookahead", "--json", str(out))
     assert done.returncode == 0, done.stderr + done.stdout
     report = json.loads(out.read_text())
     run = report["runs"]["kimitui"]
@@ -112,6 +112,7 @@ def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
     assert 0 <= run["expert_hit_rate"] <= 1
     assert run["needed_bytes_per_token"] > 0  # 100 MiB cannot hold 200 MiB: some experts come from storage
     assert run["read_vs_needed"] == pytest.approx(run["read_bytes_per_token"] / run["needed_bytes_per_token"])
+    assert run["expert_lookahead"] is True and "expert look-ahead on" in done.stdout
     assert run["expert_prefetch_wasted_bytes_per_token"] >= 0
     assert set(report["targets"]) == {"decode_vs_plain_at_least_4x", "read_vs_needed_at_most_1.15x"}
     assert "targets (issue 4)" in done.stdout and "expert hit rate" in done.stdout

@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, help="the engine's residency policy when it streams (default: the engine's)")
     parser.add_argument("--prefetch-depth", type=int, help="layers read ahead when the engine streams (default: the engine's)")
     parser.add_argument("--io-threads", type=int, help="the engine's I/O threads when it streams (default: the engine's)")
+    parser.add_argument("--expert-lookahead", action="store_true", default=None, help="MoE: read the experts the next layer chose last token ahead")
     parser.add_argument("--threads", type=int, help="compute threads for every run (default: one per physical core)")
     parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each kind, alternating; each kind's median run (by decode tok/s) is reported (default 1)")
@@ -285,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         "policy": args.policy,
         "prefetch_depth": args.prefetch_depth,
         "io_threads": args.io_threads,
+        "expert_lookahead": args.expert_lookahead,
     }
 
     def show_pinning(kind: str, message: dict) -> None:
@@ -522,7 +524,11 @@ def render(report: dict) -> str:
     if s["cgroup_limit_bytes"] is None:
         notes.append("peak cgroup: — (no --cgroup-limit: the runs share the caller's cgroup)")
     if runs["kimitui"].get("streaming"):
-        notes.append(f"kimitui streams with policy {runs['kimitui']['policy']}, prefetch depth {runs['kimitui']['prefetch_depth']}, {runs['kimitui'].get('io_threads')} I/O threads")
+        lookahead = ", expert look-ahead on" if runs["kimitui"].get("expert_lookahead") else ""
+        notes.append(
+            f"kimitui streams with policy {runs['kimitui']['policy']}, prefetch depth {runs['kimitui']['prefetch_depth']}, "
+            f"{runs['kimitui'].get('io_threads')} I/O threads{lookahead}"
+        )
     for name, label in names:
         figures = runs[name]
         if figures["error"]:

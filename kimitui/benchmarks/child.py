@@ -204,7 +204,7 @@ def _engine(spec: dict):
 
     # "auto" is sized here, inside the run's cgroup, exactly as the app sizes it.
     budget = spec["budget"] if spec["budget"] is not None else default_budget()
-    stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth", "io_threads") if spec.get(k) is not None})
+    stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth", "io_threads", "expert_lookahead") if spec.get(k) is not None})
     return Engine(spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream)
 
 
@@ -240,6 +240,7 @@ def phase_engine(spec: dict) -> None:
         policy=stream.policy,
         prefetch_depth=stream.prefetch_depth,
         io_threads=stream.io_threads,
+        expert_lookahead=stream.expert_lookahead,
         pinned_bytes=engine.pinned_bytes,
         hot_expert_bytes=engine.hot_expert_bytes,
         pin_note=engine.pin_note,

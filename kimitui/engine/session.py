@@ -623,6 +623,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
             policy=settings["engine.policy"],
             io_threads=settings["engine.io_threads"],
             expert_policy=settings["engine.expert_policy"],
+            expert_lookahead=settings["engine.expert_lookahead"],
         ),
     )
 
