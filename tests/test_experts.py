@@ -169,3 +169,16 @@ def test_lfu_evicts_the_least_used_then_the_least_recent_over_a_long_run(moe_mod
         cache.ensure(layer, wanted)
         assert dropped == expected, step
     assert cache.resident_keys() == {(layer, e) for e in resident}
+
+
+def test_look_ahead_never_evicts_the_experts_of_the_layer_computing_now(moe_model):
+    model = load_model_map(moe_model)
+    moe = [i for i, info in enumerate(model.layers) if info.is_moe]
+    layer, following = moe[0], moe[1]
+    size = sum(r.length for r in model.expert_ranges(layer, 0))
+    dropped: list[tuple[int, int]] = []
+    counts = [[0] * model.n_expert for _ in model.layers]
+    cache = ExpertCache(model, 3 * size, [], counts, lambda unit: [], lambda unit: dropped.append((unit.layer, unit.expert)), "lfu")
+    cache.ensure(layer, [0, 1, 2])  # full: the three experts the layer's matmuls are about to use
+    cache.prefetch(following, [5, 6])  # no room but theirs: the look-ahead gives up instead
+    assert dropped == [] and {(layer, 0), (layer, 1), (layer, 2)} <= cache.resident_keys()

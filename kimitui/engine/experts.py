@@ -130,6 +130,7 @@ class ExpertCache:
         self.hits = self.misses = 0
         self.bytes_from_cache = 0
         self.bytes_needed = 0  # bytes compute used that were not resident before (read for it)
+        self._in_use: set[tuple[int, int]] = set()  # the experts of the layer computing now
         # Look-ahead: the experts each layer chose last time, read early for the next token.
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
         self._inflight: dict[tuple[int, int], list[Future]] = {}
@@ -194,7 +195,9 @@ class ExpertCache:
             if key in self.pinned or key in self._resident:
                 continue
             unit = self._unit(*key)
-            if not self._make_room(unit.length, keys | set(self._inflight)):
+            # The layer computing now (the last ensure) keeps its experts: evicting them here
+            # would leave its matmuls to fault them back in through the mapping.
+            if not self._make_room(unit.length, keys | set(self._inflight) | self._in_use):
                 return
             self._inflight[key] = self._read_unit(unit)
             self._touch(key, unit)
@@ -207,7 +210,7 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
-        needed = {(layer, e) for e in wanted}
+        needed = self._in_use = {(layer, e) for e in wanted}
         for e in wanted:
             key = (layer, e)
             self.counts[layer][e] += 1
