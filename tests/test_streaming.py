@@ -129,6 +129,23 @@ def test_lowering_the_budget_of_a_model_that_fits_starts_streaming_next_reply(mo
         engine.close()
 
 
+def test_a_budget_at_the_minimum_still_pins_the_non_layer_tensors(model, stock_text):
+    from kimitui.engine.streaming import minimum_budget
+
+    model_map = load_model_map(model)
+    engine = Engine(model, n_ctx=256, budget=minimum_budget(model_map))
+    try:
+        engine.load()
+        engine.pin()
+        # Working memory and the prefetch window leave nothing, yet what every token reads and
+        # the streamer never reads (embeddings, output) is pinned.
+        assert engine.pinned_bytes >= model_map.nonlayer_bytes > 0
+        text, _ = greedy(engine)
+        assert text == stock_text
+    finally:
+        engine.close()
+
+
 TRUNCATE_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path

@@ -390,7 +390,9 @@ class Engine:
             # The layers in flight: trunk bytes only for MoE layers, whose experts come on demand.
             per_layer = max(layer.trunk_bytes if model.is_moe else layer.n_bytes for layer in model.layers)
             window = per_layer * (self.stream_settings.prefetch_depth + 1)
-        pin_budget = int(budget * 0.9) - working - window
+        # The non-layer tensors (embeddings, output) are pinned whatever is left: every token
+        # reads them and the streamer never does; minimum_budget() has made room for them.
+        pin_budget = max(int(budget * 0.9) - working - window, model.nonlayer_bytes)
         pinned = plan_pinned(model, pin_budget)
         moe_streaming = streaming and model.is_moe and len(pinned) < len(model.shards)
         hot: list = []
