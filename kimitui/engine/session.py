@@ -109,6 +109,20 @@ def _topk_ids(ggml, tensor: int) -> set[int]:
     return ids
 
 
+def _last_row_f32(ggml, tensor: int):
+    """The one token's row of a float32 activation [n_embd, 1] (decode); None otherwise.
+
+    ggml_tensor starts with its type (0 = GGML_TYPE_F32), then ne at +16 as for the top-k."""
+    import numpy as np
+
+    if ctypes.c_int.from_address(tensor).value != 0:
+        return None
+    n_embd, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + 16)
+    if n_tokens != 1:  # prefill reads its experts per batch anyway
+        return None
+    return np.ctypeslib.as_array((ctypes.c_float * n_embd).from_address(ggml.ggml_get_data(tensor))).copy()
+
+
 def default_threads() -> int:
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
@@ -348,12 +362,20 @@ class Engine:
         def on_eval(tensor, ask, _user):
             name = ggml.ggml_get_name(tensor) or b""
             if ask:  # observe the node before each layer (embd, then l_out-<i>) and each router's top-k
-                return name == b"embd" or name.startswith((b"l_out-", b"ffn_moe_topk-"))
+                if name == b"embd" or name.startswith((b"l_out-", b"ffn_moe_topk-")):
+                    return True
+                # With router look-ahead, also each MoE layer's FFN input ("ffn_norm-<i>" exactly).
+                streamer = self.streamer
+                return streamer is not None and streamer.predictor is not None and name.startswith(b"ffn_norm-") and name[9:].isdigit()
             streamer = self.streamer
             if streamer is None:
                 return True
             if name.startswith(b"ffn_moe_topk-"):
                 streamer.on_experts(int(name[13:]), _topk_ids(ggml, tensor))
+            elif name.startswith(b"ffn_norm-"):
+                hidden = _last_row_f32(ggml, tensor)
+                if hidden is not None:
+                    streamer.on_router_input(int(name[9:]), hidden)
             else:
                 streamer.on_layer_start(0 if name == b"embd" else int(name[6:]) + 1)
             return True

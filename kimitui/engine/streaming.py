@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from kimitui.engine.experts import ExpertCache, ExpertUnit
+from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
 from kimitui.model.gguf_map import ModelMap, Shard
@@ -148,6 +148,10 @@ class Streamer:
         self._resident_bytes = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kimitui-stream")
+        # Look-ahead reads go through a lane of their own: a guess never queues ahead of a read
+        # that compute is waiting for.
+        self._guess_pool = ThreadPoolExecutor(max(1, settings.io_threads // 2), thread_name_prefix="kimitui-guess")
+        self.predictor: RouterPredictor | None = None
         self._dropper = Dropper(lambda r: self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length))
         self._local = threading.local()
         self.error: str | None = None
@@ -215,9 +219,9 @@ class Streamer:
             self.on_read(unit, offset, length, started, time.perf_counter() - started)
         return length
 
-    def _read_ranges(self, unit, ranges) -> list[Future]:
+    def _read_ranges(self, unit, ranges, pool: ThreadPoolExecutor | None = None) -> list[Future]:
         return [
-            self._pool.submit(self._read_chunk, unit, r.file, start, min(CHUNK_BYTES, r.end - start))
+            (pool or self._pool).submit(self._read_chunk, unit, r.file, start, min(CHUNK_BYTES, r.end - start))
             for r in ranges
             for start in range(r.offset, r.end, CHUNK_BYTES)
         ]
@@ -372,10 +376,30 @@ class Streamer:
             self._dropper.keep(("expert", unit.layer, unit.expert))
             return self._read_ranges(unit, unit.ranges)
 
+        def read_ahead(unit: ExpertUnit) -> list[Future]:
+            self._dropper.keep(("expert", unit.layer, unit.expert))
+            return self._read_ranges(unit, unit.ranges, self._guess_pool)
+
         def drop_unit(unit: ExpertUnit) -> None:
             self._dropper.later(("expert", unit.layer, unit.expert), unit.ranges)
 
-        self.experts = ExpertCache(self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy)
+        self.experts = ExpertCache(
+            self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy, read_ahead=read_ahead
+        )
+        if self.settings.expert_lookahead:
+            self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
+
+    def on_router_input(self, layer: int, hidden) -> None:
+        """Layer ``layer``'s FFN input (one token's, float32) is ready: read ahead the experts
+        the next layer's router would pick for it."""
+        following = layer + 1
+        predictor = self.predictor
+        if self.error is not None or predictor is None or following not in predictor.routers:
+            return
+        try:
+            self.experts.prefetch(following, predictor.predict(following, hidden, self.model.n_expert_used))
+        except StreamAbort as exc:
+            self.error = str(exc)
 
     def on_experts(self, layer: int, experts: set[int]) -> None:
         """The router of ``layer`` chose ``experts`` (for every token of the batch)."""
@@ -390,7 +414,13 @@ class Streamer:
         try:
             self.stall_s += self.experts.ensure(layer, experts)
             following = layer + 1
-            if self.settings.expert_lookahead and following < self.model.n_layers and self.model.layers[following].is_moe:
+            # Without router weights to apply, look-ahead guesses what the next layer chose last token.
+            if (
+                self.settings.expert_lookahead
+                and self.predictor is None
+                and following < self.model.n_layers
+                and self.model.layers[following].is_moe
+            ):
                 self.experts.prefetch(following, self.experts.last_choice[following])
         except StreamAbort as exc:
             self.error = str(exc)
@@ -467,6 +497,7 @@ class Streamer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._guess_pool.shutdown(wait=True, cancel_futures=True)
         self._dropper.close()
         for fd in self.fds.values():
             os.close(fd)
