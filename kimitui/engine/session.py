@@ -239,6 +239,7 @@ class Engine:
         self.load_progress = 0.0
         self.load_s: float | None = None
         self.info: ModelInfo | None = None
+        self._map = None  # the GGUF map at the current shard size, once pinning needs it
         self.turns = TurnQueue()
         self._llm = None
         self._formatter = None
@@ -399,9 +400,8 @@ class Engine:
             return
         from kimitui.engine.memory import default_budget
         from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned, shard_ranges
-        from kimitui.model.gguf_map import load_model_map
 
-        model = load_model_map(self.model_path, shard_size=self.shard_size)
+        model = self._model_map()
         budget = self.budget if self.budget is not None else default_budget()
         # llama.cpp's working memory and, when streaming, the window of layers in flight come
         # off the budget; a tenth stays free as slack.
@@ -448,6 +448,17 @@ class Engine:
                 self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
             self.metrics.residency_source = self.streamer.residency_by_layer
             self.set_tracer(self.tracer)
+
+    def _model_map(self):
+        """Parsed once; a live shard-size change regroups the same tensors, so a re-pin between
+        two tokens does not parse the header again."""
+        if self._map is None:
+            from kimitui.model.gguf_map import load_model_map
+
+            self._map = load_model_map(self.model_path, shard_size=self.shard_size)
+        elif self._map.shard_size != self.shard_size:
+            self._map = self._map.regroup(self.shard_size)
+        return self._map
 
     def heatmap_path(self, model) -> Path:
         import platformdirs

@@ -372,19 +372,16 @@ class Streamer:
         for layer in range(self.model.n_layers):
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
 
-        def read_unit(unit: ExpertUnit) -> list[Future]:
+        def read_unit(unit: ExpertUnit, pool: ThreadPoolExecutor | None = None) -> list[Future]:
             self._dropper.keep(("expert", unit.layer, unit.expert))
-            return self._read_ranges(unit, unit.ranges)
-
-        def read_ahead(unit: ExpertUnit) -> list[Future]:
-            self._dropper.keep(("expert", unit.layer, unit.expert))
-            return self._read_ranges(unit, unit.ranges, self._guess_pool)
+            return self._read_ranges(unit, unit.ranges, pool)
 
         def drop_unit(unit: ExpertUnit) -> None:
             self._dropper.later(("expert", unit.layer, unit.expert), unit.ranges)
 
         self.experts = ExpertCache(
-            self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy, read_ahead=read_ahead
+            self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy,
+            read_ahead=lambda unit: read_unit(unit, self._guess_pool),
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
