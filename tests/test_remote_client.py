@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -19,6 +18,8 @@ from kimitui.model import default_model_path
 from kimitui.server.app import create_app
 from kimitui.server.client import RemoteEngine, RemoteSampler
 from kimitui.server.runner import ServerThread, bind_socket
+
+from helpers import wait_for
 
 TIMEOUT = 180.0
 KEY = "remote-key"
@@ -80,14 +81,6 @@ def remote(served):
     client.load()
     yield client
     client.close()
-
-
-def wait_for(condition, what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_load_learns_the_model(served, remote):

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,6 +26,8 @@ from kimitui.model import default_model_path
 from kimitui.server import prom
 from kimitui.server.app import create_app
 from kimitui.server.runner import ServerThread, bind_socket, check_bind
+
+from helpers import wait_for
 
 TIMEOUT = 180.0  # generous: the machine has 2 cores and other suites run beside this one
 N_CTX = 512
@@ -71,14 +72,6 @@ def served(tmp_path_factory):
 
 def post(served: Served, path: str, body, **kwargs) -> httpx.Response:
     return httpx.post(served.url + path, json=body, timeout=TIMEOUT, **kwargs)
-
-
-def wait_for(condition, what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def sse_blocks(raw: bytes) -> list[str]:
