@@ -10,7 +10,7 @@ from kimitui.cli import build_parser, resolve_model, resolve_settings
 from kimitui.history import HistoryStore
 from kimitui.config import data_dir
 from kimitui.tui.app import KimituiApp
-from kimitui.tui.messages import TokenReceived
+from kimitui.tui.messages import LoadFinished, TokenReceived
 from kimitui.tui.screens.history import HistoryScreen
 from kimitui.tui.screens.sampling import SamplingScreen
 from kimitui.tui.widgets.chat import MessageView, PromptInput
@@ -80,6 +80,17 @@ async def test_chat_streams_and_panels_fill(size):
                 assert not panel.display
             else:
                 assert panel.region.height >= 3, panel.id
+
+
+async def test_status_bar_reports_the_engines_load_time_when_the_load_started_early():
+    # As `kimitui` starts it: the load runs before the UI exists, so the time is the engine's.
+    from kimitui.cli import build_app
+
+    app = build_app(build_parser().parse_args([]))
+    loaded = []
+    async with app.run_test(size=(120, 40), message_hook=lambda m: loaded.append(m) if isinstance(m, LoadFinished) else None) as pilot:
+        await wait_for(pilot, lambda: app.ready)
+        assert loaded[0].seconds == app.engine.load_s > 0
 
 
 async def test_escape_cancels_a_reply_and_keeps_history():
