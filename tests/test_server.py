@@ -403,7 +403,7 @@ def test_not_ready_engine_answers_503(served):
 
 def test_api_key(served):
     url = served.keyed_url
-    body = {"prompt": FRANCE, "n_predict": 2}
+    body = {"prompt": FRANCE, "n_predict": 2, "temperature": 0}
     missing = httpx.post(url + "/completion", json=body)
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
     assert missing.headers["www-authenticate"] == "Bearer"
@@ -417,7 +417,7 @@ def test_api_key(served):
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
-    assert client.completions.create(model="m", prompt=FRANCE, max_tokens=2).usage.completion_tokens == 2
+    assert client.completions.create(model="m", prompt=FRANCE, max_tokens=2, temperature=0).usage.completion_tokens == 2
 
 
 def test_non_loopback_needs_a_key():
@@ -497,7 +497,7 @@ def test_queued_clients_that_leave_give_up_their_turn(served):
             httpx.post(served.url + "/completion", json={"prompt": FRANCE, "n_predict": 5}, timeout=httpx.Timeout(10, read=1.0))
         wait_for(lambda: served.engine.turns.waiting == 1, "the non-streamed request to leave the line")
     assert served.engine.turns.waiting == 0
-    assert post(served, "/completion", {"prompt": FRANCE, "n_predict": 2}).json()["tokens_predicted"] == 2
+    assert post(served, "/completion", {"prompt": FRANCE, "n_predict": 2, "temperature": 0}).json()["tokens_predicted"] == 2
 
 
 # -- kimitui serve ---------------------------------------------------------------------------
@@ -548,7 +548,7 @@ def test_serve_headless_process(clean_env, tmp_path):
         wait_for(lambda: httpx.get(url + "/health").status_code == 200, "the model to load")
         headers = {"Authorization": f"Bearer {KEY}"}
         assert httpx.post(url + "/completion", json={"prompt": "x"}).status_code == 401
-        reply = httpx.post(url + "/completion", json={"prompt": FRANCE, "n_predict": 3}, headers=headers, timeout=TIMEOUT)
+        reply = httpx.post(url + "/completion", json={"prompt": FRANCE, "n_predict": 3, "temperature": 0}, headers=headers, timeout=TIMEOUT)
         assert reply.json()["tokens_predicted"] == 3
     finally:
         process.send_signal(signal.SIGINT)
