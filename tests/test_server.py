@@ -26,6 +26,7 @@ from kimitui.model import default_model_path
 from kimitui.server import prom
 from kimitui.server.app import create_app
 from kimitui.server.runner import ServerThread, bind_socket, check_bind
+from kimitui.trace.reader import read_trace
 
 from helpers import wait_for
 
@@ -531,12 +532,13 @@ def test_serve_one_line_errors(clean_env, capsys):
 
 
 def test_serve_headless_process(clean_env, tmp_path):
-    """`kimitui serve` as a user runs it: prints its URL, answers, stops cleanly on Ctrl-C."""
-    log = tmp_path / "serve.log"
+    """`kimitui serve` as a user runs it: prints its URL, answers, traces, stops cleanly on Ctrl-C."""
+    log, trace = tmp_path / "serve.log", tmp_path / "serve-trace.jsonl"
     env = {**os.environ, "KIMITUI_API_KEY": KEY}
     with log.open("w") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kimitui", "serve", "--port", "0", "--host", "0.0.0.0", "--n-ctx", "512", "--threads", "1"],
+            [sys.executable, "-m", "kimitui", "serve", "--port", "0", "--host", "0.0.0.0", "--n-ctx", "512", "--threads", "1",
+             "--trace", str(trace)],
             stdout=sink, stderr=sink, env=env,
         )
     try:
@@ -556,3 +558,5 @@ def test_serve_headless_process(clean_env, tmp_path):
     # uvicorn re-raises the Ctrl-C it caught once it has shut down; main() turns that into 130.
     assert code in (0, 130), log.read_text()
     assert "Traceback" not in log.read_text()
+    (request,) = read_trace([trace]).requests
+    assert len(request.tokens) == 3 and request.end["type"] == "end"

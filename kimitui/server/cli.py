@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     parser.add_argument("--max-n-predict", help="most tokens one request may ask for")
     parser.add_argument("--max-body", help="largest request body, e.g. 1MiB")
+    parser.add_argument("--trace", metavar="FILE", help="write the per-token trace (JSON Lines) to FILE; see kimitui trace")
 
 
 def resolve(args: argparse.Namespace):
@@ -62,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     check_budget(settings, model_path)
     # The same engine as the app's: budget, pinned set and streaming settings from the config.
     engine = engine_from_settings(settings, model_path)
+    from kimitui.trace import open_trace
+
+    trace = open_trace(settings, list(engine.inspect().files))
+    if trace is not None:
+        trace.attach(engine)
     server = uvicorn_server(create_app(engine, settings, api_key=api_key), quiet=False)
     failure: list[str] = []
 
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.abort_load()
         sock.close()
+        if trace is not None:
+            trace.close()
     if failure:
         print(f"kimitui: {failure[0]}", file=sys.stderr)
         return 1
