@@ -17,6 +17,10 @@ def isolated_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
     monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
     monkeypatch.delenv("KIMITUI_CONFIG", raising=False)
+    monkeypatch.delenv("KIMITUI_API_KEY", raising=False)
+    # Tests talk to servers on loopback; a proxy from the environment must not carry that.
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
     return home
 
 

@@ -12,6 +12,8 @@ from kimitui.engine.session import Engine, EngineError, EngineState, Sampling
 from kimitui.errors import UserError
 from kimitui.model import default_model_path
 
+from helpers import wait_for
+
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Name three colours of the rainbow."},
@@ -84,24 +86,20 @@ def test_cancel_stops_within_one_token(engine):
 def test_cancel_from_another_thread_while_queued(engine):
     first = engine.chat(MESSAGES, Sampling(temperature=0.0, max_tokens=40))
     second = engine.chat(MESSAGES, Sampling(temperature=0.0, max_tokens=40))
-    started = threading.Event()
     out = {}
-
-    def run_first():
-        for _ in first:
-            started.set()
+    held = iter(first)
+    next(held)  # the engine's turn stays taken while this generation is suspended
 
     def run_second():
         out["events"] = list(second)
 
-    t1 = threading.Thread(target=run_first)
-    t1.start()
-    assert started.wait(30)
     t2 = threading.Thread(target=run_second)
     t2.start()
+    wait_for(lambda: engine.turns.waiting == 2, "the second reply to queue")
     second.cancel()
     t2.join(30)
-    t1.join(60)
+    assert not t2.is_alive()
+    list(held)
     assert out["events"] == []
     assert second.result.finish_reason == "cancelled"
     assert first.result.completion_tokens > 0

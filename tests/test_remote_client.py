@@ -147,7 +147,7 @@ def test_cancel_while_queued_on_the_server(served, remote):
     try:
         reader.start()
         wait_for(lambda: served.engine.turns.waiting == 2, "the remote request to queue")
-        assert generation.queue_position == 1
+        wait_for(lambda: generation.queue_position == 1, "the client to read its queue position")
         generation.cancel()  # the reader is blocked in a socket read: cancel must wake it
         reader.join(TIMEOUT)
         assert not reader.is_alive()

@@ -359,26 +359,33 @@ async def test_live_views_filter_and_split(tmp_path):
         thread = threading.Thread(target=lambda: (drive(writer, "req-1", 2), drive(writer, "req-2", 3)))
         thread.start()
         thread.join()
-        await pilot.pause(0.5)
         lines = app.query_one("#trace-lines", RichLog)
 
         def records_shown() -> int:  # a record's line may wrap; its first line starts with its request
             return sum(1 for strip in lines.lines if strip.text.startswith("req-"))
 
+        async def shows(expected: int) -> bool:
+            """The pane drains on a timer: wait (a bounded while) for it to show ``expected``."""
+            for _ in range(100):
+                if records_shown() == expected:
+                    return True
+                await pilot.pause(0.05)
+            return False
+
         total = 2 * 2 + (2 + 3) * 4  # request + end each, token + 3 reads per token (the session came before)
-        assert records_shown() == total
+        assert await shows(total), records_shown()
 
-        async def shown(text: str) -> int:
+        async def filtered(text: str, expected: int) -> bool:
             app.query_one("#trace-filter", Input).value = text
-            await pilot.pause(0.1)
-            return records_shown()
+            return await shows(expected)
 
-        assert await shown("token") == 5
-        assert await shown("token req-2") == 3
-        assert await shown("-read") == total - 15
-        assert await shown("reads req-1") == 6
-        assert await shown("") == total
+        assert await filtered("token", 5)
+        assert await filtered("token req-2", 3)
+        assert await filtered("-read", total - 15)
+        assert await filtered("reads req-1", 6)
+        assert await filtered("", total)
 
+        bar.drain()  # its timer may not have fired yet
         assert bar.last is not None and bar.last["wall"] == pytest.approx(0.01)
         assert bar.last["stall"] == pytest.approx(0.002)
         parts = bar.last["stall"] + bar.last["overlap"] + bar.last["compute"]
@@ -390,7 +397,7 @@ async def test_live_views_filter_and_split(tmp_path):
         bar.feed({"type": "request", "id": "req-3"})
         bar.feed({"type": "read", "start_s": 0.0, "dur_s": 0.008})
         bar.feed({"type": "token", "t": 0.01, "wall_s": 0.01, "stall_s": 0.002, "bytes_read": MIB})
-        await pilot.pause(0.3)
+        bar.drain()
         assert bar.last["overlap"] == pytest.approx(0.006) and bar.last["compute"] == pytest.approx(0.002)
         assert "I/O 6" in bar.render().plain and "read 1.0 MiB" in bar.render().plain
     writer.close()
