@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kimitui.engine.platform import F_RDADVISE, F_RDAHEAD, MADV_DONTNEED, MS_INVALIDATE, POSIX_FADV_DONTNEED, POSIX_FADV_RANDOM, PlatformIO
+from kimitui.engine.platform import (
+    F_RDADVISE, F_RDAHEAD, MADV_DONTNEED, MADV_POPULATE_READ, MS_INVALIDATE, POSIX_FADV_DONTNEED, POSIX_FADV_RANDOM,
+    POSIX_FADV_WILLNEED, PlatformIO,
+)
 from kimitui.engine.session import Engine, Sampling
 from kimitui.engine.streaming import StreamSettings
 from kimitui.model import synth
@@ -232,7 +235,7 @@ def test_darwin_drop_and_readahead_by_injection():
     base = 100 * page
     io.advise_read(7, 3 * page + 10, 5 * page)
     io.drop(7, base, 3 * page + 10, 5 * page)  # partial first page is a neighbour's: left alone
-    assert io.populate(base, 0, page) is False  # no MADV_POPULATE_READ on Darwin: plain reads instead
+    assert io.populate(7, base, 0, page) is False  # no MADV_POPULATE_READ on Darwin: plain reads instead
     kinds = [c[0] for c in calls.calls]
     assert kinds == ["fcntl", "madvise", "msync"]
     assert calls.calls[0][2] == F_RDADVISE
@@ -247,6 +250,17 @@ def test_linux_drop_uses_fadvise():
     page = io.page
     io.drop(3, 10 * page, 0, 2 * page)
     assert calls.calls == [("madvise", 10 * page, 2 * page, MADV_DONTNEED), ("fadvise", 3, 0, 2 * page, POSIX_FADV_DONTNEED)]
+
+
+def test_linux_populate_queues_the_range_before_faulting_it_in():
+    calls = RecordingSyscalls()
+    io = PlatformIO("linux", calls)
+    page = io.page
+    assert io.populate(3, 10 * page, page + 8, 4 * page) is True
+    assert calls.calls == [
+        ("fadvise", 3, page + 8, 4 * page, POSIX_FADV_WILLNEED),  # large requests, not read-ahead windows
+        ("madvise", 11 * page, 4 * page + 8, MADV_POPULATE_READ),
+    ]
 
 
 def test_exact_reads_turn_read_ahead_off_per_platform():

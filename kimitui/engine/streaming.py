@@ -202,7 +202,7 @@ class Streamer:
         # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
         # are read through our descriptor instead, because a fault on the mapping brings the
         # disk's whole read-ahead window (8 MiB here) with each small slice.
-        elif not isinstance(unit, ExpertUnit) and self.io.populate(self.addresses[file], offset, length):
+        elif not isinstance(unit, ExpertUnit) and self.io.populate(self.fds[file], self.addresses[file], offset, length):
             got = length
         else:
             got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
