@@ -163,7 +163,7 @@ def build_app(args: argparse.Namespace):
         check_theme(settings)  # imports Textual's themes: after the load has started
         from kimitui.tui.app import KimituiApp
 
-        return KimituiApp(settings, model_path, engine=engine, api_socket=api_socket)
+        return KimituiApp(settings, model_path, engine=engine, api_socket=api_socket, api_key=api_key)
     except BaseException:
         engine.cancel_loading()  # never leave llama.cpp running in a thread at exit
         raise

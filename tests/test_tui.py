@@ -132,6 +132,20 @@ async def test_history_reopens_after_restart():
         assert len(second.query(MessageView)) == 4
 
 
+async def test_history_lists_markup_titles_and_survives_deleting_the_open_chat():
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ask(pilot, app, "what does [/] mean")  # the title is text, not Textual markup
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await pilot.press("d", "escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen) and not app.query(MessageView))
+        assert app.conversation_id is None
+        await ask(pilot, app, "Hi")  # a new conversation, not the deleted one
+        messages = app.store.messages(app.conversation_id)
+        assert [(m.role, m.content) for m in messages][:1] == [("user", "Hi")] and len(messages) == 2
+
+
 async def test_regenerate_new_chat_copy_and_panel_keys():
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
@@ -221,16 +235,18 @@ async def test_message_typed_while_loading_is_kept():
 async def test_serve_inside_the_app_shares_the_engine():
     import httpx
 
-    from kimitui.server.runner import bind_socket
+    from kimitui.cli import build_app
     from kimitui.tui.widgets.panels import ApiPanel
 
-    settings = resolve_settings(build_parser().parse_args([]))
-    app = KimituiApp(settings, resolve_model(settings), api_socket=bind_socket("127.0.0.1", 0))
+    # As `kimitui --serve 127.0.0.1:0 --api-key KEY` builds it: the key guards the app's API.
+    app = build_app(build_parser().parse_args(["--serve", "127.0.0.1:0", "--api-key", "app-key"]))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready)
         url = app.api_server.url
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            response = await client.post("/completion", json={"prompt": "The sea is", "n_predict": 8, "temperature": 0})
+            body = {"prompt": "The sea is", "n_predict": 8, "temperature": 0}
+            assert (await client.post("/completion", json=body)).status_code == 401
+            response = await client.post("/completion", json=body, headers={"Authorization": "Bearer app-key"})
         assert response.status_code == 200 and response.json()["timings"]["predicted_n"] == 8
         panel = app.query_one(ApiPanel)
         await wait_for(pilot, lambda: any("POST /completion" in line for line in panel.lines))

@@ -224,15 +224,14 @@ class ExpertCache:
                 self.prefetch_used += 1
             if key in self._inflight:
                 futures = self._inflight.pop(key)
-                if not all(f.done() for f in futures):  # read ahead, but not in time
+                # Read ahead but not in time, or failed: either way the wait below settles it.
+                if not all(f.done() and not f.cancelled() and f.exception() is None for f in futures):
                     self.misses += 1
                     self.layer_misses[layer] += 1
                     self.bytes_needed += self._resident[key].length
                     pending.append((self._resident[key], futures))
                     self._touch(key)
                     continue
-                for f in futures:
-                    f.result()
             if key in self.pinned or key in self._resident:
                 self.hits += 1
                 self.layer_hits[layer] += 1
@@ -252,10 +251,27 @@ class ExpertCache:
             self._touch(key, unit)
             self._resident_bytes += unit.length
         started = time.perf_counter()
-        for _unit, futures in pending:
-            for f in futures:
-                f.result()  # a failed read raises here, before the expert matmuls run
+        try:
+            for _unit, futures in pending:
+                for f in futures:
+                    f.result()  # a failed read raises here, before the expert matmuls run
+        except BaseException:
+            # Nothing half-read may count as resident: the next reply reads it again.
+            for unit, futures in pending:
+                for f in futures:
+                    f.cancel()
+                self._forget((unit.layer, unit.expert))
+            raise
         return time.perf_counter() - started if pending else 0.0
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        unit = self._resident.pop(key, None)
+        self._rank.pop(key, None)
+        self._inflight.pop(key, None)
+        self._prefetched.discard(key)
+        if unit is not None:
+            self._resident_bytes -= unit.length
+            self._drop_unit(unit)
 
     def resident_keys(self) -> set[tuple[int, int]]:
         return set(self._resident) | self.pinned

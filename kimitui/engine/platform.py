@@ -87,7 +87,7 @@ class PlatformIO:
         if err == errno.EINVAL:  # kernel older than 5.14
             self._no_populate = True
             return False
-        raise OSError(err, f"reading the model failed: {os.strerror(err)}")
+        raise OSError(err, os.strerror(err))
 
     def exact_reads(self, fd: int) -> None:
         """Reads on ``fd`` fetch what they ask for and no more: the kernel's read-ahead (8 MiB

@@ -196,20 +196,27 @@ class Streamer:
     def _read_chunk(self, unit, file: int, offset: int, length: int) -> int:
         """Read one piece of a shard or an expert (``unit``, for messages and the trace)."""
         started = time.perf_counter()
-        size = os.fstat(self.fds[file]).st_size
-        if offset + length > size:
-            got = max(0, size - offset)
-        # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
-        # are read through our descriptor instead, because a fault on the mapping brings the
-        # disk's whole read-ahead window (8 MiB here) with each small slice.
-        elif not isinstance(unit, ExpertUnit) and self.io.populate(self.fds[file], self.addresses[file], offset, length):
-            got = length
-        else:
-            got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
-        if got != length:
-            what = f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
+        what = f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
+        name = os.path.basename(self.model.files[file])
+        try:
+            size = os.fstat(self.fds[file]).st_size
+            if offset + length > size:
+                got = max(0, size - offset)
+            # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
+            # are read through our descriptor instead, because a fault on the mapping brings the
+            # disk's whole read-ahead window (8 MiB here) with each small slice.
+            elif not isinstance(unit, ExpertUnit) and self.io.populate(self.fds[file], self.addresses[file], offset, length):
+                got = length
+            else:
+                got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
+        except OSError as exc:
             raise StreamAbort(
-                f"model file {os.path.basename(self.model.files[file])} ended at byte {offset + got}; "
+                f"cannot read {what} of layer {unit.layer} from model file {name} at byte {offset}: "
+                f"{exc.strerror or exc} (drive removed or failing?)"
+            ) from None
+        if got != length:
+            raise StreamAbort(
+                f"model file {name} ended at byte {offset + got}; "
                 f"{what} of layer {unit.layer} needs bytes up to {offset + length} "
                 "(file truncated or drive removed?)"
             )

@@ -94,11 +94,13 @@ class KimituiApp(App[int]):
         remote: tuple[str, str | None] | None = None,
         engine: Engine | None = None,
         api_socket: socket.socket | None = None,
+        api_key: str | None = None,
     ) -> None:
         """``model_path`` runs the engine in-process; ``remote`` = (url, api key) chats with a server.
 
         ``engine``, built from the same settings, may already be loading (``start_loading``).
-        ``api_socket``, already listening, serves the HTTP API from this process's engine.
+        ``api_socket``, already listening, serves the HTTP API from this process's engine,
+        requiring ``api_key`` when given (flag or environment; else the configured one).
         """
         super().__init__()
         self.settings = settings
@@ -118,6 +120,7 @@ class KimituiApp(App[int]):
             if self.trace is not None:
                 self.trace.attach(self.engine)
         self.api_socket = api_socket
+        self.api_key = api_key
         self.api_server = None
         self._trace_error_shown = False
         self.sampling = Sampling(
@@ -185,7 +188,7 @@ class KimituiApp(App[int]):
         def on_request(record: dict) -> None:  # runs on the server's event-loop thread
             self.call_from_thread(panel.add_request, record)
 
-        app = create_app(self.engine, self.settings, on_request=on_request)
+        app = create_app(self.engine, self.settings, api_key=self.api_key, on_request=on_request)
         self.api_server = ServerThread(app, self.api_socket, quiet=True).start()
         panel.url = f"serving {self.api_server.url}"
         panel.show_requests()
@@ -444,6 +447,8 @@ class KimituiApp(App[int]):
         self.push_screen(HistoryScreen(self.store, Path.cwd()), self._open_conversation)
 
     async def _open_conversation(self, conversation_id: int | None) -> None:
+        if self.conversation_id is not None and self.store.get_conversation(self.conversation_id) is None:
+            await self.action_new_chat()  # the open conversation was deleted: its view goes too
         if conversation_id is None or self.store.get_conversation(conversation_id) is None:
             return
         if self.reply is not None and self.reply.generation is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
@@ -43,7 +44,7 @@ class HistoryScreen(ModalScreen[int | None]):
         options.clear_options()
         for conv in self.store.list_conversations():
             when = time.strftime("%m-%d %H:%M", time.localtime(conv.updated))
-            options.add_option(Option(f"{when}  {conv.title}  [dim]({conv.n_messages} msgs)[/]", id=str(conv.id)))
+            options.add_option(Option(f"{when}  {escape(conv.title)}  [dim]({conv.n_messages} msgs)[/]", id=str(conv.id)))
         if options.option_count == 0:
             options.add_option(Option("no saved conversations yet", disabled=True))
         else:
