@@ -6,6 +6,7 @@ documents the same keys (a test keeps the two in step). Errors name the file, li
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -140,6 +141,8 @@ def coerce(dotted: str, raw: Any, spec: Key) -> Any:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise ValueError(f"expected a number, got {raw!r}")
         value = float(raw)
+        if not math.isfinite(value):  # nan passes every range comparison
+            raise ValueError(f"expected a finite number, got {raw!r}")
     elif kind == "str":
         if not isinstance(raw, str):
             raise ValueError(f"expected a string, got {raw!r}")

@@ -73,6 +73,11 @@ def test_out_of_range(tmp_path):
     assert "below the minimum" in error_of(write(tmp_path, "[sampling]\ntop_p = -0.5\n"))
 
 
+def test_nan_is_not_a_number_in_range(tmp_path):
+    message = error_of(write(tmp_path, "[metrics]\ninterval = nan\n"))
+    assert "line 2" in message and "metrics.interval" in message and "finite" in message
+
+
 def test_unparsable_size(tmp_path):
     message = error_of(write(tmp_path, '[engine]\nbudget = "lots"\n'))
     assert "engine.budget" in message and "line 2" in message and "size" in message

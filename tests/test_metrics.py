@@ -61,14 +61,18 @@ def test_streaming_counters_absent_until_reported():
 def test_token_events_give_latency_window_and_rates():
     metrics = EngineMetrics(latency_window=4)
     metrics.request_started()
-    for wall in (0.2, 0.01, 0.02, 0.03, 0.04):
+    for wall in (0.2, 0.005, 0.01, 0.02, 0.03, 0.04):
         time.sleep(0.01)
         metrics.token(wall)
     snap = Sampler(metrics).sample()
-    assert snap.latencies == [0.01, 0.02, 0.03, 0.04]  # window keeps the last four
+    # The window keeps the last four decode tokens; the first token's 0.2 s is the prompt (TTFT).
+    assert snap.latencies == [0.01, 0.02, 0.03, 0.04]
+    metrics.request_started()
+    metrics.token(0.5)
+    assert Sampler(metrics).sample().latencies == [0.01, 0.02, 0.03, 0.04]
     assert snap.p50_s == 0.02 and snap.p95_s == 0.04
     assert snap.ttft_s is not None and snap.ttft_s > 0
-    assert snap.decode_tok_s is not None and snap.tokens_total == 5
+    assert snap.decode_tok_s is not None and snap.tokens_total == 6
 
 
 def test_model_disk_rate_by_injection(tmp_path):

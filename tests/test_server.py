@@ -321,6 +321,7 @@ LONG = "hello " * 600  # 600 tokens, more than N_CTX
     "path, body, message",
     [
         ("/completion", b"{not json", "request body: not valid JSON"),
+        ("/completion", b"[" * 5_000, "request body: JSON nested too deeply"),
         ("/completion", b"[1, 2]", "request body: expected a JSON object"),
         ("/completion", b"", "request body: expected a JSON object, got an empty body"),
         ("/completion", {"n_predict": 4}, "prompt: required"),

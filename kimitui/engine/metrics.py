@@ -86,7 +86,8 @@ class EngineMetrics:
     def token(self, wall_s: float) -> None:
         now = time.perf_counter()
         with self._lock:
-            self.latencies.append(wall_s)
+            if self._first_token_at is not None:  # a reply's first token carries its prompt: that is TTFT
+                self.latencies.append(wall_s)
             self.tokens_total += 1
             self._request_tokens += 1
             if self._first_token_at is None:

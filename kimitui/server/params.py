@@ -50,6 +50,8 @@ def parse_body(raw: bytes) -> dict:
         raise ApiError("request body: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise ApiError(f"request body: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise ApiError("request body: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(f"request body: expected a JSON object, got {type(data).__name__ if data is not None else 'null'}")
     return data
