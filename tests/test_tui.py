@@ -74,6 +74,8 @@ async def test_chat_streams_and_panels_fill(size):
         assert "RSS" in memory and "RSS 0 B" not in memory and "of " in memory
         assert app.query_one(PromptInput).text == ""
         assert app.screen.has_class("-narrow") == (size[0] < 100)
+        status = app.query_one(StatusBar)
+        assert status.model_name and status.model_name in str(status.render())  # at 50 columns too
         # Every shown panel is on screen at this size, none clipped to nothing; the API panel only with --serve.
         for panel in app.query(Panel):
             if panel.id == "panel-6":

@@ -23,5 +23,8 @@ class StatusBar(Static):
         state = self.state + (f" {self.detail}" if self.detail else "")
         if self.size.width < 100:
             # Narrow terminals (a phone over SSH): two lines, the state first.
-            return f"{state} │ {budget}\n{self.pinning or model}"
+            second = " │ ".join(part for part in (model, self.pinning) if part)
+            if len(second) > self.size.width:  # the model stays in view; pinning detail is cut
+                second = second[: max(1, self.size.width - 1)] + "…"
+            return f"{state} │ {budget}\n{second}"
         return " │ ".join(part for part in (model, budget, state, self.pinning, self.sampling) if part)
