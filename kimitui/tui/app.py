@@ -502,9 +502,11 @@ class KimituiApp(App[int]):
         )
 
     def action_toggle_trace(self) -> None:
-        if self.trace is not None:
-            log = self.query_one(TraceLog)
-            log.display = not log.display
+        if self.trace is None:
+            self.notify("tracing is off: start with --trace FILE or set enabled = true under [trace]")
+            return
+        log = self.query_one(TraceLog)
+        log.display = not log.display
 
     def action_toggle_panel(self, key: int) -> None:
         panel = self.query_one(f"#panel-{key}", Panel)
@@ -544,6 +546,7 @@ class KimituiApp(App[int]):
         yield SystemCommand("Pause sampling", "Freeze or resume the live panels", self.action_pause)
         yield SystemCommand("Refresh faster", "Halve the sampling interval", self.action_faster)
         yield SystemCommand("Refresh slower", "Double the sampling interval", self.action_slower)
+        yield SystemCommand("Toggle trace pane", "Show or hide the live per-token trace and its filter (key 9)", self.action_toggle_trace)
         for panel_type in PANEL_TYPES:
             key = int(panel_type.KEY)
             yield SystemCommand(
