@@ -186,3 +186,42 @@ def test_look_ahead_never_evicts_the_experts_of_the_layer_computing_now(moe_mode
     cache.ensure(layer, [0, 1, 2])  # full: the three experts the layer's matmuls are about to use
     cache.prefetch(following, [5, 6])  # no room but theirs: the look-ahead gives up instead
     assert dropped == [] and {(layer, 0), (layer, 1), (layer, 2)} <= cache.resident_keys()
+
+
+def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_model, monkeypatch):
+    """The drive fails under an expert read: one clear line, nothing half-read kept as cached."""
+    import errno
+    import os
+
+    from kimitui.engine.session import EngineError
+
+    engine = expert_engine(moe_model, budget_mib=60)
+    try:
+        cache = engine.streamer.experts
+        requested: list[tuple[int, int]] = []
+        real_read_unit, real_preadv = cache._read_unit, os.preadv
+
+        def read_unit(unit):
+            requested.append((unit.layer, unit.expert))
+            return real_read_unit(unit)
+
+        def failing_preadv(fd, buffers, offset):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        cache._read_unit = read_unit
+        monkeypatch.setattr(os, "preadv", failing_preadv)
+        gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=4))
+        with pytest.raises(EngineError, match=r"cannot read expert \d+ of layer \d+ from model file moe\.gguf at byte \d+: Input/output error"):
+            list(gen)
+        assert gen.result.finish_reason == "error"
+        failed = set(requested)
+        assert failed and not failed & cache.resident_keys()
+
+        monkeypatch.setattr(os, "preadv", real_preadv)  # the drive is back
+        reads: list = []
+        engine.streamer.on_read = lambda unit, offset, length, start, seconds: reads.append(unit)
+        assert run(engine, tokens=4)
+        read_again = {(u.layer, u.expert) for u in reads if isinstance(u, ExpertUnit)}
+        assert failed <= read_again
+    finally:
+        engine.close()
