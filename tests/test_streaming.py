@@ -198,6 +198,34 @@ def test_truncated_file_mid_reply_ends_the_reply_not_the_process(model, tmp_path
     assert result["again"] and "victim.gguf" in result["again"]
 
 
+FITS_TRUNCATE_SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+from kimitui.engine.session import Engine, EngineError, Sampling
+path = Path(sys.argv[1])
+engine = Engine(path, n_ctx=256, budget=2**30)  # fits: no eval callback, no per-layer check
+engine.load(); engine.pin()
+assert engine.streamer is None
+list(engine.complete("Hi", Sampling(temperature=0.0, max_tokens=2)))
+os.truncate(path, path.stat().st_size // 2)
+try:
+    list(engine.complete("Hi", Sampling(temperature=0.0, max_tokens=2)))
+    error = None
+except EngineError as exc:
+    error = str(exc)
+print(json.dumps({"error": error}))
+"""
+
+
+def test_truncated_file_of_a_model_that_fits_is_an_error_not_a_crash(model_path, tmp_path):
+    victim = tmp_path / "small.gguf"
+    victim.write_bytes(model_path.read_bytes())
+    out = subprocess.run([sys.executable, "-c", FITS_TRUNCATE_SCRIPT, str(victim)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]  # no SIGBUS (-7)
+    error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
+    assert error and "small.gguf" in error and "truncated" in error
+
+
 def test_budget_below_the_minimum_working_set_is_one_line(model):
     proc = subprocess.run(
         [sys.executable, "-m", "kimitui", "--model", str(model), "--budget", "8MiB"],

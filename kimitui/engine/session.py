@@ -7,6 +7,7 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 from __future__ import annotations
 
 import codecs
+import os
 import ctypes
 import enum
 import itertools
@@ -449,6 +450,20 @@ class Engine:
             self.metrics.residency_source = self.streamer.residency_by_layer
             self.set_tracer(self.tracer)
 
+    def check_files(self) -> None:
+        """A model held whole has no per-layer check (no eval callback): before each reply, make
+        sure no file shrank or vanished since load, or compute would die of SIGBUS in the mapping."""
+        model = self._model_map()
+        for path, size in zip(model.files, model.file_sizes):
+            try:
+                now = os.stat(path).st_size
+            except OSError as exc:
+                raise EngineError(f"cannot reach model file {path.name}: {exc.strerror or exc} (drive removed?)") from None
+            if now < size:
+                raise EngineError(
+                    f"model file {path.name} is now {now} bytes, {size} at load (file truncated or drive removed?)"
+                )
+
     def _model_map(self):
         """Parsed once; a live shard-size change regroups the same tensors, so a re-pin between
         two tokens does not parse the header again."""
@@ -732,6 +747,8 @@ class Generation:
         started = time.perf_counter()
         metrics.request_started()
         try:
+            if engine.streamer is None:
+                engine.check_files()
             prompt_tokens, template_stops = self._build()
         except EngineError as exc:
             result.finish_reason, result.error = "error", str(exc)
