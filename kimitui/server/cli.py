@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 
 from kimitui.config import apply_override
 
@@ -71,10 +72,22 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn_server(create_app(engine, settings, api_key=api_key), quiet=False)
     failure: list[str] = []
 
+    shown = [0.0]
+
+    def pinning(progress) -> None:  # what the app's status bar shows, a line every few seconds
+        now = time.monotonic()
+        if progress.total_bytes and (progress.finished or now - shown[0] >= 5.0):
+            shown[0] = now
+            print(f"kimitui: {progress.describe()}", file=sys.stderr, flush=True)
+
     def load() -> None:
         try:
             engine.load()
-            engine.pin()
+            if engine.fast_load_note:
+                print(f"kimitui: {engine.fast_load_note}", file=sys.stderr, flush=True)
+            engine.pin(pinning)
+            if engine.pin_note:
+                print(f"kimitui: {engine.pin_note}", file=sys.stderr, flush=True)
         except EngineError as exc:
             if not server.should_exit:  # else: stopped while loading, nothing to report
                 failure.append(str(exc))
