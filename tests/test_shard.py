@@ -167,6 +167,10 @@ def test_inspect_shows_which_layers_and_experts_each_file_holds(sources, sharded
     assert f"files    {len(layout)}, no layer cut across files" in text
     assert f"{sharded['moe'][-1].name}" in text and f"({report['n_expert']} experts)" in text
 
+    # The shard directory itself names the model, as `verify DIR` takes it.
+    assert main(["inspect", str(sharded["moe"][0].parent), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["file_layout"] == layout
+
     # synth's size-based split cuts layers; inspect says which
     _, cuts = file_layout(mapped(sources["dense"]))
     assert cuts and all(len(c["files"]) == 2 for c in cuts)
@@ -395,3 +399,10 @@ def test_custom_alignment_and_raw_metadata_survive(tmp_path):
     for t in before.tensors:
         assert np.array_equal(got[t.name], t.data)
 
+
+
+def test_a_directory_of_several_models_is_one_line(tmp_path, capsys):
+    for name in ("a.gguf", "b-00001-of-00002.gguf", "b-00002-of-00002.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    line = one_line_exit_2(["inspect", str(tmp_path)], capsys)
+    assert "is a directory with 2 models (a.gguf, b-00001-of-00002.gguf)" in line

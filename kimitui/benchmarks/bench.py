@@ -97,8 +97,9 @@ def _check(args: argparse.Namespace) -> None:
 
 def _model_path(raw: str | None) -> Path:
     from kimitui.model import default_model_path
+    from kimitui.model.placement import assemble_split_set
 
-    return Path(raw).expanduser() if raw else default_model_path()
+    return assemble_split_set(Path(raw).expanduser()) if raw else default_model_path()
 
 
 def _disk_sample(run) -> dict:

@@ -19,6 +19,7 @@ import platformdirs
 
 from kimitui.errors import UserError
 from kimitui.model.gguf_map import _SPLIT_RE
+from kimitui.model.manifest import MANIFEST_NAME, read_manifest
 
 APP_NAME = "kimitui"
 
@@ -44,13 +45,31 @@ def _find(name: str, dirs: list[Path]) -> Path | None:
     return None
 
 
+def model_in_directory(directory: Path) -> Path:
+    """The model a directory holds: the first file its manifest lists (`kimitui shard`'s output),
+    else its one GGUF or split set. UserError when that is not one model."""
+    manifest = directory / MANIFEST_NAME
+    if manifest.is_file():
+        return directory / read_manifest(manifest).files[0].name
+    firsts = sorted(
+        p.name for p in directory.glob("*.gguf") if (m := _SPLIT_RE.match(p.name)) is None or int(m["no"]) == 1
+    )
+    if len(firsts) == 1:
+        return directory / firsts[0]
+    found = f"{len(firsts)} models ({', '.join(firsts[:3])}{', ...' if len(firsts) > 3 else ''})" if firsts else "no .gguf file"
+    raise UserError(f"{directory} is a directory with {found}: give the model's .gguf file")
+
+
 def assemble_split_set(path: Path, search_dirs: Sequence[Path] = ()) -> Path:
     """The path llama.cpp should open for `path` (any file of a split set, or a single GGUF;
     looked for in its own directory, then in `search_dirs` in order, first match wins).
 
     A single file, or a set whose files all sit together, comes back as found. A set spread
     over several directories comes back as the first file of a directory of symlinks in the
-    user cache. UserError names every missing file in one line."""
+    user cache. UserError names every missing file in one line. A directory stands for the
+    model in it."""
+    if path.is_dir():
+        path = model_in_directory(path)
     dirs = _search_dirs(path, search_dirs)
     looked = ", ".join(str(d) for d in dirs)
     match = _SPLIT_RE.match(path.name)
