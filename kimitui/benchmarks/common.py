@@ -29,17 +29,42 @@ from kimitui.units import format_bytes
 _LOW_BIT = bytes(i & 1 for i in range(256))
 
 
+def set_files(path: Path) -> list[Path]:
+    """Every file of the model ``path`` opens: itself, or each file of its split set."""
+    from kimitui.model.gguf_map import _SPLIT_RE
+
+    path = Path(path)
+    match = _SPLIT_RE.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    return [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
 def drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """A cold start for the whole model: every file of a split set leaves the page cache."""
+    for file in set_files(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def cached_bytes(path: Path) -> int | None:
-    """Bytes of ``path`` in the page cache (mincore over a mapping that is never touched);
-    None where mincore is not reachable."""
+    """Bytes of the model ``path`` (all files of a split set) in the page cache; None where
+    mincore is not reachable."""
+    total = 0
+    for file in set_files(path):
+        cached = _cached_file_bytes(file)
+        if cached is None:
+            return None
+        total += cached
+    return total
+
+
+def _cached_file_bytes(path: Path) -> int | None:
+    """mincore over a mapping that is never touched."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         mincore = libc.mincore
