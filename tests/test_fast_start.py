@@ -12,13 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import drop_from_page_cache
 from kimitui.engine import loadhooks
 from kimitui.engine.macho import MachOSlotFinder
+from kimitui.errors import UserError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 
 MIB = 2**20
+FAST_LOAD_CGROUP = 192 * MIB  # the test model is 256 MiB
 
 # Runs in a fresh process so the hooks, the I/O counters and RssFile belong to this load alone.
 LOAD_SCRIPT = r"""
@@ -51,11 +54,28 @@ print(json.dumps({"read": read, "rss_file": resident, "text": gen.result.text, "
 """
 
 
-def load_in_subprocess(path: Path, mode: str) -> dict:
+def load_in_subprocess(path: Path, mode: str, memory_limit: int | None = None) -> dict:
+    """``memory_limit``: run in a fresh memory cgroup of that size (root and a memory
+    controller needed, as for `kimitui bench --cgroup-limit`)."""
     drop_from_page_cache(path)
-    out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(path), mode], capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-c", LOAD_SCRIPT, str(path), mode]
+    group = None
+    if memory_limit is not None:
+        try:
+            group = MemoryCgroups.require().create(memory_limit)
+        except UserError as exc:
+            pytest.skip(str(exc))
+        command = group.command(command)
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finally:
+        if group is not None:
+            group.remove()
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if group is not None:
+        result["peak"] = group.peak_bytes()
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +89,20 @@ def dense_model(tmp_path_factory) -> Path:
 def test_load_reads_metadata_only_and_keeps_greedy_tokens(dense_model):
     size = dense_model.stat().st_size
     metadata = load_model_map(dense_model).tensors[0].offset  # header, tokenizer, tensor infos
-    fast = load_in_subprocess(dense_model, "fast")
+    # The fast load runs in a memory cgroup smaller than the model (the interpreter and
+    # llama.cpp take ~100 MiB of it, so the model is several times the page cache it has).
+    fast = load_in_subprocess(dense_model, "fast", memory_limit=FAST_LOAD_CGROUP)
     stock = load_in_subprocess(dense_model, "stock")
     assert fast["note"] is None
     assert fast["mapping"] == [str(dense_model.resolve()), size]
+    assert fast["peak"] is None or fast["peak"] <= FAST_LOAD_CGROUP
     # Stock llama.cpp populates the whole mapping; fast start leaves it to the engine.
     assert stock["rss_file"] > 0.8 * size
     assert fast["rss_file"] < 0.05 * size, fast
-    # Bytes from storage during the load: metadata plus at most 1% of the model.
-    if stock["read"] > 0.5 * size:  # the kernel counts this process's storage reads here
-        assert fast["read"] <= metadata + 0.01 * size, (fast["read"], metadata)
+    # Bytes from storage during the load (the kernel counts this process's reads):
+    # stock reads the model, fast start metadata plus at most 1% of it.
+    assert stock["read"] > 0.5 * size, stock["read"]
+    assert fast["read"] <= metadata + 0.01 * size, (fast["read"], metadata)
     assert fast["tokens"] == stock["tokens"] == 12
     assert fast["text"] == stock["text"]
 
@@ -173,3 +197,27 @@ def test_darwin_rebind_by_injection_writes_the_slots(tmp_path):
     assert hooks.skipped_willneed_bytes == len(image) // page * page
     assert madvise_fn(addr, page, 1) == 0  # POSIX_MADV_RANDOM reaches libc
     assert hooks.skipped_willneed_bytes == len(image) // page * page
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF hooks are Linux's")
+def test_stock_loads_turn_the_hooks_off_only_inside(model_path):
+    """bench's in-process baseline loads as stock llama.cpp, beside an engine that loaded fast."""
+    import llama_cpp
+
+    from kimitui.engine.session import Engine
+
+    engine = Engine(model_path, n_ctx=256)
+    engine.load()
+    hooks = loadhooks.install()
+    skipped = hooks.skipped_willneed_bytes
+    with loadhooks.stock_loads():
+        assert not hooks.enabled
+        plain = llama_cpp.Llama(model_path=str(model_path), n_ctx=256, verbose=False)
+    assert hooks.enabled
+    assert hooks.skipped_willneed_bytes == skipped  # stock llama.cpp's whole-file WILLNEED went through
+    again = Engine(model_path, n_ctx=256)
+    again.load()  # and the next fast load skips it again
+    assert hooks.skipped_willneed_bytes > skipped
+    again.close()
+    del plain
+    engine.close()

@@ -300,7 +300,10 @@ def phase_interleaved(spec: dict) -> None:
     if engine.streamer is not None:
         emit("result", skipped="the model does not fit the budget: it streams")
         return
-    llm = _plain_llama(spec)
+    from kimitui.engine.loadhooks import stock_loads
+
+    with stock_loads():  # the engine's load hooks are process-wide: the baseline loads as stock
+        llm = _plain_llama(spec)
     tokens = prompt_tokens(llm, spec["prompt_tokens"])
     kimitui, plain = [], []
     for _ in range(spec["rounds"]):

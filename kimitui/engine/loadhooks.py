@@ -19,6 +19,7 @@ import os
 import struct
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -254,6 +255,21 @@ def rebind(
 
 _installed: LoadHooks | None = None
 _install_lock = threading.Lock()
+
+
+@contextmanager
+def stock_loads():
+    """Loads inside run as stock llama.cpp's (MAP_POPULATE, whole-file WILLNEED): a baseline
+    loaded in the same process as the engine must not get the engine's fast start."""
+    hooks = _installed
+    if hooks is None:
+        yield
+        return
+    hooks.enabled = False
+    try:
+        yield
+    finally:
+        hooks.enabled = True
 
 
 def install() -> LoadHooks:
