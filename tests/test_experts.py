@@ -73,6 +73,13 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
             assert x.prefetch_used >= 3 * chance * x.prefetch_issued, (x.prefetch_used, x.prefetch_issued)
             guessed = expert_reads - routed
             assert x.prefetch_wasted_bytes > 0 or not guessed
+            # What a trace records and the prefetch panel shows include the experts read ahead.
+            counted = streamer.counters()
+            assert counted["prefetch_issued"] >= x.prefetch_issued and counted["prefetch_used"] >= x.prefetch_used
+            assert counted["prefetch_wasted"] >= x.prefetch_wasted
+            shown = engine.metrics.streaming
+            assert shown.prefetch_used >= x.prefetch_used and shown.prefetch_wasted_bytes >= x.prefetch_wasted_bytes
+            assert engine.tuning()["expert_lookahead"] is True
             return
         assert expert_reads <= routed  # nothing the router did not pick
         # No byte of an unrouted expert was read, through any unit.

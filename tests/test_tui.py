@@ -95,6 +95,21 @@ async def test_status_bar_reports_the_engines_load_time_when_the_load_started_ea
         assert loaded[0].seconds == app.engine.load_s > 0
 
 
+async def test_status_bar_shows_pinning_progress_then_what_was_pinned():
+    from kimitui.tui.messages import PinProgressed
+
+    app = make_app()
+    progress = []
+    async with app.run_test(size=(120, 40), message_hook=lambda m: progress.append(m.progress) if isinstance(m, PinProgressed) else None) as pilot:
+        status = app.query_one(StatusBar)
+        await wait_for(pilot, lambda: status.pinned.startswith("pinned"))
+        assert progress and progress[-1].finished
+        assert status.pinned in str(status.render()) and not status.pinning
+        status.pinning = progress[0].describe()  # as it showed while the reads ran
+        rendered = str(status.render())
+        assert "pinning" in rendered and "MB/s" in rendered and "ETA" in rendered
+
+
 async def test_escape_cancels_a_reply_and_keeps_history():
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:

@@ -139,7 +139,7 @@ class ExpertCache:
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
         self._inflight: dict[tuple[int, int], list[Future]] = {}
         self._prefetched: set[tuple[int, int]] = set()
-        self.prefetch_issued = self.prefetch_used = 0
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.prefetch_wasted_bytes = 0
 
     def _unit(self, layer: int, expert: int) -> ExpertUnit:
@@ -187,6 +187,7 @@ class ExpertCache:
             self._inflight.pop(victim, None)
             if victim in self._prefetched:  # read ahead and never used
                 self._prefetched.discard(victim)
+                self.prefetch_wasted += 1
                 self.prefetch_wasted_bytes += evicted.length
             self._drop_unit(evicted)
             self._resident_bytes -= evicted.length

@@ -41,6 +41,8 @@ class StreamingCounters:
     cache_misses: int = 0
     prefetch_queue_depth: int = 0
     prefetch_inflight_bytes: int = 0
+    prefetch_used: int = 0  # reads ahead (shards, experts) that compute then used
+    prefetch_wasted_bytes: int = 0  # read ahead, dropped unused
     stall_s: float = 0.0
     expert_hits: int | None = None  # None: the model streams no routed experts
     expert_misses: int | None = None

@@ -502,6 +502,8 @@ class Engine:
             "shard_size": self.shard_size,
             "prefetch_depth": self.stream_settings.prefetch_depth,
             "policy": self.stream_settings.policy,
+            "expert_policy": self.stream_settings.expert_policy,
+            "expert_lookahead": self.stream_settings.expert_lookahead,
             "pinned_bytes": self.pinned_bytes,
             "streaming": self.streamer is not None,
         }

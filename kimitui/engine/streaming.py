@@ -163,6 +163,7 @@ class Streamer:
         self.bytes_read = 0
         self.bytes_needed = 0  # streamed bytes compute used that were not resident before (read for it)
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        self.prefetch_wasted_bytes = 0
         self.bytes_from_cache = 0  # pinned or already-read bytes compute found resident
         self._pinned_by_layer = [
             sum(s.length for s in model.layer_shards(layer) if s.index in pinned) for layer in range(model.n_layers)
@@ -255,6 +256,7 @@ class Streamer:
                     pass
         if shard.index in self._prefetched:
             self.prefetch_wasted += 1
+            self.prefetch_wasted_bytes += shard.length
             self._prefetched.discard(shard.index)
         self._dropper.later(("shard", shard.index), [shard.range])
         self.state[shard.index] = Residency.COLD
@@ -473,6 +475,8 @@ class Streamer:
             expert_misses=None if experts is None else experts.misses,
             prefetch_queue_depth=len(inflight),
             prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
+            prefetch_used=self.prefetch_used + (experts.prefetch_used if experts else 0),
+            prefetch_wasted_bytes=self.prefetch_wasted_bytes + (experts.prefetch_wasted_bytes if experts else 0),
             stall_s=self.stall_s,
         )
 
@@ -491,9 +495,10 @@ class Streamer:
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
             "stall_s": self.stall_s,
-            "prefetch_issued": self.prefetch_issued,
-            "prefetch_used": self.prefetch_used,
-            "prefetch_wasted": self.prefetch_wasted,
+            # Shards read ahead and, with expert look-ahead, experts read ahead: one count each.
+            "prefetch_issued": self.prefetch_issued + (experts.prefetch_issued if experts else 0),
+            "prefetch_used": self.prefetch_used + (experts.prefetch_used if experts else 0),
+            "prefetch_wasted": self.prefetch_wasted + (experts.prefetch_wasted if experts else 0),
         }
 
     def reset_error(self) -> None:

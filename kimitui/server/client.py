@@ -29,6 +29,8 @@ STREAMING_METRICS = {
     "kimitui_cache_misses_total": "cache_misses",
     "kimitui_prefetch_queue_depth": "prefetch_queue_depth",
     "kimitui_prefetch_inflight_bytes": "prefetch_inflight_bytes",
+    "kimitui_prefetch_used_total": "prefetch_used",
+    "kimitui_prefetch_wasted_bytes_total": "prefetch_wasted_bytes",
     "kimitui_stall_seconds_total": "stall_s",
 }
 

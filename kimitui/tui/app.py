@@ -271,7 +271,10 @@ class KimituiApp(App[int]):
             return
         p = message.progress
         # A re-pin from live tuning ends without a PinFinished: its last progress says it all.
-        self.query_one(StatusBar).pinning = f"pinned {format_bytes(p.total_bytes)}" if p.finished else p.describe()
+        status = self.query_one(StatusBar)
+        status.pinning = "" if p.finished else p.describe()
+        if p.finished:
+            status.pinned = f"pinned {format_bytes(p.total_bytes)}"
 
     def on_pin_finished(self, message: PinFinished) -> None:
         if not self.query(StatusBar):
@@ -283,7 +286,9 @@ class KimituiApp(App[int]):
             else "no streaming engine yet: the kernel pages in the unpinned part"
         )
         locked = "" if message.note is None else " (not locked)"
-        self.query_one(StatusBar).pinning = f"pinned {format_bytes(message.pinned_bytes)}{locked}" if message.pinned_bytes else ""
+        status = self.query_one(StatusBar)
+        status.pinning = ""
+        status.pinned = f"pinned {format_bytes(message.pinned_bytes)}{locked}" if message.pinned_bytes else ""
         if message.note:
             self.notify(message.note, severity="warning", timeout=15)
 

@@ -78,12 +78,13 @@ class PrefetchPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         s = snap.streaming
         if s is None:
-            self.body.update("queue —  stall —\nin flight —")
+            self.body.update("queue —  stall —\nin flight —\nused —  wasted —")
             self.note.update(self.idle_note)
             return
         self.body.update(
             f"queue {s.prefetch_queue_depth}  stall {format_ms(s.stall_s)}\n"
-            f"in flight {format_bytes(s.prefetch_inflight_bytes)}"
+            f"in flight {format_bytes(s.prefetch_inflight_bytes)}\n"
+            f"used {s.prefetch_used}  wasted {format_bytes(s.prefetch_wasted_bytes)}"
         )
         self.note.update("")
 

@@ -15,7 +15,8 @@ class StatusBar(Static):
     state = reactive("starting")
     detail = reactive("")
     sampling = reactive("")
-    pinning = reactive("")
+    pinning = reactive("")  # progress while the pinned set is read
+    pinned = reactive("")  # what was pinned, once it was
 
     def render(self) -> str:
         model = f"{self.model_name} ({format_bytes(self.model_bytes)})"
@@ -23,8 +24,10 @@ class StatusBar(Static):
         state = self.state + (f" {self.detail}" if self.detail else "")
         if self.size.width < 100:
             # Narrow terminals (a phone over SSH): two lines, the state first.
-            second = " │ ".join(part for part in (model, self.pinning) if part)
-            if len(second) > self.size.width:  # the model stays in view; pinning detail is cut
-                second = second[: max(1, self.size.width - 1)] + "…"
+            # While the pinned set is read its progress is the news; after that the model is,
+            # with the pinned size beside it when the line has room.
+            second = self.pinning or model
+            if not self.pinning and self.pinned and len(f"{model} │ {self.pinned}") <= self.size.width:
+                second = f"{model} │ {self.pinned}"
             return f"{state} │ {budget}\n{second}"
-        return " │ ".join(part for part in (model, budget, state, self.pinning, self.sampling) if part)
+        return " │ ".join(part for part in (model, budget, state, self.pinning or self.pinned, self.sampling) if part)
