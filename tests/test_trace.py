@@ -114,8 +114,11 @@ def test_traced_run_adds_up(engine, tmp_path):
     for r in reads:
         assert r["req"] == gen.id and r["expert"] is None and streamed[r["shard"]] == r["layer"]
         assert r["start_s"] >= 0 and r["dur_s"] >= 0
+    # compute is measured (time inside llama_decode less the stall), not derived from the wall:
+    # what is left, sampling, detokenizing and Python, shows as "other".
     for t in tokens:
-        assert t["compute_s"] == pytest.approx(t["wall_s"] - t["stall_s"], abs=2e-6)
+        assert 0 < t["compute_s"] <= t["wall_s"] - t["stall_s"] + 2e-6
+    assert sum(t["wall_s"] - t["stall_s"] - t["compute_s"] for t in tokens) > 0
 
 
 def test_summarize_and_compare_recorded_runs(engine, tmp_path, capsys):
@@ -198,7 +201,7 @@ def test_model_not_streamed_writes_null_not_zero(model_path, tmp_path, capsys):
     tokens = [r for r in records if r["type"] == "token"]
     assert len(tokens) == gen.result.completion_tokens == 3
     for t in tokens:
-        assert t["wall_s"] > 0 and t["compute_s"] is None
+        assert 0 < t["compute_s"] <= t["wall_s"]  # measured in llama_decode, streamed or not
         assert all(t[k] is None for k in COUNTERS)
     (end,) = [r for r in records if r["type"] == "end"]
     assert end["tail"] is None and not any(r["type"] == "read" for r in records)
@@ -222,7 +225,7 @@ def drive(writer: TraceWriter, request_id: str, tokens: int, reads_per_token: in
             writer.read(SHARD, 0, MIB, time.perf_counter(), 0.001)
         after = {k: v + (0.002 if k == "stall_s" else 1) for k, v in counters.items()}
         after["bytes_read"] = counters["bytes_read"] + reads_per_token * MIB
-        writer.token(request_id, i, 0.01, counters, after)
+        writer.token(request_id, i, 0.01, counters, after, 0.009)
         counters = after
     writer.request_finished(request_id, GenerationResult(finish_reason="length", completion_tokens=tokens))
 

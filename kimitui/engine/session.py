@@ -34,6 +34,27 @@ FALLBACK_TEMPLATE = (
 _params_lock = threading.Lock()
 
 
+class DecodeClock:
+    """Seconds spent inside llama_decode: compute, plus what the eval callback waited for
+    reads (stall). A token's wall time beyond it is sampling, detokenizing and Python."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def attach(self, ctx) -> None:
+        """Time every decode of ``ctx`` (llama-cpp-python's LlamaContext)."""
+        decode = ctx.decode
+
+        def timed(batch):
+            started = time.perf_counter()
+            try:
+                return decode(batch)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        ctx.decode = timed
+
+
 class EngineState(enum.Enum):
     EMPTY = "empty"
     LOADING = "loading"
@@ -190,7 +211,9 @@ class Tracer(Protocol):
     """Receives what a trace records (kimitui.trace implements it); called on the engine's threads."""
 
     def request_started(self, request_id: str, model: str, settings: dict) -> None: ...
-    def token(self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None) -> None: ...
+    def token(
+        self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None, decode_s: float
+    ) -> None: ...
     def read(self, shard, offset: int, length: int, start: float, seconds: float) -> None: ...
     def request_finished(self, request_id: str, result: "GenerationResult") -> None: ...
 
@@ -227,6 +250,7 @@ class Engine:
         self.streamer: Streamer | None = None
         self._callbacks: tuple | None = None  # ctypes eval/abort callbacks, alive as long as the context
         self.tracer: Tracer | None = None
+        self.decode_clock = DecodeClock()
         self.pinned_ranges: list = []
         self.working_bytes = 0
         self._repin_pending = False
@@ -329,6 +353,7 @@ class Engine:
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
+        self.decode_clock.attach(self._llm._ctx)
         # With fast start no model page is resident yet: what the load added is llama.cpp's own
         # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
         self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
@@ -554,6 +579,7 @@ class Engine:
             self.state = EngineState.FAILED
             raise EngineError(f"llama.cpp could not make a new context for streaming: {exc}") from None
         llm._stack.callback(llm._ctx.close)
+        self.decode_clock.attach(llm._ctx)
         llm.reset()
 
     def _repin(self) -> None:
@@ -786,10 +812,13 @@ class Generation:
                 temp=s.temperature,
                 repeat_penalty=s.repeat_penalty,
             )
+            clock = engine.decode_clock
+            decoded = clock.seconds
             for index, token in enumerate(tokens):
                 now = time.perf_counter()
                 wall = now - last
                 last = now
+                decode_s, decoded = clock.seconds - decoded, clock.seconds
                 if index == 0:
                     result.prompt_s = wall
                     metrics.prompt_evaluated(len(prompt_tokens))
@@ -801,7 +830,7 @@ class Generation:
                 metrics.token(wall)
                 if tracer is not None:
                     after = counters()
-                    tracer.token(self.id, index, wall, before, after)
+                    tracer.token(self.id, index, wall, before, after, decode_s)
                     before = after
                 text += decoder.decode(llm.detokenize([token]))
                 cut = -1

@@ -5,8 +5,9 @@ Definitions (seconds unless said otherwise):
 - TTFT: token 0's wall time (prompt evaluation included). tok/s, p50 and p95 cover the decode
   tokens (index >= 1), whose wall time is one forward pass each.
 - time split of a request's wall time (its tokens plus the stretch after the last one):
-  I/O wait = stall (compute waiting for storage reads), compute = wall - stall of each token,
-  other = the rest (after the last token: the end-of-generation token, final flush).
+  I/O wait = stall (compute waiting for storage reads), compute = each token's time inside
+  llama_decode less its stall, other = the rest (sampling, detokenizing, Python, a re-pin from
+  live tuning; after the last token: the end-of-generation token, final flush).
 - bytes per token: storage bytes read over the request (tokens and tail) / tokens.
 - hit rate = hits / (hits + misses); prefetch accuracy = prefetch used / prefetch issued.
 - read rate: bytes of the read records / the time at least one read was in flight.
@@ -118,10 +119,14 @@ def request_summary(r: RequestTrace) -> dict:
 
 
 def why(token: dict) -> str:
-    if token["stall_s"] is None:
-        return "not streamed: no stall measured"
-    share = token["stall_s"] / token["wall_s"] if token["wall_s"] > 0 else 0.0
-    return "stall-dominated" if share >= STALL_DOMINATED else "compute-dominated"
+    wall = token["wall_s"]
+    stall = token["stall_s"] or 0.0
+    if wall > 0 and stall / wall >= STALL_DOMINATED:
+        return "stall-dominated"
+    compute = token["compute_s"]
+    if wall > 0 and compute is not None and (wall - stall - compute) / wall >= STALL_DOMINATED:
+        return "other-dominated (sampling, Python, a re-pin)"
+    return "compute-dominated" if token["stall_s"] is not None else "not streamed: compute-dominated"
 
 
 def slowest_tokens(trace: Trace, n: int) -> list[dict]:

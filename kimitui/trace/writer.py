@@ -6,7 +6,7 @@ Record types (every record has ``type``; times are seconds):
 - ``request``: id, model, wall-clock start ``t``, the engine's tuning (budget, shard size,
   prefetch depth, policy, pinned bytes, streaming) and ``idle``: storage counters that moved
   while no request ran (read-ahead of the previous request landing after its end).
-- ``token``: request, index, ``t`` (since the request started), wall, compute (= wall - stall),
+- ``token``: request, index, ``t`` (since the request started), wall, compute (time inside llama_decode less the stall),
   stall, and the storage counters' change over the token: bytes read from storage and found in
   cache, hits, misses, prefetch issued/used/wasted.
 - ``read``: one storage read: shard (or expert) and layer, file offset, bytes, start (since
@@ -151,7 +151,10 @@ class TraceWriter:
             self._recent = self._recent[-1:] + [request]
             self._emit(record)
 
-    def token(self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None) -> None:
+    def token(
+        self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None, decode_s: float
+    ) -> None:
+        """``decode_s``: the token's time inside llama_decode; its compute is that less the stall."""
         with self._lock:
             request = self._requests.get(request_id)
             if self._closed or request is None:
@@ -162,11 +165,11 @@ class TraceWriter:
             d = delta(request.mark if request.mark is not None else before, after)
             request.mark = after
             request.last_token = now
-            stall = None if d is None else d["stall_s"]
+            stall = 0.0 if d is None else d["stall_s"]
             record = {
                 "type": "token", "req": request_id, "i": index, "t": round(now - request.start, 6),
                 "wall_s": round(wall_s, 6),
-                "compute_s": None if stall is None else round(max(0.0, wall_s - stall), 6),
+                "compute_s": round(max(0.0, decode_s - stall), 6),
             }
             for key in COUNTERS:
                 record[key] = None if d is None else d[key]

@@ -47,7 +47,7 @@ def format_record(record: dict) -> Text:
         if record["stall_s"] is None:
             line.append(" · not streamed")
         else:
-            # Compute is wall - stall; the breakdown bar shows it. Short enough for a phone.
+            # The breakdown bar splits the wall time; this line stays short enough for a phone.
             line.append(
                 f" · stall {format_ms(record['stall_s'])} · read {format_bytes(record['bytes_read'])}"
                 f" · cache {format_bytes(record['bytes_from_cache'])}"
