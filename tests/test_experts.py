@@ -11,7 +11,7 @@ from kimitui.engine.experts import ExpertCache, ExpertUnit, heatmap_path, hot_ex
 from kimitui.engine.session import Engine, Sampling
 from kimitui.engine.streaming import StreamSettings
 from kimitui.model import synth
-from kimitui.model.gguf_map import load_model_map
+from kimitui.model.gguf_map import ByteRange, load_model_map
 
 MIB = 2**20
 
@@ -82,8 +82,14 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
             assert engine.tuning()["expert_lookahead"] is True
             return
         assert expert_reads <= routed  # nothing the router did not pick
-        # No byte of an unrouted expert was read, through any unit.
-        for unit, offset, length in reads:
+        # No byte of an unrouted expert was read, through any unit. (The trace gets an
+        # expert's three slices as one read: its ranges are what was read.)
+        spans = [
+            (r.file, r.offset, r.length) for unit, offset, length in reads
+            for r in (unit.ranges if isinstance(unit, ExpertUnit) else [ByteRange(unit.file, offset, length)])
+        ]
+        assert sum(n for _, _, n in spans) == sum(length for _, _, length in reads)
+        for file, offset, length in spans:
             for layer in range(model.n_layers):
                 if not model.layers[layer].is_moe:
                     continue
@@ -91,7 +97,7 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
                     if (layer, e) in routed:
                         continue
                     for r in model.expert_ranges(layer, e):
-                        assert offset + length <= r.offset or offset >= r.end or unit.file != r.file
+                        assert offset + length <= r.offset or offset >= r.end or file != r.file
         # Each test has a fresh cache dir: every routing decision was counted once, as a hit or a miss.
         assert x.hits + x.misses == sum(sum(row) for row in x.counts)
         assert x.misses >= len(expert_reads)

@@ -27,8 +27,12 @@ PROMPT = "Once upon a time"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, help="GGUF to stream (default: a synthetic dense model of --size)")
+    parser.add_argument("--model", type=Path, help="GGUF to stream (default: a synthetic model of --size)")
     parser.add_argument("--size", default="512MiB", help="size of the synthetic model (default 512MiB)")
+    parser.add_argument(
+        "--arch", choices=("dense", "kimi"), default="dense",
+        help="the synthetic model: dense llama, or Kimi-shaped MoE (61 layers, 384 experts; one read record per expert slice)",
+    )
     parser.add_argument("--budget", help="memory budget, below the model's size so it streams (default: 90%% of its tensors)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of one untraced and one traced request (default 8)")
@@ -123,7 +127,11 @@ def run(args: argparse.Namespace) -> int:
         tmp_dir = Path(tmp)
         model = args.model
         if model is None:
-            spec = synth.plan_dense(parse_size(args.size), "q4_1", synth.default_tokenizer())
+            size, tokenizer = parse_size(args.size), synth.default_tokenizer()
+            if args.arch == "kimi":
+                spec = synth.plan_like("kimi-k2", size, None, "q4_1", tokenizer)
+            else:
+                spec = synth.plan_dense(size, "q4_1", tokenizer)
             model = synth.write_model(spec, tmp_dir / "bench.gguf", progress=False).paths[0]
         tensor_bytes = load_model_map(model).tensor_bytes
         budget = parse_size(args.budget) if args.budget else int(tensor_bytes * 0.9)
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             result = {
                 "model": model.name, "model_bytes": tensor_bytes, "budget": budget,
                 "streamed_bytes_per_token": engine.streamer.streamed_bytes_per_token,
+                "streams_experts": engine.streamer.experts is not None,
                 **measure(engine, args.rounds, args.tokens, tmp_dir),
             }
         finally:
@@ -146,10 +155,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(
-        f"{result['model']}: {format_bytes(result['model_bytes'])} of tensors, budget {format_bytes(budget)}, "
-        f"{format_bytes(result['streamed_bytes_per_token'])} streamed per token"
-    )
+    streamed = f"{format_bytes(result['streamed_bytes_per_token'])} of layers streamed per token"
+    if result["streams_experts"]:
+        streamed += ", routed experts read as the router picks them"
+    print(f"{result['model']}: {format_bytes(result['model_bytes'])} of tensors, budget {format_bytes(budget)}, {streamed}")
     print(f"decode per token, median of {args.rounds} rounds of {args.tokens} tokens:")
     print(f"  tracing off {result['median_off_ms']:.2f} ms · on {result['median_on_ms']:.2f} ms")
     print(f"  end to end: {result['overhead_pct']:+.2f}% (median of per-round ratios; machine noise included)")

@@ -35,6 +35,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ def rotated_path(path: Path, n: int) -> Path:
 @dataclass
 class _Request:
     id: str
+    id_json: str  # the id as a JSON string, for read records
     start: float  # perf_counter at request_started
     record: dict
     mark: dict | None  # counters at the end of the last stretch this request accounted
@@ -96,6 +98,11 @@ class TraceWriter:
         self._mark: tuple[object, dict] | None = None  # (streamer, counters) at the last accounted point
         self._requests: dict[str, _Request] = {}
         self._recent: list[_Request] = []  # newest last: reads are attributed by their start time
+        # Reads as the I/O threads report them, written out at the next record of the generation
+        # thread: an append is all an I/O thread pays, so a read's future completes at once
+        # (a Kimi-shaped token has hundreds of expert reads; a record each, written on the spot,
+        # cost 7% of decode).
+        self._reads: deque[tuple] = deque()
         self._closed = False
         self._rotating = False
         self.error: str | None = None
@@ -138,6 +145,7 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 return
+            self._write_reads()
             now = self._snapshot()
             record = {
                 "type": "request", "id": request_id, "t": round(time.time(), 6), "model": model,
@@ -146,7 +154,7 @@ class TraceWriter:
             if now is not None:
                 self._mark = now
             start = time.perf_counter()
-            request = _Request(request_id, start, record, None if now is None else now[1], start)
+            request = _Request(request_id, json.dumps(request_id), start, record, None if now is None else now[1], start)
             self._requests[request_id] = request
             self._recent = self._recent[-1:] + [request]
             self._emit(record)
@@ -159,6 +167,7 @@ class TraceWriter:
             request = self._requests.get(request_id)
             if self._closed or request is None:
                 return
+            self._write_reads()
             now = time.perf_counter()
             # Token 0 starts where request_started's snapshot ended, so nothing that landed
             # between the engine's first snapshot and that one is counted twice.
@@ -176,24 +185,44 @@ class TraceWriter:
             self._emit(record)
 
     def read(self, unit, offset: int, length: int, start: float, seconds: float) -> None:
-        with self._lock:
-            if self._closed:
-                return
+        self._reads.append((unit, offset, length, start, seconds))  # atomic: no lock, no JSON here
+
+    def _write_reads(self) -> None:
+        """The reads reported so far, as records (lock held), before the record that called.
+        Hundreds per token on a MoE model: each line is formatted directly, not via json."""
+        reads, recent = self._reads, self._recent
+        lines = []
+        while reads:
+            unit, offset, length, start, seconds = reads.popleft()
             # The request that was running (or last ran) when the read began issued it.
-            owner = next((r for r in reversed(self._recent) if r.start <= start), self._recent[0] if self._recent else None)
+            owner = next((r for r in reversed(recent) if r.start <= start), recent[0] if recent else None)
             expert = getattr(unit, "expert", None)
-            self._emit({
-                "type": "read", "req": None if owner is None else owner.id,
-                "shard": unit.index if expert is None else None, "expert": expert, "layer": unit.layer,
-                "file": unit.file, "offset": offset, "bytes": length,
-                "start_s": round(start - (owner.start if owner is not None else start), 6), "dur_s": round(seconds, 6),
-            })
+            where = f'"shard":{unit.index},"expert":null' if expert is None else f'"shard":null,"expert":{expert}'
+            lines.append(
+                f'{{"type":"read","req":{"null" if owner is None else owner.id_json},{where},'
+                f'"layer":{unit.layer},"file":{unit.file},"offset":{offset},"bytes":{length},'
+                f'"start_s":{round(start - (start if owner is None else owner.start), 6)!r},'
+                f'"dur_s":{round(seconds, 6)!r}}}\n'
+            )
+        if not lines:
+            return
+        if self._listeners or self._size + sum(map(len, lines)) >= self.max_bytes:
+            for line in lines:  # one by one: listeners see each record, rotation cuts between them
+                self._emit(json.loads(line) if self._listeners else None, line)
+            return
+        size = sum(map(len, lines))
+        self._buffer.extend(lines)
+        self._buffered += size
+        self._size += size
+        if self._buffered >= FLUSH_BYTES:
+            self._flush()
 
     def request_finished(self, request_id: str, result) -> None:
         with self._lock:
-            request = self._requests.pop(request_id, None)
-            if self._closed or request is None:
+            if self._closed or request_id not in self._requests:
                 return
+            self._write_reads()  # while the request still owns what it read
+            request = self._requests.pop(request_id)
             end = time.perf_counter()
             now = self._snapshot()
             tail = None
@@ -212,8 +241,10 @@ class TraceWriter:
 
     # -- output ----------------------------------------------------------------------------
 
-    def _emit(self, record: dict) -> None:
-        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+    def _emit(self, record: dict | None, line: str | None = None) -> None:
+        """Write ``record`` (or its ready ``line``; record None when no listener wants it)."""
+        if line is None:
+            line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
         self._buffer.append(line)
         self._buffered += len(line)
         self._size += len(line)
@@ -283,6 +314,7 @@ class TraceWriter:
     def flush(self) -> None:
         with self._lock:
             if not self._closed:
+                self._write_reads()
                 self._flush()
 
     def close(self) -> None:
@@ -293,6 +325,7 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 return
+            self._write_reads()
             now = self._snapshot()
             self._emit({"type": "close", "t": round(time.time(), 6), "idle": self._since_mark(now)})
             self._closed = True
