@@ -9,8 +9,9 @@ Record types (every record has ``type``; times are seconds):
 - ``token``: request, index, ``t`` (since the request started), wall, compute (time inside llama_decode less the stall),
   stall, and the storage counters' change over the token: bytes read from storage and found in
   cache, hits, misses, prefetch issued/used/wasted.
-- ``read``: one storage read: shard (or expert) and layer, file offset, bytes, start (since
-  the request that was running or last ran when the read began) and duration.
+- ``read``: one storage read: shard (or expert: its slices together) and layer, file offset,
+  bytes, start (since the request that was running or last ran when the read began) and
+  duration. Written at the next record of the generation thread, not when the read lands.
 - ``end``: finish reason, token counts, prompt/decode/queue time, ``after_s`` (from the last
   token to the end) and ``tail``: the counters' change over that stretch.
 - ``close``: the writer stopped; ``idle`` since the last request ended.
