@@ -103,14 +103,25 @@ def resolve_model(settings: Settings) -> Path:
 
 def check_budget(settings: Settings, model_path: Path) -> None:
     """A budget that cannot hold one layer is refused before llama.cpp is called."""
-    budget = settings["engine.budget"]
-    if budget == "auto":
-        return
+    from kimitui.engine.memory import SAFE_SHARE, default_budget
     from kimitui.engine.streaming import minimum_budget
+    from kimitui.model import read_model_info
     from kimitui.model.gguf_map import load_model_map
     from kimitui.units import format_bytes
 
+    budget = settings["engine.budget"]
+    if (default_budget() if budget == "auto" else budget) >= read_model_info(model_path).tensor_bytes:
+        return  # it holds the whole model, so its working set too (and start-up skips a parse)
     needed = minimum_budget(load_model_map(model_path, shard_size=settings["engine.shard_size"]))
+    if budget == "auto":
+        budget = default_budget()
+        if budget < needed:
+            raise UserError(
+                f"budget auto ({SAFE_SHARE:.0%} of the memory available, cgroup limits included) is "
+                f"{format_bytes(budget)}, below the minimum working set of {model_path.name}: "
+                f"{format_bytes(needed)}; free memory or give --budget"
+            )
+        return
     if budget < needed:
         raise UserError(
             f"{settings.origin('engine.budget')}: budget {format_bytes(budget)} is below the minimum working set "

@@ -322,3 +322,28 @@ def test_expert_reads_fetch_little_more_than_the_experts(tmp_path):
         assert cached_bytes(path) <= 1.25 * (engine.pinned_bytes + counters["bytes_read"]) + 4 * MIB
     finally:
         engine.close()
+
+
+def test_an_auto_budget_below_the_minimum_working_set_is_one_line(model, monkeypatch, capsys):
+    from kimitui.cli import main
+    from kimitui.engine import memory
+
+    monkeypatch.setattr(memory, "default_budget", lambda: 8 * MIB)  # a phone with little memory free
+    assert main(["--model", str(model)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "budget auto" in err and "below the minimum working set of dense.gguf" in err
+
+
+def test_live_tuning_refuses_a_budget_below_the_minimum_and_changes_nothing(model):
+    from kimitui.engine.session import EngineError
+
+    engine = Engine(model, n_ctx=256, budget=100 * MIB)
+    engine.load()
+    engine.pin()
+    try:
+        with pytest.raises(EngineError, match="budget 8.0 MiB is below the minimum working set of dense.gguf"):
+            engine.retune(budget=8 * MIB, prefetch_depth=3)
+        assert engine.budget == 100 * MIB and engine.stream_settings.prefetch_depth != 3
+        assert greedy(engine)[1] > 0  # and it goes on
+    finally:
+        engine.close()

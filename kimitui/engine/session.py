@@ -538,6 +538,16 @@ class Engine:
         set: it is re-read before that token (mid-reply, or when the next reply starts), and
         the token waits for it, which the latency panel shows. Returns a line saying when the
         change applies."""
+        if budget is not None:
+            from kimitui.engine.streaming import minimum_budget
+            from kimitui.units import format_bytes
+
+            needed = minimum_budget(self._model_map())
+            if budget < needed:  # refused before anything changes
+                raise EngineError(
+                    f"budget {format_bytes(budget)} is below the minimum working set of {self.model_path.name}: "
+                    f"{format_bytes(needed)} (non-layer tensors plus its largest layer)"
+                )
         changes = {k: v for k, v in stream.items() if v is not None}
         if changes:
             self.stream_settings = replace(self.stream_settings, **changes)

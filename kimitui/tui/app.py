@@ -497,7 +497,11 @@ class KimituiApp(App[int]):
 
         def applied(changes: dict | None) -> None:
             if changes:
-                when = engine.retune(**changes)
+                try:
+                    when = engine.retune(**changes)
+                except EngineError as exc:
+                    self.notify(f"not applied: {exc}", severity="error", timeout=10)
+                    return
                 self.query_one(StatusBar).budget = engine.budget or 0
                 self.notify(f"{', '.join(changes)}: {when}")
 
