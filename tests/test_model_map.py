@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -236,6 +237,25 @@ def test_truncated_file_names_file_and_tensor(files, tmp_path):
         load_model_map(cut)
     with pytest.raises(UserError, match="not found"):
         load_model_map(tmp_path / "nope.gguf")
+
+
+def test_a_tensor_offset_out_of_place_is_named_before_llama_cpp(files, tmp_path):
+    """llama.cpp wants every tensor right after the one before it (aligned); a header that says
+    otherwise is one line here, not a failed load inside llama.cpp."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(files["dense"])
+    field = reader.tensors[1].field
+    at = field.parts[-1].ctypes.data - reader.data.ctypes.data  # the tensor's data offset, in the file
+    moved = int(field.parts[-1][0]) + 32
+    name = bytes(field.parts[1]).decode()
+    data = bytearray(files["dense"].read_bytes())
+    del reader, field
+    data[at : at + 8] = moved.to_bytes(8, "little")
+    bad = tmp_path / "moved.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(UserError, match=rf"moved\.gguf: tensor {re.escape(name)} starts at data offset {moved}, but the tensors before it end at \d+"):
+        load_model_map(bad)
 
 
 def test_inspect_json_agrees_with_the_map(files, moe, capsys):

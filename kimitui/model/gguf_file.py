@@ -56,10 +56,7 @@ def read_model_info(path: Path) -> ModelInfo:
 
 
 def _read_model_info(path: Path) -> ModelInfo:
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from kimitui.model.gguf_map import _open_reader, field_value, split_set
+    from kimitui.model.gguf_map import _open_reader, field_value, split_set, tensor_layout
     from kimitui.model.manifest import quick_check
 
     files = split_set(path)
@@ -76,22 +73,7 @@ def _read_model_info(path: Path) -> ModelInfo:
                     f"{file}: its header says split {number} of {count}, its name says {index} of "
                     f"{len(files)} (a file from another set?)"
                 )
-        for info in reader.tensor_fields:
-            _, name_data, _, dims, raw_dtype, rel_offset = info.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            try:
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
-            except ValueError:
-                raise UserError(f"{file}: tensor {name} has unknown type {int(raw_dtype[0])}") from None
-            n_elements = 1
-            for d in dims:
-                n_elements *= int(d)
-            n_bytes = n_elements // block * type_size
-            end = reader.data_offset + int(rel_offset[0]) + n_bytes
-            if end > size:
-                raise UserError(
-                    f"{file}: tensor {name} ends at byte {end} but the file has {size} bytes (truncated copy?)"
-                )
+        for _name, _type, _shape, n_bytes, _offset in tensor_layout(reader, file, size):
             tensor_bytes += n_bytes
             n_tensors += 1
         if index == 0:

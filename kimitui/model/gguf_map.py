@@ -490,10 +490,45 @@ def field_value(reader, key: str):
         return None
 
 
-def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> ModelMap:
-    """Parse `path` (a single GGUF or any file of a split set) into a ModelMap."""
+def tensor_layout(reader, file: Path, size: int):
+    """(name, ggml type, shape, bytes, absolute offset) of each tensor of one file, checked as
+    llama.cpp will: known type, each right after the one before (padded to the alignment),
+    none past the end of the file. UserError naming file and tensor otherwise."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    alignment = int(reader.alignment)
+    expected = 0
+    for info in reader.tensor_fields:
+        _, name_data, _, dims, raw_dtype, rel_offset = info.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        try:
+            qtype = GGMLQuantizationType(int(raw_dtype[0]))
+        except ValueError:
+            raise UserError(f"{file}: tensor {name} has unknown type {int(raw_dtype[0])}") from None
+        shape = tuple(int(d) for d in dims)
+        n_elements = 1
+        for d in shape:
+            n_elements *= d
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = n_elements // block * type_size
+        relative = int(rel_offset[0])
+        if relative != expected:
+            raise UserError(
+                f"{file}: tensor {name} starts at data offset {relative}, but the tensors before it "
+                f"end at {expected} (damaged header?)"
+            )
+        expected += -(-n_bytes // alignment) * alignment
+        offset = reader.data_offset + relative
+        if offset + n_bytes > size:
+            raise UserError(
+                f"{file}: tensor {name} ends at byte {offset + n_bytes} but the file has "
+                f"{size} bytes (truncated copy?)"
+            )
+        yield name, qtype, shape, n_bytes, offset
+
+
+def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> ModelMap:
+    """Parse `path` (a single GGUF or any file of a split set) into a ModelMap."""
     check_shard_size(shard_size)
     files = split_set(Path(path))
     tensors: list[TensorInfo] = []
@@ -521,28 +556,10 @@ def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> Mo
             n_used = field_value(reader, f"{arch}.expert_used_count")
             n_shared = field_value(reader, f"{arch}.expert_shared_count")
             alignment = int(reader.alignment)
-        for info in reader.tensor_fields:
-            _, name_data, _, dims, raw_dtype, rel_offset = info.parts
-            tname = bytes(name_data).decode("utf-8", errors="replace")
+        for tname, qtype, shape, n_bytes, offset in tensor_layout(reader, file, size):
             if tname in seen:
                 raise UserError(f"{file}: tensor {tname} appears twice")
             seen.add(tname)
-            try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise UserError(f"{file}: tensor {tname} has unknown type {int(raw_dtype[0])}") from None
-            shape = tuple(int(d) for d in dims)
-            n_elements = 1
-            for d in shape:
-                n_elements *= d
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_bytes = n_elements // block * type_size
-            offset = reader.data_offset + int(rel_offset[0])
-            if offset + n_bytes > size:
-                raise UserError(
-                    f"{file}: tensor {tname} ends at byte {offset + n_bytes} but the file has "
-                    f"{size} bytes (truncated copy?)"
-                )
             layer, role = classify(tname)
             n_expert = shape[-1] if role == ROUTED_EXPERTS and len(shape) >= 2 else 0
             if n_expert and n_bytes % n_expert:
