@@ -173,9 +173,13 @@ def render(r: dict) -> str:
     speed = (
         "nothing to read: compute-bound"
         if floor is None
-        else f"{floor:.3g} tok/s at {format_rate(r['bandwidth'])}"
+        else f"at most {floor:.3g} tok/s at {format_rate(r['bandwidth'])}"
     )
     lines.append(f"budget   {fb(r['budget'])} pinned: reads {fb(r['read_bytes_per_token'])} per token, {speed}")
+    if floor is not None:
+        # The engine keeps part of the budget for llama.cpp's working memory and the layers in
+        # flight, which depend on the context and the run: a ceiling, and bench measures.
+        lines.append("         (if all of the budget held weights; the engine pins less: see kimitui bench)")
     lines.append("")
     header = ("layer", "bytes", "trunk", "experts", "1 expert", "shards")
     rows = [("—", fb(r["nonlayer"]["bytes"]), fb(r["nonlayer"]["bytes"]), "—", "—", str(len(r["nonlayer"]["shards"])))]
