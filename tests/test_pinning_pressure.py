@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.benchmarks.common import drop_from_page_cache
 from kimitui.model import synth
 
 MIB = 2**20
+JUNK = 512 * MIB  # read through the page cache after the reply: more than the cgroup holds
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 CHILD = r"""
@@ -30,6 +32,13 @@ engine = Engine(Path(sys.argv[1]), n_ctx=256, budget=int(sys.argv[2]))
 engine.load(); engine.pin()
 gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=10))
 list(gen)
+# More pressure: read a file larger than the cgroup through the page cache, so the kernel must
+# reclaim while the pinned set sits there.
+from kimitui.benchmarks.common import cached_bytes
+with open(sys.argv[4], "rb", buffering=0) as junk:
+    while junk.read(1 << 20):
+        pass
+junk_cached = cached_bytes(sys.argv[4])
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 page = os.sysconf("SC_PAGE_SIZE")
 resident = total = 0
@@ -40,7 +49,7 @@ for r in engine.pinned_ranges:
     vec = (ctypes.c_ubyte * pages)()
     assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
     resident += sum(b & 1 for b in vec); total += pages
-print(json.dumps({"resident": resident, "total": total, "note": engine.pin_note,
+print(json.dumps({"resident": resident, "total": total, "note": engine.pin_note, "junk_cached": junk_cached,
                   "streamed": engine.streamer.bytes_read, "tokens": gen.result.completion_tokens}))
 """
 
@@ -54,8 +63,13 @@ def test_pinned_set_survives_cgroup_pressure(tmp_path):
     try:
         # Budget plus the interpreter's own memory: the file pages that stream must be reclaimed.
         (group / "memory.limit_in_bytes").write_text(str(budget + 200 * MIB))
+        junk = tmp_path / "junk.bin"
+        with junk.open("wb") as fh:
+            for _ in range(JUNK // MIB):
+                fh.write(os.urandom(MIB))
+        drop_from_page_cache(junk)
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, str(model), str(budget), str(group / "cgroup.procs")],
+            [sys.executable, "-c", CHILD, str(model), str(budget), str(group / "cgroup.procs"), str(junk)],
             capture_output=True, text=True, timeout=300,
         )
         assert out.returncode == 0, out.stderr[-2000:]
@@ -65,5 +79,9 @@ def test_pinned_set_survives_cgroup_pressure(tmp_path):
         assert result["total"] > 0 and result["resident"] == result["total"]
         peak = int((group / "memory.max_usage_in_bytes").read_text())
         assert peak <= budget + 200 * MIB
+        # The pressure was real: the cgroup hit its limit and the kernel reclaimed page cache
+        # (much of the junk file is gone again: it never fit) while every pinned page stayed.
+        assert int((group / "memory.failcnt").read_text()) > 0
+        assert result["junk_cached"] < 0.75 * JUNK
     finally:
         group.rmdir()
