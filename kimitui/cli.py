@@ -104,29 +104,22 @@ def resolve_model(settings: Settings) -> Path:
 def check_budget(settings: Settings, model_path: Path) -> None:
     """A budget that cannot hold one layer is refused before llama.cpp is called."""
     from kimitui.engine.memory import SAFE_SHARE, default_budget
-    from kimitui.engine.streaming import minimum_budget
+    from kimitui.engine.streaming import budget_shortfall
     from kimitui.model import read_model_info
     from kimitui.model.gguf_map import load_model_map
-    from kimitui.units import format_bytes
 
     budget = settings["engine.budget"]
-    if (default_budget() if budget == "auto" else budget) >= read_model_info(model_path).tensor_bytes:
+    resolved = default_budget() if budget == "auto" else budget
+    if resolved >= read_model_info(model_path).tensor_bytes:
         return  # it holds the whole model, so its working set too (and start-up skips a parse)
-    needed = minimum_budget(load_model_map(model_path, shard_size=settings["engine.shard_size"]))
-    if budget == "auto":
-        budget = default_budget()
-        if budget < needed:
-            raise UserError(
-                f"budget auto ({SAFE_SHARE:.0%} of the memory available, cgroup limits included) is "
-                f"{format_bytes(budget)}, below the minimum working set of {model_path.name}: "
-                f"{format_bytes(needed)}; free memory or give --budget"
-            )
-        return
-    if budget < needed:
+    shortfall = budget_shortfall(load_model_map(model_path, shard_size=settings["engine.shard_size"]), resolved)
+    if shortfall and budget == "auto":
         raise UserError(
-            f"{settings.origin('engine.budget')}: budget {format_bytes(budget)} is below the minimum working set "
-            f"of {model_path.name}: {format_bytes(needed)} (non-layer tensors plus its largest layer)"
+            f"budget auto ({SAFE_SHARE:.0%} of the memory available, cgroup limits included): {shortfall}; "
+            "free memory or give --budget"
         )
+    if shortfall:
+        raise UserError(f"{settings.origin('engine.budget')}: {shortfall}")
 
 
 def check_theme(settings: Settings) -> None:
@@ -221,10 +214,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # `kimitui inspect M | head`: the reader left; not an error of ours
+    except BrokenPipeError:
+        # `kimitui inspect M | head`: the reader of our output left, not an error of ours. With
+        # stdout not a pipe it came from elsewhere: a bug, and it keeps its traceback.
         import os
+        import stat
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        os.close(devnull)
         return 0
 
 

@@ -165,7 +165,7 @@ def test_bench_load_times_the_app_and_the_stock_load(small_model, tmp_path):
         (["bench", "--model", "/nonexistent.gguf"], "model file not found"),
         (["bench-load", "--repeat", "0"], "--repeat: at least 1"),
         (["bench", "--rounds", "0"], "--rounds: at least 1"),
-        (["bench", "--budget", "4MiB"], "--budget: 4.0 MiB is below the minimum working set of SmolLM2"),
+        (["bench", "--budget", "4MiB"], "--budget: budget 4.0 MiB is below the minimum working set of SmolLM2"),
     ],
 )
 def test_bad_flags_end_in_one_line(argv, text, capsys):

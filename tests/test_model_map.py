@@ -286,3 +286,18 @@ def test_inspect_mistakes_exit_2(files, capsys, flags, message):
     assert main(["inspect", str(files["dense"]), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_inspect_into_a_closed_pipe_is_quiet(files):
+    """`kimitui inspect M | head -1`: the reader leaves early; no traceback, no error."""
+    import subprocess
+    import sys
+
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: that write breaks the pipe
+    proc = subprocess.run([sys.executable, "-m", "kimitui", "inspect", str(files["dense"]), "--json"],
+                          stdout=write_end, stderr=subprocess.PIPE, timeout=60)
+    os.close(write_end)
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()

@@ -406,3 +406,10 @@ def test_a_directory_of_several_models_is_one_line(tmp_path, capsys):
         (tmp_path / name).write_bytes(b"")
     line = one_line_exit_2(["inspect", str(tmp_path)], capsys)
     assert "is a directory with 2 models (a.gguf, b-00001-of-00002.gguf)" in line
+
+
+def test_a_manifest_that_lists_no_files_is_damaged(sharded, tmp_path, capsys):
+    source = json.loads((sharded["dense"][0].parent / MANIFEST_NAME).read_text())
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({**source, "files": []}))
+    line = one_line_exit_2(["inspect", str(tmp_path)], capsys)
+    assert "damaged manifest" in line and "it lists no files" in line

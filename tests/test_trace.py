@@ -391,8 +391,10 @@ async def test_live_views_filter_and_split(tmp_path):
         bar.drain()  # its timer may not have fired yet
         assert bar.last is not None and bar.last["wall"] == pytest.approx(0.01)
         assert bar.last["stall"] == pytest.approx(0.002)
-        parts = bar.last["stall"] + bar.last["overlap"] + bar.last["compute"]
+        parts = bar.last["stall"] + bar.last["overlap"] + bar.last["compute"] + bar.last["other"]
         assert parts == pytest.approx(bar.last["wall"])
+        assert bar.last["other"] == pytest.approx(0.001)  # 10 ms wall, 9 ms of it inside llama_decode
+        assert "other 1 ms" in bar.render().plain
         assert "stall 2" in bar.render().plain
 
         # A read in flight for 8 ms of a 10 ms token with 2 ms of stall: 6 ms of I/O hidden
@@ -404,3 +406,24 @@ async def test_live_views_filter_and_split(tmp_path):
         assert bar.last["overlap"] == pytest.approx(0.006) and bar.last["compute"] == pytest.approx(0.002)
         assert "I/O 6" in bar.render().plain and "read 1.0 MiB" in bar.render().plain
     writer.close()
+
+
+def test_read_records_are_json_whatever_the_fields(tmp_path):
+    """Read lines are formatted by hand (hundreds per token): check them against json."""
+    from kimitui.engine.experts import ExpertUnit
+    from kimitui.model.gguf_map import ByteRange
+
+    seen: list[dict] = []
+    writer = TraceWriter(tmp_path / "reads.jsonl")
+    writer.subscribe(seen.append)
+    writer.request_started('req-"ü"', "fake.gguf", {})
+    nonlayer = Shard(index=0, file=0, offset=0, length=MIB, tensor_bytes=MIB, layer=None, routed=False, tensors=())
+    expert = ExpertUnit(3, 17, (ByteRange(1, 4096, 100), ByteRange(1, 9000, 100)))
+    writer.read(nonlayer, 0, MIB, time.perf_counter(), 1e-7)
+    writer.read(expert, 4096, 200, time.perf_counter(), 0.25)
+    writer.close()
+    reads = [r for r in records_of(tmp_path / "reads.jsonl") if r["type"] == "read"]
+    assert [(r["req"], r["shard"], r["expert"], r["layer"], r["file"], r["bytes"]) for r in reads] == [
+        ('req-"ü"', 0, None, None, 0, MIB), ('req-"ü"', None, 17, 3, 1, 200),
+    ]
+    assert [r for r in seen if r["type"] == "read"] == reads  # listeners get the same records

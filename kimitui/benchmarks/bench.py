@@ -275,13 +275,11 @@ def run(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     model_map = load_model_map(path)  # checks the file too: one line on a bad GGUF
     if budget is not None:
-        from kimitui.engine.streaming import minimum_budget
+        from kimitui.engine.streaming import budget_shortfall
 
-        if budget < minimum_budget(model_map):
-            raise UserError(
-                f"--budget: {format_bytes(budget)} is below the minimum working set of {path.name}: "
-                f"{format_bytes(minimum_budget(model_map))} (non-layer tensors plus its largest layer)"
-            )
+        shortfall = budget_shortfall(model_map, budget)
+        if shortfall:
+            raise UserError(f"--budget: {shortfall}")
     file_bytes = sum(model_map.file_sizes)
     threads = args.threads or default_threads()
     n_ctx = args.n_ctx or -(-(args.prompt_tokens + args.tokens + 1) // CTX_STEP) * CTX_STEP

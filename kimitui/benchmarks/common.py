@@ -31,14 +31,9 @@ _LOW_BIT = bytes(i & 1 for i in range(256))
 
 def set_files(path: Path) -> list[Path]:
     """Every file of the model ``path`` opens: itself, or each file of its split set."""
-    from kimitui.model.gguf_map import _SPLIT_RE
+    from kimitui.model.gguf_map import split_set
 
-    path = Path(path)
-    match = _SPLIT_RE.match(path.name)
-    if match is None:
-        return [path]
-    count = int(match["count"])
-    return [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    return split_set(Path(path))
 
 
 def drop_from_page_cache(path: Path) -> None:

@@ -7,10 +7,10 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 from __future__ import annotations
 
 import codecs
-import os
 import ctypes
 import enum
 import itertools
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -23,6 +23,7 @@ import psutil
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.streaming import StreamSettings, Streamer
 from kimitui.engine.turns import TurnQueue
+from kimitui.errors import UserError
 from kimitui.model.gguf_file import ModelInfo, read_model_info
 
 # Used when a GGUF carries no chat template (base models): plain ChatML.
@@ -251,6 +252,7 @@ class Engine:
         self._callbacks: tuple | None = None  # ctypes eval/abort callbacks, alive as long as the context
         self.tracer: Tracer | None = None
         self.decode_clock = DecodeClock()
+        self._sizes_at_load: dict[Path, int] = {}
         self.pinned_ranges: list = []
         self.working_bytes = 0
         self._repin_pending = False
@@ -354,6 +356,7 @@ class Engine:
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
         self.decode_clock.attach(self._llm._ctx)
+        self._sizes_at_load = {Path(f): os.stat(f).st_size for f in self.info.files or (self.model_path,)}
         # With fast start no model page is resident yet: what the load added is llama.cpp's own
         # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
         self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
@@ -478,8 +481,7 @@ class Engine:
     def check_files(self) -> None:
         """A model held whole has no per-layer check (no eval callback): before each reply, make
         sure no file shrank or vanished since load, or compute would die of SIGBUS in the mapping."""
-        model = self._model_map()
-        for path, size in zip(model.files, model.file_sizes):
+        for path, size in self._sizes_at_load.items():
             try:
                 now = os.stat(path).st_size
             except OSError as exc:
@@ -539,15 +541,14 @@ class Engine:
         the token waits for it, which the latency panel shows. Returns a line saying when the
         change applies."""
         if budget is not None:
-            from kimitui.engine.streaming import minimum_budget
-            from kimitui.units import format_bytes
+            from kimitui.engine.streaming import budget_shortfall
 
-            needed = minimum_budget(self._model_map())
-            if budget < needed:  # refused before anything changes
-                raise EngineError(
-                    f"budget {format_bytes(budget)} is below the minimum working set of {self.model_path.name}: "
-                    f"{format_bytes(needed)} (non-layer tensors plus its largest layer)"
-                )
+            try:
+                shortfall = budget_shortfall(self._model_map(), budget)
+            except UserError as exc:  # the file changed under us since load
+                raise EngineError(str(exc)) from None
+            if shortfall:  # refused before anything changes
+                raise EngineError(shortfall)
         changes = {k: v for k, v in stream.items() if v is not None}
         if changes:
             self.stream_settings = replace(self.stream_settings, **changes)

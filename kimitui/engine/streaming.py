@@ -60,6 +60,19 @@ def minimum_budget(model: ModelMap) -> int:
     return model.nonlayer_bytes + max((layer.n_bytes for layer in model.layers), default=0)
 
 
+def budget_shortfall(model: ModelMap, budget: int) -> str | None:
+    """Why ``budget`` cannot run ``model``, in one line; None when it can."""
+    from kimitui.units import format_bytes
+
+    needed = minimum_budget(model)
+    if budget >= needed:
+        return None
+    return (
+        f"budget {format_bytes(budget)} is below the minimum working set of {model.files[0].name}: "
+        f"{format_bytes(needed)} (non-layer tensors plus its largest layer)"
+    )
+
+
 class _WholeRead:
     """An expert's slices (gate, up, down: three reads) reported to the trace as one read, when
     the last lands: hundreds fewer records per token on a Kimi-shaped model."""

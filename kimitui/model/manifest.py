@@ -116,6 +116,8 @@ def read_manifest(path: Path) -> Manifest:
         files = tuple(
             FileEntry(str(f["name"]), int(f["bytes"]), str(f["checksum"]), str(f["ends"])) for f in data["files"]
         )
+        if not files:
+            raise ValueError("it lists no files")
         return Manifest(
             model=str(data.get("model", "")),
             checksum=algorithm,

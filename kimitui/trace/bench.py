@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="512MiB", help="size of the synthetic model (default 512MiB)")
     parser.add_argument(
         "--arch", choices=("dense", "kimi"), default="dense",
-        help="the synthetic model: dense llama, or Kimi-shaped MoE (61 layers, 384 experts; one read record per expert slice)",
+        help="the synthetic model: dense llama, or Kimi-shaped MoE (61 layers, 384 experts; a read record per expert)",
     )
     parser.add_argument("--budget", help="memory budget, below the model's size so it streams (default: 90%% of its tensors)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")

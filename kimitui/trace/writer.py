@@ -9,9 +9,11 @@ Record types (every record has ``type``; times are seconds):
 - ``token``: request, index, ``t`` (since the request started), wall, compute (time inside llama_decode less the stall),
   stall, and the storage counters' change over the token: bytes read from storage and found in
   cache, hits, misses, prefetch issued/used/wasted.
-- ``read``: one storage read: shard (or expert: its slices together) and layer, file offset,
-  bytes, start (since the request that was running or last ran when the read began) and
-  duration. Written at the next record of the generation thread, not when the read lands.
+- ``read``: one storage read: shard (or expert: its gate, up and down slices together, with
+  the first slice's file and offset, their bytes added up and the span from the first start to
+  the last end) and layer, bytes, start (since the request that was running or last ran when
+  the read began) and duration. Written at the next record of the generation thread, not when
+  the read lands.
 - ``end``: finish reason, token counts, prompt/decode/queue time, ``after_s`` (from the last
   token to the end) and ``tail``: the counters' change over that stretch.
 - ``close``: the writer stopped; ``idle`` since the last request ended.
@@ -41,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: compute measured in llama_decode; expert reads one record per expert
 COUNTERS = (
     "bytes_read", "bytes_from_cache", "hits", "misses", "stall_s",
     "prefetch_issued", "prefetch_used", "prefetch_wasted",
@@ -59,6 +61,11 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     out = {k: after[k] - before[k] for k in COUNTERS}
     out["stall_s"] = round(out["stall_s"], 6)
     return out
+
+
+def _json(value) -> str:
+    """An int, None, or an already-encoded JSON string, as JSON text."""
+    return "null" if value is None else str(value)
 
 
 def rotated_path(path: Path, n: int) -> Path:
@@ -192,24 +199,29 @@ class TraceWriter:
         """The reads reported so far, as records (lock held), before the record that called.
         Hundreds per token on a MoE model: each line is formatted directly, not via json."""
         reads, recent = self._reads, self._recent
-        lines = []
+        lines, records = [], []
         while reads:
             unit, offset, length, start, seconds = reads.popleft()
             # The request that was running (or last ran) when the read began issued it.
             owner = next((r for r in reversed(recent) if r.start <= start), recent[0] if recent else None)
             expert = getattr(unit, "expert", None)
-            where = f'"shard":{unit.index},"expert":null' if expert is None else f'"shard":null,"expert":{expert}'
+            shard = unit.index if expert is None else None
+            start_s = round(start - (start if owner is None else owner.start), 6)
             lines.append(
-                f'{{"type":"read","req":{"null" if owner is None else owner.id_json},{where},'
-                f'"layer":{unit.layer},"file":{unit.file},"offset":{offset},"bytes":{length},'
-                f'"start_s":{round(start - (start if owner is None else owner.start), 6)!r},'
-                f'"dur_s":{round(seconds, 6)!r}}}\n'
+                f'{{"type":"read","req":{_json(owner and owner.id_json)},"shard":{_json(shard)},'
+                f'"expert":{_json(expert)},"layer":{_json(unit.layer)},"file":{unit.file},"offset":{offset},'
+                f'"bytes":{length},"start_s":{start_s!r},"dur_s":{round(seconds, 6)!r}}}\n'
             )
+            if self._listeners:
+                records.append({
+                    "type": "read", "req": owner and owner.id, "shard": shard, "expert": expert, "layer": unit.layer,
+                    "file": unit.file, "offset": offset, "bytes": length, "start_s": start_s, "dur_s": round(seconds, 6),
+                })
         if not lines:
             return
         if self._listeners or self._size + sum(map(len, lines)) >= self.max_bytes:
-            for line in lines:  # one by one: listeners see each record, rotation cuts between them
-                self._emit(json.loads(line) if self._listeners else None, line)
+            for i, line in enumerate(lines):  # one by one: listeners see each record, rotation cuts between them
+                self._emit(records[i] if records else None, line)
             return
         size = sum(map(len, lines))
         self._buffer.extend(lines)

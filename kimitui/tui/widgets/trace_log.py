@@ -176,12 +176,15 @@ class TokenBreakdown(Widget):
     storage), I/O (computing while reads were in flight: storage hidden by prefetch) and
     compute (computing alone)."""
 
-    COMPONENT_CLASSES = {"token-breakdown--stall", "token-breakdown--overlap", "token-breakdown--compute"}
+    COMPONENT_CLASSES = {
+        "token-breakdown--stall", "token-breakdown--overlap", "token-breakdown--compute", "token-breakdown--other",
+    }
     DEFAULT_CSS = """
     TokenBreakdown { height: 3; }
     TokenBreakdown > .token-breakdown--stall { color: $error; }
     TokenBreakdown > .token-breakdown--overlap { color: $warning; }
     TokenBreakdown > .token-breakdown--compute { color: $success; }
+    TokenBreakdown > .token-breakdown--other { color: $text-muted; }
     """
 
     def __init__(self, **kwargs) -> None:
@@ -190,7 +193,7 @@ class TokenBreakdown(Widget):
         # Reads of the current request as (start, end) since its start. A read still running
         # when a token ends arrives after that token's record and counts only for the next.
         self._reads: list[tuple[float, float]] = []
-        self.last: dict | None = None  # {"wall", "stall", "overlap", "compute", "bytes_read"}
+        self.last: dict | None = None  # {"wall", "stall", "overlap", "compute", "other", "bytes_read"}
 
     def on_mount(self) -> None:
         self.set_interval(DRAIN_S, self.drain)
@@ -215,16 +218,23 @@ class TokenBreakdown(Widget):
             self.refresh()
 
     def _split(self, token: dict) -> dict:
+        """wall = stall + I/O hidden behind compute + compute alone + other (sampling, Python)."""
         wall, stall = token["wall_s"], token["stall_s"]
         low = token["t"] - wall
         # Reads ended before this token began are of no further use.
         self._reads = [r for r in self._reads if r[1] > low]
+        measured = token.get("compute_s")
         if stall is None:
-            return {"wall": wall, "stall": None, "overlap": None, "compute": None, "bytes_read": None}
+            compute = wall if measured is None else min(measured, wall)
+            return {"wall": wall, "stall": None, "overlap": None, "compute": compute, "other": wall - compute, "bytes_read": None}
         stall = min(stall, wall)
+        compute = wall - stall if measured is None else min(measured, wall - stall)
         busy = _busy_within(self._reads, low, token["t"])
-        overlap = min(max(0.0, busy - stall), wall - stall)
-        return {"wall": wall, "stall": stall, "overlap": overlap, "compute": wall - stall - overlap, "bytes_read": token["bytes_read"]}
+        overlap = min(max(0.0, busy - stall), compute)
+        return {
+            "wall": wall, "stall": stall, "overlap": overlap, "compute": compute - overlap,
+            "other": wall - stall - compute, "bytes_read": token["bytes_read"],
+        }
 
     def render(self) -> Text:
         last = self.last
@@ -232,17 +242,20 @@ class TokenBreakdown(Widget):
             return Text("last token —", style="dim")
         head = f"last token {format_ms(last['wall'])}"
         if last["stall"] is None:
-            return Text(f"{head}\nnot streamed: no storage time to split", style="dim", no_wrap=True, overflow="ellipsis")
-        styles = {name: self.get_component_rich_style(f"token-breakdown--{name}") for name in ("stall", "overlap", "compute")}
+            return Text(
+                f"{head}\nnot streamed: compute {last['compute'] * 1000:.0f} · other {last['other'] * 1000:.0f} ms",
+                style="dim", no_wrap=True, overflow="ellipsis",
+            )
+        styles = {name: self.get_component_rich_style(f"token-breakdown--{name}") for name in ("stall", "overlap", "compute", "other")}
         width = max(1, self.size.width)
         bar = Text(no_wrap=True)
         used = 0
-        for name, char in (("stall", "█"), ("overlap", "▓")):
+        for name, char in (("stall", "█"), ("overlap", "▓"), ("compute", "█")):
             cells = round(width * last[name] / last["wall"]) if last["wall"] > 0 else 0
             cells = min(cells, width - used)
             bar.append(char * cells, style=styles[name])
             used += cells
-        bar.append("█" * (width - used), style=styles["compute"])  # the remainder absorbs rounding
+        bar.append("░" * (width - used), style=styles["other"])  # the remainder absorbs rounding
 
         def ms(seconds: float) -> str:
             return f"{seconds * 1000:.0f}"
@@ -251,6 +264,7 @@ class TokenBreakdown(Widget):
             bar, "\n", f"{head} · read {format_bytes(last['bytes_read'])}", "\n",
             (f"stall {ms(last['stall'])}", styles["stall"]), " · ",
             (f"I/O {ms(last['overlap'])}", styles["overlap"]), " · ",
-            (f"compute {ms(last['compute'])} ms", styles["compute"]),
+            (f"compute {ms(last['compute'])}", styles["compute"]), " · ",
+            (f"other {ms(last['other'])} ms", styles["other"]),
             no_wrap=True, overflow="ellipsis",
         )
