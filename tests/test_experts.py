@@ -238,3 +238,28 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
         assert failed <= read_again
     finally:
         engine.close()
+
+
+def test_prefill_reads_each_routed_expert_once_per_batch(moe_model):
+    """A 40-token prompt is one batch: its tokens route to many experts per layer, and each of
+    those is read once for the whole batch, not once per token."""
+    engine = expert_engine(moe_model)
+    try:
+        streamer = engine.streamer
+        reads: list = []
+        streamer.on_read = lambda unit, offset, length, start, seconds: reads.append(unit)
+        prompt = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 3
+        gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=1))  # prefill, then one sample
+        list(gen)
+        assert gen.result.prompt_tokens >= 40
+        experts = [(u.layer, u.expert) for u in reads if isinstance(u, ExpertUnit)]
+        per_layer = {}
+        for layer, _ in experts:
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+        model = load_model_map(moe_model)
+        # Many tokens, many experts: more than one token's worth were read in a layer...
+        assert max(per_layer.values()) > model.n_expert_used
+        # ...and none of them twice.
+        assert len(experts) == len(set(experts))
+    finally:
+        engine.close()
