@@ -266,7 +266,9 @@ async def test_serve_inside_the_app_shares_the_engine():
             response = await client.post("/completion", json=body, headers={"Authorization": "Bearer app-key"})
         assert response.status_code == 200 and response.json()["timings"]["predicted_n"] == 8
         panel = app.query_one(ApiPanel)
-        await wait_for(pilot, lambda: any("POST /completion" in line for line in panel.lines))
+        # Both requests show, the refused one too; the panel hears of them from the server's thread.
+        await wait_for(pilot, lambda: any("200 POST /completion" in line for line in panel.lines))
+        assert any("401 POST /completion" in line for line in panel.lines)
         assert "200 POST /completion 8 tok" in panel.lines[-1]
         await ask(pilot, app, "Hello")  # the chat still works beside the API
         assert app.engine.metrics.view()["requests_total"] == 2
