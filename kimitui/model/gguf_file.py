@@ -35,8 +35,10 @@ _checked: dict[tuple, ModelInfo] = {}
 
 
 def read_model_info(path: Path) -> ModelInfo:
-    """Checked once per process and file state: start-up asks twice (command line, engine), and
-    parsing a large vocabulary costs most of a second."""
+    """Checked once per file state: start-up asks twice (command line, engine), and the header
+    parse is a sixth of the time to ready. A file state (every file's path, inode, size and
+    mtime) that passed once is remembered in the user cache dir; the manifest's size-and-ends
+    check, which reads the files, still runs at every start."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
     if not path.is_file():
@@ -45,14 +47,65 @@ def read_model_info(path: Path) -> ModelInfo:
 
     try:
         # Every file of a set is part of the key: a damaged later file must be seen again.
-        key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in split_set(path))
+        key = tuple(
+            (str(f.resolve()), st.st_ino, st.st_size, st.st_mtime_ns) for f in split_set(path) for st in [f.stat()]
+        )
     except (OSError, UserError):
         key = None  # let the full check name what is wrong
     if key is None:
         return _read_model_info(path)
     if key not in _checked:
-        _checked[key] = _read_model_info(path)
+        info = _remembered(key)
+        if info is None:
+            info = _read_model_info(path)
+            _remember(key, info)
+        else:
+            from kimitui.model.manifest import quick_check
+
+            quick_check(info.files)
+        _checked[key] = info
     return _checked[key]
+
+
+def _cache_file() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kimitui")) / "checked-models.json"
+
+
+def _remembered(key: tuple) -> ModelInfo | None:
+    import json
+
+    try:
+        entry = json.loads(_cache_file().read_text()).get(json.dumps(key))
+        if entry is None:
+            return None
+        return ModelInfo(**{**entry, "path": Path(entry["path"]), "files": tuple(Path(f) for f in entry["files"])})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # no cache or an unreadable one: check the file again
+
+
+def _remember(key: tuple, info: ModelInfo) -> None:
+    import dataclasses
+    import json
+
+    cache = _cache_file()
+    try:
+        known = json.loads(cache.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    entry = {**dataclasses.asdict(info), "path": str(info.path), "files": [str(f) for f in info.files]}
+    known = {k: v for k, v in list(known.items())[-31:]}  # the last few models are enough
+    known[json.dumps(key)] = entry
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(".partial")
+        partial.write_text(json.dumps(known))
+        partial.replace(cache)
+    except OSError:
+        pass  # a read-only cache dir costs the next start its header parse, nothing more
 
 
 def _read_model_info(path: Path) -> ModelInfo:
