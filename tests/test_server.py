@@ -471,6 +471,35 @@ def test_concurrent_clients_queue_and_get_their_own_answers(served):
     assert all(p is not None and p >= 1 for p in positions)  # all arrived while the engine was busy
 
 
+def test_a_burst_on_an_idle_engine_gets_distinct_queue_positions(served):
+    """Requests arriving together, before any has taken its turn (that happens on its reply's
+    thread), are told 0, 1, 2; a request given up before it started counts for nobody."""
+    from types import SimpleNamespace
+
+    from kimitui.server.app import Api
+
+    api = Api(served.engine, served.settings)
+    tokens = served.engine.tokenize(FRANCE)
+
+    def arrive():
+        request = SimpleNamespace(state=SimpleNamespace())
+        generation, headers = api.start(request, tokens, Sampling(temperature=0, max_tokens=2))
+        return generation, int(headers["X-Queue-Position"])
+
+    burst = [arrive() for _ in range(3)]
+    assert [position for _, position in burst] == [0, 1, 2]
+    for generation, _ in burst[1:]:
+        generation.cancel()  # their clients left before the stream began
+    assert arrive()[1] == 1  # behind the first one only
+    first = burst[0][0]
+    assert "".join(e.text for e in first)  # it takes its turn and runs
+    del burst, first
+    import gc
+
+    gc.collect()
+    assert arrive()[1] == 0
+
+
 def test_stream_disconnect_frees_the_engine(served):
     """Closing a stream mid-reply cancels it: far fewer tokens than asked, engine free again."""
     before = served.engine.metrics.view()["tokens_total"]

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Callable
 
 from jinja2 import TemplateError
@@ -236,6 +237,10 @@ class Api:
         self.sampler = Sampler(engine.metrics, model_path=engine.model_path)
         self.model_id = engine.model_path.name
         self.created = int(time.time())
+        # Replies this API started that have not taken their turn yet (their thread is starting):
+        # a burst of requests reaching an idle engine must not all be told "position 0". Weak,
+        # so a reply whose stream never began leaves no count behind.
+        self._arriving: weakref.WeakSet[Generation] = weakref.WeakSet()
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -280,7 +285,11 @@ class Api:
 
     def start(self, request: Request, tokens: list[int], sampling: Sampling) -> tuple[Generation, dict]:
         generation = self.engine.complete(tokens, sampling)
-        position = self.engine.turns.waiting  # ahead of this request when it arrives; 0 = starts now
+        # Ahead of this request when it arrives (0 = starts now): replies in line or computing,
+        # and replies of this API that arrived just before and are still taking their turn.
+        ahead = sum(1 for g in list(self._arriving) if g.ticket is None and not g.cancelled)
+        position = self.engine.turns.waiting + ahead
+        self._arriving.add(generation)
         request.state.queue_position = position
         return generation, {QUEUE_HEADER: str(position)}
 
