@@ -110,6 +110,20 @@ def data_dir() -> Path:
     return Path(platformdirs.user_data_dir(APP_NAME))
 
 
+def cache_dir() -> Path:
+    """What kimitui can rebuild: routing heatmaps, start-up caches, split-set links."""
+    return Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary name, so a reader never sees half a file.
+    OSError is the caller's to handle."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _key_line(text: str, section: str, key: str | None) -> int | None:
     """1-based line of ``key`` inside ``[section]`` (or of the section header)."""
     current = ""

@@ -132,11 +132,12 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
 def phase_disk(spec: dict) -> None:
     """Cold parallel read bandwidth: positional reads of a few MiB from several threads,
     the way the engine reads its pinned set."""
-    from kimitui.benchmarks.common import set_files
     from kimitui.engine.pinning import ParallelReader
-    from kimitui.model.gguf_map import ByteRange
+    from pathlib import Path
 
-    path = str(max(set_files(spec["model"]), key=os.path.getsize))  # of a split set: its largest file
+    from kimitui.model.gguf_map import ByteRange, split_set
+
+    path = str(max(split_set(Path(spec["model"])), key=os.path.getsize))  # of a split set: its largest file
     length = min(spec["sample_bytes"], os.path.getsize(path))
     before = _read_bytes()
     done = ParallelReader(threads=spec["threads"], chunk_bytes=DISK_CHUNK_BYTES).read([path], [ByteRange(0, 0, length)])

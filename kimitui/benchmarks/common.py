@@ -23,22 +23,16 @@ from typing import Callable
 from kimitui.benchmarks.cgroup import MemoryCgroups, RunCgroup
 from kimitui.benchmarks.child import MARKER
 from kimitui.errors import UserError
+from kimitui.model.gguf_map import split_set
 from kimitui.units import format_bytes
 
 
 _LOW_BIT = bytes(i & 1 for i in range(256))
 
 
-def set_files(path: Path) -> list[Path]:
-    """Every file of the model ``path`` opens: itself, or each file of its split set."""
-    from kimitui.model.gguf_map import split_set
-
-    return split_set(Path(path))
-
-
 def drop_from_page_cache(path: Path) -> None:
     """A cold start for the whole model: every file of a split set leaves the page cache."""
-    for file in set_files(path):
+    for file in split_set(Path(path)):
         fd = os.open(file, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -50,7 +44,7 @@ def cached_bytes(path: Path) -> int | None:
     """Bytes of the model ``path`` (all files of a split set) in the page cache; None where
     mincore is not reachable."""
     total = 0
-    for file in set_files(path):
+    for file in split_set(Path(path)):
         cached = _cached_file_bytes(file)
         if cached is None:
             return None

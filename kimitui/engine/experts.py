@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimitui.config import replace_file
 from kimitui.model.gguf_map import ModelMap
 
 EXPERT_POLICIES = ("lru", "lfu")
@@ -72,10 +72,7 @@ def load_heatmap(path: Path, n_layers: int, n_expert: int) -> list[list[int]]:
 
 
 def save_heatmap(path: Path, counts: list[list[int]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"counts": counts}))
-    os.replace(tmp, path)
+    replace_file(path, json.dumps({"counts": counts}))
 
 
 def hot_experts(model: ModelMap, counts: list[list[int]], byte_budget: int) -> list[ExpertUnit]:

@@ -115,6 +115,8 @@ class CachedSlotFinder:
     def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]:
         import json
 
+        from kimitui.config import replace_file
+
         try:
             st = library_path.stat()
             key = f"{library_path.resolve()}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{','.join(names)}"
@@ -132,19 +134,16 @@ class CachedSlotFinder:
         found = self.inner.find(library_path, base_address, names)
         slots = {name: [(s.address - base_address, s.read_only_after) for s in entries] for name, entries in found.items()}
         try:
-            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.cache_file.with_suffix(".partial")
-            partial.write_text(json.dumps({"key": key, "slots": slots}))
-            partial.replace(self.cache_file)  # never half a cache file
+            replace_file(self.cache_file, json.dumps({"key": key, "slots": slots}))
         except OSError:
             pass  # a read-only cache dir costs the next start its ELF read, nothing more
         return found
 
 
 def default_slot_cache() -> Path:
-    import platformdirs
+    from kimitui.config import cache_dir
 
-    return Path(platformdirs.user_cache_dir("kimitui")) / "libllama-slots.json"
+    return cache_dir() / "libllama-slots.json"
 
 
 def _symbol_indices(symtab: bytes, strtab: bytes, names: tuple[str, ...], order: str, wide: bool) -> dict[int, str]:

@@ -503,11 +503,10 @@ class Engine:
         return self._map
 
     def heatmap_path(self, model) -> Path:
-        import platformdirs
-
+        from kimitui.config import cache_dir
         from kimitui.engine.experts import heatmap_path
 
-        return heatmap_path(model, Path(platformdirs.user_cache_dir("kimitui")))
+        return heatmap_path(model, cache_dir())
 
     def save_heatmap(self) -> None:
         """Keep what routing taught us for the next run's pinned hot experts."""

@@ -68,9 +68,9 @@ def read_model_info(path: Path) -> ModelInfo:
 
 
 def _cache_file() -> Path:
-    import platformdirs
+    from kimitui.config import cache_dir
 
-    return Path(platformdirs.user_cache_dir("kimitui")) / "checked-models.json"
+    return cache_dir() / "checked-models.json"
 
 
 def _remembered(key: tuple) -> ModelInfo | None:
@@ -89,6 +89,8 @@ def _remember(key: tuple, info: ModelInfo) -> None:
     import dataclasses
     import json
 
+    from kimitui.config import replace_file
+
     cache = _cache_file()
     try:
         known = json.loads(cache.read_text())
@@ -100,10 +102,7 @@ def _remember(key: tuple, info: ModelInfo) -> None:
     known = {k: v for k, v in list(known.items())[-31:]}  # the last few models are enough
     known[json.dumps(key)] = entry
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_suffix(".partial")
-        partial.write_text(json.dumps(known))
-        partial.replace(cache)
+        replace_file(cache, json.dumps(known))
     except OSError:
         pass  # a read-only cache dir costs the next start its header parse, nothing more
 

@@ -15,17 +15,14 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-import platformdirs
-
+from kimitui.config import cache_dir
 from kimitui.errors import UserError
 from kimitui.model.gguf_map import _SPLIT_RE
 from kimitui.model.manifest import MANIFEST_NAME, read_manifest
 
-APP_NAME = "kimitui"
-
 
 def link_root() -> Path:
-    return Path(platformdirs.user_cache_dir(APP_NAME)) / "split-sets"
+    return cache_dir() / "split-sets"
 
 
 def _search_dirs(path: Path, search_dirs: Sequence[Path]) -> list[Path]:
