@@ -356,12 +356,13 @@ class Engine:
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
         self.decode_clock.attach(self._llm._ctx)
-        self._sizes_at_load = {Path(f): os.stat(f).st_size for f in self.info.files or (self.model_path,)}
+        files = self.info.files or (self.model_path,)
+        self._sizes_at_load = {Path(f): os.stat(f).st_size for f in files}
         # With fast start no model page is resident yet: what the load added is llama.cpp's own
         # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
         self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
         if hooks is not None:
-            found = {i: hooks.mapping_of(path) for i, path in enumerate(self.info.files or (self.model_path,))}
+            found = {i: hooks.mapping_of(path) for i, path in enumerate(files)}
             # Every file of a split set must be mapped where we can see it, or none is managed.
             self.mappings = found if all(m is not None for m in found.values()) else {}
         self._formatter = self._make_formatter()
