@@ -141,12 +141,14 @@ def phase_disk(spec: dict) -> None:
     length = min(spec["sample_bytes"], os.path.getsize(path))
     before = _read_bytes()
     done = ParallelReader(threads=spec["threads"], chunk_bytes=DISK_CHUNK_BYTES).read([path], [ByteRange(0, 0, length)])
+    from kimitui.benchmarks.common import drop_from_page_cache
+
     figures = {}
     if spec.get("slice_bytes"):
-        from kimitui.benchmarks.common import drop_from_page_cache
-
         drop_from_page_cache(path)
         figures = _random_reads(path, spec["slice_bytes"], spec["threads"], spec["sample_bytes"])
+    drop_from_page_cache(path)
+    figures |= _direct_reads(path, spec["threads"], length)
     emit(
         "result",
         bytes=done.done_bytes,
@@ -156,6 +158,53 @@ def phase_disk(spec: dict) -> None:
         chunk_bytes=DISK_CHUNK_BYTES,
         **figures,
     )
+
+
+def _direct_reads(path: str, threads: int, length: int) -> dict:
+    """The same cold parallel reads with O_DIRECT into memory faulted in beforehand, as the
+    engine streams shards on Linux: no page cache on the way. The same bytes as the buffered
+    sample, so that a host caching this VM's disk favours neither. Empty where the file system
+    refuses O_DIRECT."""
+    import ctypes
+    import queue
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not hasattr(os, "O_DIRECT"):
+        return {}
+    start, end = 0, length // DISK_CHUNK_BYTES * DISK_CHUNK_BYTES or length
+    from kimitui.engine.direct import Libc, huge_buffer
+
+    # One buffer per thread, as the engine's: huge pages, faulted in before the clock starts.
+    libc = Libc()
+    buffers = queue.SimpleQueue()
+    for _ in range(threads):
+        view = memoryview((ctypes.c_char * DISK_CHUNK_BYTES).from_address(huge_buffer(libc, DISK_CHUNK_BYTES))).cast("B")
+        view[:] = bytes(DISK_CHUNK_BYTES)
+        buffers.put(view)
+    local = threading.local()
+
+    def read(offset: int) -> int:
+        view = getattr(local, "view", None)
+        if view is None:
+            view = local.view = buffers.get()
+        return os.preadv(fd, [view[: min(DISK_CHUNK_BYTES, end - offset)]], offset)
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return {}
+    try:
+        before = _read_bytes()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            got = sum(pool.map(read, range(start, end, DISK_CHUNK_BYTES)))
+        seconds = time.perf_counter() - started
+    except OSError:  # O_DIRECT taken at open, refused for reads
+        return {}
+    finally:
+        os.close(fd)
+    return {"direct_bytes": got, "direct_seconds": seconds, "direct_storage_bytes": _delta(before, _read_bytes())}
 
 
 def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) -> dict:

@@ -89,6 +89,14 @@ class PlatformIO:
             return False
         raise OSError(err, os.strerror(err))
 
+    def placer(self, paths, addresses: dict[int, int], fds: dict[int, int], capacity: int):
+        """Direct reads moved into the mapping (Linux, see direct.py); None elsewhere."""
+        if not self.platform.startswith("linux") or not capacity:
+            return None
+        from kimitui.engine.direct import DirectPlacer
+
+        return DirectPlacer.create([str(p) for p in paths], addresses, fds, capacity)
+
     def exact_reads(self, fd: int) -> None:
         """Reads on ``fd`` fetch what they ask for and no more: the kernel's read-ahead (8 MiB
         per read on some disks) would turn a 60 KiB expert slice into megabytes of waste."""

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from kimitui.engine.direct import PIECE_BYTES, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
@@ -184,7 +185,10 @@ class Streamer:
         # that compute is waiting for.
         self._guess_pool = ThreadPoolExecutor(max(1, settings.io_threads // 2), thread_name_prefix="kimitui-guess")
         self.predictor: RouterPredictor | None = None
-        self._dropper = Dropper(lambda r: self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length))
+        # Linux: shard pages are read with O_DIRECT and moved into the mapping (see direct.py);
+        # None elsewhere, or where the file system or kernel cannot, and reads use the page cache.
+        self.placer = self.io.placer(model.files, mapping_addresses, self.fds, self._pool_pieces())
+        self._dropper = Dropper(self._release)
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
@@ -218,6 +222,13 @@ class Streamer:
         per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
         return per_layer * (self.settings.prefetch_depth + 1)
 
+    def _pool_pieces(self) -> int:
+        """Direct-read buffers for a full window: a shard's pieces start on PIECE_BYTES
+        multiples of the file, so each shard may take one more than its size says."""
+        most_shards = max((len(shards) for shards in self.layer_shards), default=0)
+        layers = self.settings.prefetch_depth + 1
+        return -(-self._window() // PIECE_BYTES) + most_shards * layers
+
     # -- reads --------------------------------------------------------------------------
 
     def _buffer(self) -> memoryview:
@@ -226,14 +237,19 @@ class Streamer:
             buf = self._local.buf = memoryview(bytearray(CHUNK_BYTES))
         return buf
 
-    def _read_chunk(self, unit, file: int, offset: int, length: int, whole: _WholeRead | None = None) -> int:
+    def _read_chunk(
+        self, unit, file: int, offset: int, length: int, whole: _WholeRead | None = None, placed: bool = False
+    ) -> int:
         """Read one piece of a shard or an expert (``unit``, for messages and the trace);
-        ``whole`` gathers an expert's slices into one read for the trace."""
+        ``whole`` gathers an expert's slices into one read for the trace; ``placed``: whole
+        pages that go to the mapping by direct read (None back: the pool is spent)."""
         started = time.perf_counter()
         try:
             size = os.fstat(self.fds[file]).st_size
             if offset + length > size:
                 got = max(0, size - offset)
+            elif placed and (got := self.placer.place(file, offset, length)) is not None:
+                pass
             # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
             # are read through our descriptor instead, because a fault on the mapping brings the
             # disk's whole read-ahead window (8 MiB here) with each small slice.
@@ -268,11 +284,29 @@ class Streamer:
         return f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
 
     def _read_ranges(self, unit, ranges, pool: ThreadPoolExecutor | None = None) -> list[Future]:
-        pieces = [(r.file, start, min(CHUNK_BYTES, r.end - start)) for r in ranges for start in range(r.offset, r.end, CHUNK_BYTES)]
+        if self.placer is not None and not isinstance(unit, ExpertUnit):
+            page = self.placer.page
+            pieces = [(r.file, *piece) for r in ranges for piece in split_pieces(r.offset, r.end, page)]
+        else:
+            pieces = [
+                (r.file, start, min(CHUNK_BYTES, r.end - start), False)
+                for r in ranges
+                for start in range(r.offset, r.end, CHUNK_BYTES)
+            ]
         whole = None
         if isinstance(unit, ExpertUnit) and len(pieces) > 1 and self.on_read is not None:
             whole = _WholeRead(pieces[0][1], sum(p[2] for p in pieces), len(pieces))
-        return [(pool or self._pool).submit(self._read_chunk, unit, *piece, whole) for piece in pieces]
+        return [
+            (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed)
+            for file, start, length, placed in pieces
+        ]
+
+    def _release(self, r) -> None:
+        """The dropper's work for one range: placed pages go back to the file first, so the
+        drop below only ever meets file-backed memory."""
+        if self.placer is not None:
+            self.placer.release(r.file, r.offset, r.length)
+        self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
 
     def _submit(self, shard: Shard) -> None:
         """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
@@ -434,6 +468,8 @@ class Streamer:
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
+        if self.placer is not None:
+            self.placer.capacity = self._pool_pieces()  # the window is trunk bytes now
 
     def on_router_input(self, layer: int, hidden) -> None:
         """Layer ``layer``'s FFN input (one token's, float32) is ready: read ahead the experts
@@ -485,6 +521,8 @@ class Streamer:
     def _apply_pending(self) -> None:
         self.settings, self._pending = self._pending, None
         self._evict_lru(keep=set())
+        if self.placer is not None:
+            self.placer.capacity = self._pool_pieces()
 
     def residency_by_layer(self) -> list[str]:
         """One cell per layer: pinned / resident / in flight / cold (the least ready shard wins)."""
@@ -548,5 +586,7 @@ class Streamer:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._guess_pool.shutdown(wait=True, cancel_futures=True)
         self._dropper.close()
+        if self.placer is not None:
+            self.placer.close()  # the mapping is the file's again before llama.cpp unmaps it
         for fd in self.fds.values():
             os.close(fd)

@@ -1,0 +1,124 @@
+"""Direct placement on Linux: O_DIRECT reads moved into a file mapping with mremap, the bytes
+compute sees are the file's, the page cache stays out of it, and release maps the file back."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimitui.benchmarks.common import cached_bytes, drop_from_page_cache
+from kimitui.engine.direct import MAP_SHARED, PIECE_BYTES, PROT_READ, DirectPlacer, Libc, split_pieces
+
+MIB = 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT and mremap are Linux's")
+
+
+@pytest.mark.parametrize(
+    "offset,end",
+    [(0, 10 * MIB), (100, 10 * MIB + 7), (PAGE - 1, PAGE + 1), (5, 900), (3 * MIB + 17, 3 * MIB + 2 * PAGE + 5)],
+)
+def test_pieces_cover_the_range_with_whole_pages_placed(offset, end):
+    pieces = split_pieces(offset, end, PAGE)
+    assert pieces[0][0] == offset and sum(length for _, length, _ in pieces) == end - offset
+    for (start, length, placed), following in zip(pieces, pieces[1:] + [(end, 0, False)]):
+        assert start + length == following[0]  # contiguous
+        if placed:
+            assert start % PAGE == 0 and length % PAGE == 0 and 0 < length <= PIECE_BYTES
+            # a piece never crosses a PIECE_BYTES boundary of the file: the same split every time
+            assert start // PIECE_BYTES == (start + length - 1) // PIECE_BYTES
+    # only the two ends may be partial pages, read through the page cache
+    assert all(placed for _, _, placed in pieces[1:-1])
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """This process's mappings of ``path`` (start, end), from /proc/self/maps."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+@pytest.fixture
+def mapped_file(tmp_path):
+    path = tmp_path / "weights.bin"
+    data = random.Random(1).randbytes(20 * MIB + 123)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages would stay in the page cache whatever we advise
+    libc = Libc()
+    address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
+    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
+    if placer is None:
+        libc.munmap(address, len(data))
+        os.close(fd)
+        pytest.skip(f"{tmp_path} takes no O_DIRECT (the engine reads through the page cache there)")
+    yield path, data, address, placer
+    placer.close()
+    libc.munmap(address, len(data))
+    os.close(fd)
+
+
+def test_placed_bytes_are_the_files_and_skip_the_page_cache(mapped_file):
+    path, data, address, placer = mapped_file
+    drop_from_page_cache(path)
+    offset, end = 3 * MIB + 77, 13 * MIB + 5
+    placed = [(s, n) for s, n, p in split_pieces(offset, end, PAGE) if p]
+    assert sum(n for _, n in placed) > 9 * MIB
+    for start, length in placed:
+        assert placer.place(0, start, length) == length
+    assert placer.placed_bytes == sum(n for _, n in placed)
+    first, last = placed[0][0], placed[-1][0] + placed[-1][1]
+    assert ctypes.string_at(address + first, last - first) == data[first:last]
+    cached = cached_bytes(path)
+    assert cached is not None and cached < MIB, "O_DIRECT reads must not fill the page cache"
+    # The placed range is anonymous memory inside the file's mapping: the file's own VMAs skip it.
+    assert not any(lo < address + last and address + first < hi for lo, hi in _mapped_ranges(path))
+
+    placer.release(0, offset, end - offset)
+    assert placer.placed_bytes == 0
+    # Mapped back: the file covers the whole range again, and reading it faults the file's bytes in.
+    covered = sum(min(hi, address + last) - max(lo, address + first) for lo, hi in _mapped_ranges(path) if lo < address + last and address + first < hi)
+    assert covered == last - first
+    assert ctypes.string_at(address, len(data)) == data
+
+
+def test_pool_buffers_are_reused_and_a_spent_pool_says_so(mapped_file):
+    path, data, address, placer = mapped_file
+    pieces = [(s, n) for s, n, p in split_pieces(0, len(data), PAGE) if p]
+    for start, length in pieces:
+        assert placer.place(0, start, length) == length
+    made = placer._made
+    placer.release(0, 0, len(data))
+    for start, length in pieces:
+        placer.place(0, start, length)
+    assert placer._made == made  # the same buffers again, no new memory
+    placer.release(0, 0, len(data))
+    fd = os.open(path, os.O_RDONLY)
+    small = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=1)
+    try:
+        (a, n), (b, m) = pieces[:2]
+        assert small.place(0, a, n) == n
+        assert small.place(0, a, n) == n  # still placed: nothing read again
+        assert small.place(0, b, m) is None  # spent: the caller reads through the page cache instead
+    finally:
+        small.close()
+        os.close(fd)
+    assert ctypes.string_at(address, len(data)) == data
+
+
+def test_a_short_file_gives_a_short_count_and_leaves_the_mapping_alone(mapped_file):
+    path, data, address, placer = mapped_file
+    os.truncate(path, 2 * MIB)
+    assert placer.place(0, 4 * MIB, PAGE) == 0
+    assert placer.placed_bytes == 0
+    assert ctypes.string_at(address, 4096) == data[:4096]
