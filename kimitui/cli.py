@@ -135,7 +135,19 @@ def run_app(args: argparse.Namespace) -> int:
 
 
 def build_app(args: argparse.Namespace):
-    """The app as the command line asks for it, its model already loading; not yet running."""
+    """The app as the command line asks for it, its model already loading; not yet running.
+    Python's cyclic collector stays off until the app has the model (see startup.py)."""
+    from kimitui.startup import start_up_begins, start_up_finished
+
+    start_up_begins()
+    try:
+        return _build_app(args)
+    except BaseException:
+        start_up_finished()
+        raise
+
+
+def _build_app(args: argparse.Namespace):
     import os
 
     settings = resolve_settings(args)
@@ -164,6 +176,7 @@ def build_app(args: argparse.Namespace):
     engine.inspect()  # a damaged header is one line here, before any thread starts
     engine.start_loading()  # llama.cpp loads while Textual is imported and starts
     try:
+        engine.wait_until_loading_in_c()
         check_theme(settings)  # imports Textual's themes: after the load has started
         from kimitui.tui.app import KimituiApp
 

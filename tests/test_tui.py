@@ -88,11 +88,29 @@ async def test_status_bar_reports_the_engines_load_time_when_the_load_started_ea
     # As `kimitui` starts it: the load runs before the UI exists, so the time is the engine's.
     from kimitui.cli import build_app
 
+    import gc
+
     app = build_app(build_parser().parse_args([]))
+    assert not gc.isenabled()  # start-up runs without the cyclic collector...
     loaded = []
-    async with app.run_test(size=(120, 40), message_hook=lambda m: loaded.append(m) if isinstance(m, LoadFinished) else None) as pilot:
-        await wait_for(pilot, lambda: app.ready)
-        assert loaded[0].seconds == app.engine.load_s > 0
+    try:
+        async with app.run_test(size=(120, 40), message_hook=lambda m: loaded.append(m) if isinstance(m, LoadFinished) else None) as pilot:
+            await wait_for(pilot, lambda: app.ready)
+            assert loaded[0].seconds == app.engine.load_s > 0
+            assert gc.isenabled()  # ...and the app turns it back on once the model is in
+    finally:
+        gc.enable()
+
+
+def test_a_refused_start_leaves_the_collector_on(tmp_path):
+    import gc
+
+    from kimitui.cli import build_app
+    from kimitui.errors import UserError
+
+    with pytest.raises(UserError):
+        build_app(build_parser().parse_args(["--model", str(tmp_path / "missing.gguf")]))
+    assert gc.isenabled()
 
 
 async def test_status_bar_shows_pinning_progress_then_what_was_pinned():

@@ -16,12 +16,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import psutil
 
 from kimitui.engine.metrics import EngineMetrics
-from kimitui.engine.streaming import StreamSettings, Streamer
+from kimitui.engine.settings import StreamSettings
 from kimitui.engine.turns import TurnQueue
 from kimitui.errors import UserError
 from kimitui.model.gguf_file import ModelInfo, read_model_info
@@ -31,6 +31,9 @@ FALLBACK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+if TYPE_CHECKING:  # the streamer is imported when a model streams, not on the way to ready
+    from kimitui.engine.streaming import Streamer
 
 _params_lock = threading.Lock()
 
@@ -274,6 +277,7 @@ class Engine:
         self._on_load_progress: Callable[[float], None] | None = None
         self._early_load: threading.Thread | None = None
         self._early_error: BaseException | None = None
+        self._in_c = threading.Event()  # the load thread is past its Python imports (see start_loading)
 
     # -- loading -------------------------------------------------------------------------
 
@@ -293,11 +297,20 @@ class Engine:
             self._early_load = threading.Thread(target=self._load_early, name="kimitui-load", daemon=True)
             self._early_load.start()
 
+    def wait_until_loading_in_c(self, timeout: float = 2.0) -> None:
+        """Wait (a tenth of a second here) until the load started by ``start_loading`` has
+        imported llama-cpp-python and runs in C, outside the GIL. Importing the UI meanwhile
+        would only take turns with that import on the GIL; after it, the two run side by side."""
+        if self._early_load is not None:
+            self._in_c.wait(timeout)
+
     def _load_early(self) -> None:
         try:
             self._load()
         except BaseException as exc:  # handed to whoever joins in load()
             self._early_error = exc
+        finally:
+            self._in_c.set()
 
     def load(self, on_progress: Callable[[float], None] | None = None) -> None:
         """Blocking load; call from a worker thread. Raises EngineError on failure."""
@@ -337,6 +350,7 @@ class Engine:
                 self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
         callbacks = self._stream_callbacks() if self._may_stream() else (None, None)
         rss_before = psutil.Process().memory_info().rss
+        self._in_c.set()
         try:
             # llama.cpp calls the progress callback once per tensor, each call a wait for the
             # GIL while the UI starts beside it; with fast start the load reads nothing and takes
@@ -470,6 +484,8 @@ class Engine:
         self.pinned_bytes = sum(r.length for r in ranges)
         self.hot_expert_bytes = sum(unit.length for unit in hot)
         if streaming and (len(pinned) < len(model.shards)):
+            from kimitui.engine.streaming import Streamer
+
             self.streamer = Streamer(model, addresses, {s.index for s in pinned}, self.stream_settings, self.metrics)
             if moe_streaming:
                 capacity = max(0, pin_budget - self.pinned_bytes)

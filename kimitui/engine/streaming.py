@@ -25,17 +25,17 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from kimitui.engine.direct import PIECE_BYTES, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
+from kimitui.engine.settings import POLICIES, StreamSettings
 from kimitui.model.gguf_map import ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
-POLICIES = ("pin-stream", "lru")
 
 
 class Residency(enum.Enum):
@@ -43,16 +43,6 @@ class Residency(enum.Enum):
     INFLIGHT = "in flight"
     RESIDENT = "resident"
     PINNED = "pinned"
-
-
-@dataclass(frozen=True)
-class StreamSettings:
-    prefetch_depth: int = 2
-    policy: str = "pin-stream"
-    io_threads: int = 4
-    window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
-    expert_policy: str = "lfu"  # the routed-expert cache: "lfu" or "lru"
-    expert_lookahead: bool = False  # read the experts layer L+1 chose last token while layer L computes
 
 
 def minimum_budget(model: ModelMap) -> int:

@@ -24,6 +24,7 @@ from kimitui.config import Settings, data_dir
 from kimitui.engine.metrics import Sampler
 from kimitui.engine.session import Engine, EngineError, Generation, GenerationResult, Sampling, engine_from_settings
 from kimitui.history import HistoryStore
+from kimitui.startup import start_up_finished
 from kimitui.trace import open_trace
 from kimitui.tui.messages import (
     LoadFailed,
@@ -236,6 +237,7 @@ class KimituiApp(App[int]):
         self.query_one(StatusBar).detail = f"{message.fraction:.0%}"
 
     def on_load_finished(self, message: LoadFinished) -> None:
+        start_up_finished()
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
         self.ready = True
@@ -293,6 +295,7 @@ class KimituiApp(App[int]):
             self.notify(message.note, severity="warning", timeout=15)
 
     def on_load_failed(self, message: LoadFailed) -> None:
+        start_up_finished()
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
         status = self.query_one(StatusBar)
