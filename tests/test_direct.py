@@ -89,6 +89,9 @@ def test_placed_bytes_are_the_files_and_skip_the_page_cache(mapped_file):
     # Mapped back: the file covers the whole range again, and reading it faults the file's bytes in.
     covered = sum(min(hi, address + last) - max(lo, address + first) for lo, hi in _mapped_ranges(path) if lo < address + last and address + first < hi)
     assert covered == last - first
+    # Mapped back through the open file of the original mapping, the pieces merge back into it:
+    # one kernel mapping again, not one per piece (a terabyte model would run out of them).
+    assert len(_mapped_ranges(path)) == 1
     assert ctypes.string_at(address, len(data)) == data
 
 

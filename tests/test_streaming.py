@@ -83,6 +83,28 @@ def test_streamed_tokens_match_stock_and_bytes_add_up(model, stock_text, policy,
         engine.close()
 
 
+def test_streaming_leaves_no_trail_of_kernel_mappings(model):
+    """Direct reads split llama.cpp's mapping while a piece is placed; given back through the
+    same open file, the ranges merge again, so the count of mappings never grows with tokens."""
+    engine = streaming_engine(model)
+    try:
+        placer = engine.streamer.placer
+        if placer is None:
+            pytest.skip("no direct reads on this file system: the mapping is never split")
+
+        def file_mappings() -> int:
+            return sum(1 for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(model)))
+
+        before = file_mappings()
+        for _ in range(2):
+            greedy(engine)
+            engine.streamer._dropper.flush()
+            # What is placed now (read ahead for the next token) splits the mapping, two cuts each.
+            assert file_mappings() <= before + 2 * len(placer._placed)
+    finally:
+        engine.close()
+
+
 def test_live_tuning_applies_from_the_next_token(model):
     engine = streaming_engine(model, depth=2)
     try:

@@ -101,7 +101,10 @@ class DirectPlacer:
         self.page = os.sysconf("SC_PAGE_SIZE")
         self._libc = Libc()
         self.addresses = addresses
-        self._file_fds = file_fds  # ordinary descriptors: the file is mapped back through them
+        # The file is mapped back through these: best the very open file that llama.cpp mapped,
+        # whose mapping the range then merges back into. Any other open file of it works, but
+        # leaves a kernel mapping per range (Linux allows 65,530), ruinous on a terabyte model.
+        self._file_fds = file_fds
         self._direct_fds: dict[int, int] = {}
         self.capacity = capacity  # pool buffers at most; beyond it, reads fall back to the page cache
         self._free: list[int] = []  # buffer addresses, faulted in, ready for a read

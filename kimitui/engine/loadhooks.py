@@ -46,6 +46,11 @@ class Mapping:
     path: str
     address: int
     length: int
+    # A duplicate of llama.cpp's descriptor (it closes its own after the load), -1 if none:
+    # a range mapped again through the same open file merges back into llama.cpp's mapping
+    # instead of leaving a kernel mapping per streamed piece (see direct.py). The engine that
+    # takes the mapping closes it.
+    fd: int = -1
 
 
 @dataclass(frozen=True)
@@ -219,8 +224,14 @@ class LoadHooks:
             flags &= ~MAP_POPULATE
         result = self._real_mmap(addr, length, prot, flags, fd, offset)
         if fd >= 0 and result not in (None, MAP_FAILED):
+            kept = -1
+            if self.enabled:
+                try:
+                    kept = os.dup(fd)
+                except OSError:
+                    pass  # out of descriptors: streamed pieces go back through the engine's own
             with self._lock:
-                self.mappings.append(Mapping(self._fd_path(fd), int(result), int(length)))
+                self.mappings.append(Mapping(self._fd_path(fd), int(result), int(length), kept))
         return result
 
     def _madvise(self, addr, length, advice):

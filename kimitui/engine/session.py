@@ -379,6 +379,9 @@ class Engine:
             found = {i: hooks.mapping_of(path) for i, path in enumerate(files)}
             # Every file of a split set must be mapped where we can see it, or none is managed.
             self.mappings = found if all(m is not None for m in found.values()) else {}
+            for m in found.values():
+                if m is not None and not self.mappings and m.fd >= 0:
+                    os.close(m.fd)
         self._formatter = self._make_formatter()
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:
@@ -486,7 +489,10 @@ class Engine:
         if streaming and (len(pinned) < len(model.shards)):
             from kimitui.engine.streaming import Streamer
 
-            self.streamer = Streamer(model, addresses, {s.index for s in pinned}, self.stream_settings, self.metrics)
+            self.streamer = Streamer(
+                model, addresses, {s.index for s in pinned}, self.stream_settings, self.metrics,
+                mapping_fds={i: m.fd for i, m in self.mappings.items() if m.fd >= 0},
+            )
             if moe_streaming:
                 capacity = max(0, pin_budget - self.pinned_bytes)
                 self.streamer.attach_experts(capacity, hot, counts)
@@ -633,6 +639,10 @@ class Engine:
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
+            for m in self.mappings.values():
+                if m.fd >= 0:
+                    os.close(m.fd)
+            self.mappings = {}
         self.state = EngineState.EMPTY
 
     @property

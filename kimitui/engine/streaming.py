@@ -153,7 +153,10 @@ class Streamer:
         settings: StreamSettings,
         metrics: EngineMetrics,
         platform_io: PlatformIO | None = None,
+        mapping_fds: dict[int, int] | None = None,
     ) -> None:
+        """``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
+        them), through which direct reads give ranges back to the file; our own otherwise."""
         self.model = model
         self.addresses = mapping_addresses
         self.settings = settings
@@ -177,7 +180,7 @@ class Streamer:
         self.predictor: RouterPredictor | None = None
         # Linux: shard pages are read with O_DIRECT and moved into the mapping (see direct.py);
         # None elsewhere, or where the file system or kernel cannot, and reads use the page cache.
-        self.placer = self.io.placer(model.files, mapping_addresses, self.fds, self._pool_pieces())
+        self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
         self._dropper = Dropper(self._release)
         self._local = threading.local()
         self.error: str | None = None
