@@ -136,7 +136,7 @@ def run_app(args: argparse.Namespace) -> int:
 
 def build_app(args: argparse.Namespace):
     """The app as the command line asks for it, its model already loading; not yet running.
-    Python's cyclic collector stays off until the app has the model (see startup.py)."""
+    Python's cyclic collector stays off until the app is mounted (see startup.py)."""
     from kimitui.startup import start_up_begins, start_up_finished
 
     start_up_begins()

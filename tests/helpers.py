@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 
 def wait_for(condition, what: str, timeout: float = 180.0) -> None:
@@ -12,3 +13,22 @@ def wait_for(condition, what: str, timeout: float = 180.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def takes_direct_reads(path: Path) -> bool:
+    """Whether the file system under ``path`` serves O_DIRECT reads (CI's may not): probed
+    apart from the placer, so that a broken placer fails the tests instead of skipping them."""
+    import mmap
+    import os
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        os.preadv(fd, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

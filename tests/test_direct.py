@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import takes_direct_reads
 from kimitui.benchmarks.common import cached_bytes, drop_from_page_cache
 from kimitui.engine.direct import MAP_SHARED, PIECE_BYTES, PROT_READ, DirectPlacer, Libc, split_pieces
 
@@ -57,11 +58,12 @@ def mapped_file(tmp_path):
     os.fsync(fd)  # dirty pages would stay in the page cache whatever we advise
     libc = Libc()
     address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
-    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
-    if placer is None:
+    if not takes_direct_reads(path):
         libc.munmap(address, len(data))
         os.close(fd)
         pytest.skip(f"{tmp_path} takes no O_DIRECT (the engine reads through the page cache there)")
+    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
+    assert placer is not None, "O_DIRECT works here, so direct placement must"
     yield path, data, address, placer
     placer.close()
     libc.munmap(address, len(data))
@@ -125,3 +127,52 @@ def test_a_short_file_gives_a_short_count_and_leaves_the_mapping_alone(mapped_fi
     assert placer.place(0, 4 * MIB, PAGE) == 0
     assert placer.placed_bytes == 0
     assert ctypes.string_at(address, 4096) == data[:4096]
+
+
+def test_a_range_that_cannot_be_given_back_keeps_its_bytes(mapped_file):
+    path, data, address, placer = mapped_file
+    start, length = PIECE_BYTES, PIECE_BYTES
+    assert placer.place(0, start, length) == length
+    good_fd = placer._file_fds[0]
+    placer._file_fds[0] = -1  # mapping the file back fails (EBADF)
+    with pytest.raises(OSError):
+        placer.release(0, start, length)
+    assert placer.placed_bytes == length  # still placed, so still the file's bytes, not zeros
+    assert ctypes.string_at(address + start, length) == data[start : start + length]
+    placer._file_fds[0] = good_fd
+    placer.release(0, start, length)
+    assert placer.placed_bytes == 0 and ctypes.string_at(address, len(data)) == data
+
+
+def test_a_smaller_pool_gives_its_spare_buffers_back(mapped_file):
+    path, data, address, placer = mapped_file
+    pieces = [(s, n) for s, n, p in split_pieces(0, len(data), PAGE) if p][:4]
+    for start, length in pieces:
+        placer.place(0, start, length)
+    placer.release(0, 0, len(data))
+    assert placer._made == 4 and len(placer._free) == 4
+    placer.capacity = 1
+    assert placer._made == 1 and len(placer._free) == 1
+
+
+def test_a_failed_release_is_reported_and_the_dropper_lives_on():
+    from kimitui.engine.streaming import Dropper
+
+    errors: list[str] = []
+    released: list[int] = []
+
+    def release(r):
+        if r == 1:
+            raise OSError(12, "Cannot allocate memory")
+        released.append(r)
+
+    dropper = Dropper(release, errors.append)
+    try:
+        dropper.later("a", [1, 2])
+        dropper.flush()  # returns: the thread survived the error
+        dropper.later("b", [3])
+        dropper.flush()
+        assert released == [2, 3]
+        assert len(errors) == 1 and "Cannot allocate memory" in errors[0]
+    finally:
+        dropper.close()

@@ -193,7 +193,11 @@ def test_darwin_rebind_by_injection_writes_the_slots(tmp_path):
         addr = mmap_fn(None, len(image), loadhooks.PROT_READ, 0x1, fd, 0)  # MAP_SHARED
     finally:
         os.close(fd)
-    assert hooks.mapping_of(lib_file).address == addr
+    mapping = hooks.claim(lib_file)
+    assert mapping.address == addr and mapping.fd >= 0  # a duplicate of the descriptor mapped...
+    assert os.fstat(mapping.fd).st_ino == os.stat(lib_file).st_ino
+    os.close(mapping.fd)
+    assert hooks.claim(lib_file).fd == -1  # ...handed over once
     madvise_fn = loadhooks.MADVISE_T(written[1])
     assert madvise_fn(addr, len(image) // page * page, loadhooks.POSIX_MADV_WILLNEED) == 0
     assert hooks.skipped_willneed_bytes == len(image) // page * page

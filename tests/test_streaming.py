@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import takes_direct_reads
 
 from kimitui.engine.platform import (
     F_RDADVISE, F_RDAHEAD, MADV_DONTNEED, MADV_POPULATE_READ, MS_INVALIDATE, POSIX_FADV_DONTNEED, POSIX_FADV_RANDOM,
@@ -65,6 +66,8 @@ def test_streamed_tokens_match_stock_and_bytes_add_up(model, stock_text, policy,
         assert 0 < engine.pinned_bytes < mm.tensor_bytes
         text, n = greedy(engine)
         assert text == stock_text
+        if takes_direct_reads(model):  # shards came by direct read, none through the page cache
+            assert s.placer is not None and s.placer._made > 0 and s.direct_fallback_bytes == 0
         # Every layer's streamed shards are checked once per evaluated batch of tokens.
         per_pass = sum(len(shards) for shards in s.layer_shards)
         passes = n  # the prompt is one batch, then one pass per sampled token but the last
@@ -89,7 +92,7 @@ def test_streaming_leaves_no_trail_of_kernel_mappings(model):
     engine = streaming_engine(model)
     try:
         placer = engine.streamer.placer
-        if placer is None:
+        if not takes_direct_reads(model):
             pytest.skip("no direct reads on this file system: the mapping is never split")
 
         def file_mappings() -> int:

@@ -97,7 +97,7 @@ async def test_status_bar_reports_the_engines_load_time_when_the_load_started_ea
         async with app.run_test(size=(120, 40), message_hook=lambda m: loaded.append(m) if isinstance(m, LoadFinished) else None) as pilot:
             await wait_for(pilot, lambda: app.ready)
             assert loaded[0].seconds == app.engine.load_s > 0
-            assert gc.isenabled()  # ...and the app turns it back on once the model is in
+            assert gc.isenabled()  # ...and the app turns it back on once it is up
     finally:
         gc.enable()
 

@@ -539,9 +539,19 @@ def render(report: dict) -> str:
         notes.append("peak cgroup: — (no --cgroup-limit: the runs share the caller's cgroup)")
     if runs["kimitui"].get("streaming"):
         lookahead = ", expert look-ahead on" if runs["kimitui"].get("expert_lookahead") else ""
+        k = runs["kimitui"]
+        if k.get("direct_reads") is False:
+            reads = ", shards read through the page cache (no O_DIRECT here)"
+        elif k.get("direct_fallback_bytes_per_token"):
+            reads = (
+                f", direct reads ({format_bytes(k['direct_fallback_bytes_per_token'])} per token went through "
+                "the page cache instead: the buffer pool was spent)"
+            )
+        else:
+            reads = ", direct reads" if k.get("direct_reads") else ""
         notes.append(
-            f"kimitui streams with policy {runs['kimitui']['policy']}, prefetch depth {runs['kimitui']['prefetch_depth']}, "
-            f"{runs['kimitui'].get('io_threads')} I/O threads{lookahead}"
+            f"kimitui streams with policy {k['policy']}, prefetch depth {k['prefetch_depth']}, "
+            f"{k.get('io_threads')} I/O threads{lookahead}{reads}"
         )
     for name, label in names:
         figures = runs[name]

@@ -97,6 +97,10 @@ class DirectPlacer:
     """Reads whole pages of the model files with O_DIRECT into pooled anonymous buffers and
     moves them into the model's mapping; ``release`` gives the range back to the file."""
 
+    # A read that finds the pool spent waits this long for a buffer on its way back from a
+    # release (the dropper runs beside compute) before it goes through the page cache instead.
+    WAIT_FOR_BUFFER_S = 0.5
+
     def __init__(self, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int) -> None:
         self.page = os.sysconf("SC_PAGE_SIZE")
         self._libc = Libc()
@@ -106,17 +110,30 @@ class DirectPlacer:
         # leaves a kernel mapping per range (Linux allows 65,530), ruinous on a terabyte model.
         self._file_fds = file_fds
         self._direct_fds: dict[int, int] = {}
-        self.capacity = capacity  # pool buffers at most; beyond it, reads fall back to the page cache
+        self._capacity = capacity  # pool buffers at most
         self._free: list[int] = []  # buffer addresses, faulted in, ready for a read
         self._made = 0
         self._placed: dict[tuple[int, int], tuple[int, int]] = {}  # (file, offset) -> (buffer, length)
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)
+        self._disabled = False  # the file system took O_DIRECT at open but refuses the reads
         try:
             for i, path in enumerate(paths):
-                self._direct_fds[i] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self._direct_fds[i] = self._open_direct(path, file_fds.get(i))
         except OSError:
             self.close()
             raise
+
+    @staticmethod
+    def _open_direct(path: str, mapped_fd: int | None) -> int:
+        """The same file as ``mapped_fd`` (what the mapping holds, even if the path now names a
+        new file), opened again for O_DIRECT; by path where /proc is not there."""
+        if mapped_fd is not None:
+            try:
+                return os.open(f"/proc/self/fd/{mapped_fd}", os.O_RDONLY | os.O_DIRECT)
+            except FileNotFoundError:
+                pass
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
     @classmethod
     def create(cls, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int) -> "DirectPlacer | None":
@@ -148,11 +165,29 @@ class DirectPlacer:
 
     # -- the pool -----------------------------------------------------------------------
 
-    def _take(self) -> int | None:
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, buffers: int) -> None:
+        """A smaller pool gives its spare buffers back to the system at once."""
         with self._lock:
+            self._capacity = buffers
+            spare = []
+            while self._free and self._made > buffers:
+                spare.append(self._free.pop())
+                self._made -= 1
+        for buf in spare:
+            self._libc.munmap(buf, PIECE_BYTES)
+
+    def _take(self) -> int | None:
+        with self._returned:
+            if not self._free and self._made >= self._capacity:
+                self._returned.wait_for(lambda: self._free or self._made < self._capacity, self.WAIT_FOR_BUFFER_S)
             if self._free:
                 return self._free.pop()
-            if self._made >= self.capacity:
+            if self._made >= self._capacity:
                 return None
             self._made += 1
         try:
@@ -168,9 +203,10 @@ class DirectPlacer:
         return buf
 
     def _give_back(self, buf: int) -> None:
-        with self._lock:
-            if self._made <= self.capacity:
+        with self._returned:
+            if self._made <= self._capacity:
                 self._free.append(buf)
+                self._returned.notify()
                 return
             self._made -= 1
         self._libc.munmap(buf, PIECE_BYTES)
@@ -179,11 +215,14 @@ class DirectPlacer:
 
     def place(self, file: int, offset: int, length: int) -> int | None:
         """Read [offset, offset+length) (whole pages, within one piece) into the mapping.
-        Returns the bytes read (short at the end of the file), or None when the pool is spent
-        (the caller reads through the page cache instead). Raises OSError for a failed read."""
+        Returns the bytes read (short at the end of the file), or None where the caller must
+        read through the page cache instead (the pool spent, O_DIRECT refused, no mapping left
+        to split). Raises OSError for a failed read."""
         with self._lock:
             if (file, offset) in self._placed:
                 return length  # still there: a release was cancelled by a read asked for again
+        if self._disabled:
+            return None
         buf = self._take()
         if buf is None:
             return None
@@ -193,25 +232,23 @@ class DirectPlacer:
         except OSError as exc:
             self._give_back(buf)
             if exc.errno == errno.EINVAL:  # the file system took O_DIRECT at open but not for reads
-                self.capacity = 0
+                self._disabled = True
                 return None
             raise
         if got != length:
             self._give_back(buf)
             return got
         target = self.addresses[file] + offset
-        c = self._libc
-        moved = c.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target)
-        if moved != target:
-            err = ctypes.get_errno()
-            self._give_back(buf)
-            raise OSError(err, f"mremap: {os.strerror(err)}")
+        if self._libc.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
+            self._give_back(buf)  # ENOMEM, most likely: too many mappings
+            return None
         with self._lock:
             self._placed[(file, offset)] = (buf, length)
         return length
 
     def release(self, file: int, offset: int, length: int) -> None:
-        """Give every placed piece inside [offset, offset+length) back to the file."""
+        """Give every placed piece inside [offset, offset+length) back to the file. Raises
+        OSError if one cannot be; that piece then stays placed, its bytes still right."""
         for start, size, placed in split_pieces(offset, offset + length, self.page):
             if placed:
                 self._unplace(file, start)
@@ -224,8 +261,20 @@ class DirectPlacer:
         buf, length = entry
         c = self._libc
         target = self.addresses[file] + offset
-        c.check(c.mremap(target, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, buf), "mremap")
-        c.check(c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset), "mmap")
+        moves = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
+        try:
+            c.check(c.mremap(target, length, length, moves, buf), "mremap")
+        except OSError:
+            with self._lock:
+                self._placed[(file, offset)] = entry
+            raise
+        if c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
+            err = ctypes.get_errno()
+            # The range would read as zeros: the pages go back where they were, still placed.
+            c.mremap(buf, length, length, moves, target)
+            with self._lock:
+                self._placed[(file, offset)] = entry
+            raise OSError(err, f"mmap: {os.strerror(err)}")
         self._give_back(buf)
 
     @property
@@ -234,12 +283,13 @@ class DirectPlacer:
             return sum(length for _, length in self._placed.values())
 
     def close(self) -> None:
-        """Give every range back to the file, free the pool."""
+        """Give every range back to the file, free the pool. A range that cannot be given back
+        keeps its (right) bytes as anonymous memory until llama.cpp unmaps the model."""
         for file, offset in list(self._placed):
             try:
                 self._unplace(file, offset)
             except OSError:
-                pass  # the mapping is going away with the model
+                pass
         with self._lock:
             free, self._free = self._free, []
             self._made -= len(free)
@@ -248,4 +298,3 @@ class DirectPlacer:
         for fd in self._direct_fds.values():
             os.close(fd)
         self._direct_fds = {}
-

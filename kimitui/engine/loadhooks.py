@@ -20,7 +20,7 @@ import struct
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -250,14 +250,32 @@ class LoadHooks:
         with self._lock:
             return any(m.address <= addr and addr + length <= m.address + m.length for m in self.mappings)
 
-    def mapping_of(self, path: Path) -> Mapping | None:
-        """The newest mapping of ``path`` (a reload maps the file again)."""
+    def mark(self) -> int:
+        """Where the next load's mappings will start; see ``close_unclaimed``."""
+        with self._lock:
+            return len(self.mappings)
+
+    def claim(self, path: Path) -> Mapping | None:
+        """The newest mapping of ``path`` (a reload maps the file again), its descriptor now
+        the caller's to close; the record stays (WILLNEED over it is still skipped), without it."""
         target = os.path.realpath(path)
         with self._lock:
-            for m in reversed(self.mappings):
+            for i in range(len(self.mappings) - 1, -1, -1):
+                m = self.mappings[i]
                 if m.path == target:
+                    self.mappings[i] = replace(m, fd=-1)
                     return m
         return None
+
+    def close_unclaimed(self, since: int) -> None:
+        """Close the descriptors of mappings made since ``mark()`` that nobody claimed (a load
+        that failed, or a file that is not the model's)."""
+        with self._lock:
+            for i in range(since, len(self.mappings)):
+                m = self.mappings[i]
+                if m.fd >= 0:
+                    os.close(m.fd)
+                    self.mappings[i] = replace(m, fd=-1)
 
     def pointer_for(self, name: str) -> int:
         return ctypes.cast({"mmap": self.mmap_cb, "posix_madvise": self.madvise_cb, "posix_fadvise": self.fadvise_cb}[name], ctypes.c_void_p).value

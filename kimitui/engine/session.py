@@ -350,6 +350,7 @@ class Engine:
                 self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
         callbacks = self._stream_callbacks() if self._may_stream() else (None, None)
         rss_before = psutil.Process().memory_info().rss
+        mark = hooks.mark() if hooks is not None else 0
         self._in_c.set()
         try:
             # llama.cpp calls the progress callback once per tensor, each call a wait for the
@@ -366,22 +367,26 @@ class Engine:
                 )
         except Exception as exc:
             self.state = EngineState.FAILED
+            if hooks is not None:
+                hooks.close_unclaimed(mark)
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
         self.decode_clock.attach(self._llm._ctx)
         files = self.info.files or (self.model_path,)
+        if hooks is not None:
+            found = {i: hooks.claim(path) for i, path in enumerate(files)}
+            hooks.close_unclaimed(mark)
+            # Every file of a split set must be mapped where we can see it, or none is managed.
+            self.mappings = found if all(m is not None for m in found.values()) else {}
+            if not self.mappings:
+                for m in found.values():
+                    if m is not None and m.fd >= 0:
+                        os.close(m.fd)
         self._sizes_at_load = {Path(f): os.stat(f).st_size for f in files}
         # With fast start no model page is resident yet: what the load added is llama.cpp's own
         # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
         self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
-        if hooks is not None:
-            found = {i: hooks.mapping_of(path) for i, path in enumerate(files)}
-            # Every file of a split set must be mapped where we can see it, or none is managed.
-            self.mappings = found if all(m is not None for m in found.values()) else {}
-            for m in found.values():
-                if m is not None and not self.mappings and m.fd >= 0:
-                    os.close(m.fd)
         self._formatter = self._make_formatter()
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:

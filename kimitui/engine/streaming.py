@@ -96,8 +96,9 @@ class Dropper:
     after ``keep`` returns can never be thrown away by a release still under way.
     """
 
-    def __init__(self, release: Callable[[object], None]) -> None:
+    def __init__(self, release: Callable[[object], None], on_error: Callable[[str], None]) -> None:
         self._release = release
+        self._on_error = on_error
         self._lock = threading.Lock()
         self._pending: dict[object, tuple] = {}  # key -> ranges, oldest first
         self._wake = threading.Event()
@@ -139,7 +140,10 @@ class Dropper:
                         break
                     key = next(iter(self._pending))
                     for r in self._pending.pop(key):
-                        self._release(r)
+                        try:
+                            self._release(r)
+                        except OSError as exc:  # the thread lives on: flush() and close() must return
+                            self._on_error(f"cannot give streamed bytes back to the model file: {exc}")
             if self._closing:
                 return
 
@@ -181,7 +185,8 @@ class Streamer:
         # Linux: shard pages are read with O_DIRECT and moved into the mapping (see direct.py);
         # None elsewhere, or where the file system or kernel cannot, and reads use the page cache.
         self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
-        self._dropper = Dropper(self._release)
+        self.direct_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
+        self._dropper = Dropper(self._release, self._fail)
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
@@ -248,6 +253,9 @@ class Streamer:
             # disk's whole read-ahead window (8 MiB here) with each small slice.
             elif not isinstance(unit, ExpertUnit) and self.io.populate(self.fds[file], self.addresses[file], offset, length):
                 got = length
+                if placed:  # meant for a direct read, but the pool was spent
+                    with self._lock:
+                        self.direct_fallback_bytes += length
             else:
                 got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
         except OSError as exc:
@@ -293,6 +301,11 @@ class Streamer:
             (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed)
             for file, start, length, placed in pieces
         ]
+
+    def _fail(self, message: str) -> None:
+        """An error off the compute thread: the next layer start stops the reply with it."""
+        if self.error is None:
+            self.error = message
 
     def _release(self, r) -> None:
         """The dropper's work for one range: placed pages go back to the file first, so the
@@ -418,7 +431,10 @@ class Streamer:
                 if self.state[shard.index] != Residency.COLD:
                     continue
                 if self.settings.policy == "lru":
+                    # Never the layer computing now: with direct reads its pages would turn to zeros.
+                    now = [] if self.current_layer is None else self.layer_shards[self.current_layer]
                     wanted = {s.index for k in range(self.settings.prefetch_depth) for s in self.layer_shards[(first_layer + k) % n]}
+                    wanted |= {s.index for s in now}
                     self._evict_lru(keep=wanted, extra=shard.length)
                 if self._resident_bytes + shard.length > window:
                     return
@@ -570,6 +586,7 @@ class Streamer:
             "prefetch_issued": self.prefetch_issued + (experts.prefetch_issued if experts else 0),
             "prefetch_used": self.prefetch_used + (experts.prefetch_used if experts else 0),
             "prefetch_wasted": self.prefetch_wasted + (experts.prefetch_wasted if experts else 0),
+            "direct_fallback_bytes": self.direct_fallback_bytes if self.placer is not None else None,
         }
 
     def reset_error(self) -> None:

@@ -181,6 +181,7 @@ class KimituiApp(App[int]):
         self.sampler.start()
         self.query_one(PromptInput).focus()
         self.load_model()
+        start_up_finished()  # the imports are done and the load runs in C: the collector may run again
 
     def _start_api(self, panel: ApiPanel) -> None:
         from kimitui.server.app import create_app
@@ -228,6 +229,9 @@ class KimituiApp(App[int]):
         except EngineError as exc:
             self.post_message(LoadFailed(str(exc)))
             return
+        except Exception as exc:  # a bug or a broken install: shown, and the app stays up
+            self.post_message(LoadFailed(f"loading failed: {type(exc).__name__}: {exc}"))
+            return
         # The engine's own figure: the load may have started before this worker (start_loading).
         self.post_message(LoadFinished(self.engine.load_s or 0.0))
 
@@ -237,7 +241,6 @@ class KimituiApp(App[int]):
         self.query_one(StatusBar).detail = f"{message.fraction:.0%}"
 
     def on_load_finished(self, message: LoadFinished) -> None:
-        start_up_finished()
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
         self.ready = True
@@ -295,7 +298,6 @@ class KimituiApp(App[int]):
             self.notify(message.note, severity="warning", timeout=15)
 
     def on_load_failed(self, message: LoadFailed) -> None:
-        start_up_finished()
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
         status = self.query_one(StatusBar)
