@@ -8,6 +8,8 @@ ran at 1.1-1.4 GB/s against 2.1-2.6 GB/s for O_DIRECT reads into memory faulted 
 So the whole pages inside a shard are read with O_DIRECT into anonymous buffers from a pool
 (faulted in once, kept), and each buffer is then moved over the shard's place in llama.cpp's
 mapping with ``mremap``: the weights' addresses never change, and compute reads the new pages.
+The load hooks put the mapping on a 2 MiB boundary, so a whole 4 MiB piece arrives as two huge
+pages, one page-table entry each, both for the move and for compute's TLB.
 Releasing a piece moves its pages back to the pool and maps the file there again, so the range
 is ordinary cold file-backed memory. Both moves use MREMAP_DONTUNMAP, and the file is mapped
 back with MAP_FIXED over what remains, so no address in the mapping is ever a hole that another
@@ -111,9 +113,13 @@ class DirectPlacer:
         self._file_fds = file_fds
         self._direct_fds: dict[int, int] = {}
         self._capacity = capacity  # pool buffers at most
-        self._free: list[int] = []  # buffer addresses, faulted in, ready for a read
+        # Buffer addresses, faulted in, ready for a read: huge pages for whole pieces, which
+        # move into the (2 MiB-aligned, see loadhooks) mapping as whole huge pages; small pages
+        # for the partial pieces at shard ends, whose moves would split a huge page for good.
+        self._free: dict[bool, list[int]] = {True: [], False: []}
         self._made = 0
-        self._placed: dict[tuple[int, int], tuple[int, int]] = {}  # (file, offset) -> (buffer, length)
+        # (file, offset) -> (buffer, where in it, length, whole)
+        self._placed: dict[tuple[int, int], tuple[int, int, int, bool]] = {}
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
         self._disabled = False  # the file system took O_DIRECT at open but refuses the reads
@@ -175,38 +181,46 @@ class DirectPlacer:
         with self._lock:
             self._capacity = buffers
             spare = []
-            while self._free and self._made > buffers:
-                spare.append(self._free.pop())
-                self._made -= 1
+            for free in self._free.values():
+                while free and self._made > buffers:
+                    spare.append(free.pop())
+                    self._made -= 1
         for buf in spare:
             self._libc.munmap(buf, PIECE_BYTES)
 
-    def _take(self) -> int | None:
+    def _take(self, whole: bool) -> int | None:
+        free, other = self._free[whole], self._free[not whole]
         with self._returned:
-            if not self._free and self._made >= self._capacity:
-                self._returned.wait_for(lambda: self._free or self._made < self._capacity, self.WAIT_FOR_BUFFER_S)
-            if self._free:
-                return self._free.pop()
-            if self._made >= self._capacity:
+            if not free and not other and self._made >= self._capacity:
+                self._returned.wait_for(lambda: free or other or self._made < self._capacity, self.WAIT_FOR_BUFFER_S)
+            if free:
+                return free.pop()
+            if self._made < self._capacity:
+                self._made += 1
+            elif other:  # room only in the other kind: one of it makes way for one of ours
+                self._libc.munmap(other.pop(), PIECE_BYTES)
+            else:
                 return None
-            self._made += 1
+        c = self._libc
         try:
-            buf = huge_buffer(self._libc, PIECE_BYTES)
+            if whole:
+                buf = huge_buffer(c, PIECE_BYTES)
+            else:
+                buf = c.check(c.mmap(None, PIECE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
         except OSError:
             with self._lock:
                 self._made -= 1
             return None
-        c = self._libc
         # Fault the buffer in now, once: a read into untouched memory would pay for it every time.
         if c.madvise(buf, PIECE_BYTES, MADV_POPULATE_WRITE) != 0:
             ctypes.memset(buf, 0, PIECE_BYTES)
         return buf
 
-    def _give_back(self, buf: int) -> None:
+    def _give_back(self, buf: int, whole: bool) -> None:
         with self._returned:
             if self._made <= self._capacity:
-                self._free.append(buf)
-                self._returned.notify()
+                self._free[whole].append(buf)
+                self._returned.notify_all()
                 return
             self._made -= 1
         self._libc.munmap(buf, PIECE_BYTES)
@@ -223,27 +237,31 @@ class DirectPlacer:
                 return length  # still there: a release was cancelled by a read asked for again
         if self._disabled:
             return None
-        buf = self._take()
+        whole = length == PIECE_BYTES
+        buf = self._take(whole)
         if buf is None:
             return None
+        # The same place within the buffer as within the file's 4 MiB block, so that source
+        # and target agree modulo a huge page and mremap can move huge pages whole.
+        at = offset % PIECE_BYTES
         try:
-            view = (ctypes.c_char * length).from_address(buf)
+            view = (ctypes.c_char * length).from_address(buf + at)
             got = os.preadv(self._direct_fds[file], [memoryview(view).cast("B")], offset)
         except OSError as exc:
-            self._give_back(buf)
+            self._give_back(buf, whole)
             if exc.errno == errno.EINVAL:  # the file system took O_DIRECT at open but not for reads
                 self._disabled = True
                 return None
             raise
         if got != length:
-            self._give_back(buf)
+            self._give_back(buf, whole)
             return got
         target = self.addresses[file] + offset
-        if self._libc.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
-            self._give_back(buf)  # ENOMEM, most likely: too many mappings
+        if self._libc.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
+            self._give_back(buf, whole)  # ENOMEM, most likely: too many mappings
             return None
         with self._lock:
-            self._placed[(file, offset)] = (buf, length)
+            self._placed[(file, offset)] = (buf, at, length, whole)
         return length
 
     def release(self, file: int, offset: int, length: int) -> None:
@@ -258,12 +276,12 @@ class DirectPlacer:
             entry = self._placed.pop((file, offset), None)
         if entry is None:
             return
-        buf, length = entry
+        buf, at, length, whole = entry
         c = self._libc
         target = self.addresses[file] + offset
         moves = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
         try:
-            c.check(c.mremap(target, length, length, moves, buf), "mremap")
+            c.check(c.mremap(target, length, length, moves, buf + at), "mremap")
         except OSError:
             with self._lock:
                 self._placed[(file, offset)] = entry
@@ -271,16 +289,16 @@ class DirectPlacer:
         if c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
             err = ctypes.get_errno()
             # The range would read as zeros: the pages go back where they were, still placed.
-            c.mremap(buf, length, length, moves, target)
+            c.mremap(buf + at, length, length, moves, target)
             with self._lock:
                 self._placed[(file, offset)] = entry
             raise OSError(err, f"mmap: {os.strerror(err)}")
-        self._give_back(buf)
+        self._give_back(buf, whole)
 
     @property
     def placed_bytes(self) -> int:
         with self._lock:
-            return sum(length for _, length in self._placed.values())
+            return sum(entry[2] for entry in self._placed.values())
 
     def close(self) -> None:
         """Give every range back to the file, free the pool. A range that cannot be given back
@@ -291,7 +309,8 @@ class DirectPlacer:
             except OSError:
                 pass
         with self._lock:
-            free, self._free = self._free, []
+            free = self._free[True] + self._free[False]
+            self._free = {True: [], False: []}
             self._made -= len(free)
         for buf in free:
             self._libc.munmap(buf, PIECE_BYTES)

@@ -29,7 +29,9 @@ HOOKED = ("mmap", "posix_madvise", "posix_fadvise")
 MAP_POPULATE = 0x8000 if sys.platform.startswith("linux") else 0
 POSIX_MADV_WILLNEED = 3
 POSIX_FADV_SEQUENTIAL = 2
-PROT_READ, PROT_WRITE = 0x1, 0x2
+PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
+MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x10, 0x20, 0x4000
+HUGE_ALIGN = 2 * 2**20  # Linux x86-64/arm64 (4 KiB pages): one page-table entry maps 2 MiB
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 MMAP_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
@@ -209,6 +211,9 @@ class LoadHooks:
         self._real_fadvise = FADVISE_T(("posix_fadvise", libc))
         self._mprotect = libc.mprotect
         self._mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self._munmap = libc.munmap
+        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self.align = HUGE_ALIGN if sys.platform.startswith("linux") else 0
         self._fd_path = fd_path
         self._lock = threading.Lock()
         self.mappings: list[Mapping] = []
@@ -220,9 +225,13 @@ class LoadHooks:
         self.fadvise_cb = FADVISE_T(self._fadvise)
 
     def _mmap(self, addr, length, prot, flags, fd, offset):
+        result = None
         if self.enabled and fd >= 0:
             flags &= ~MAP_POPULATE
-        result = self._real_mmap(addr, length, prot, flags, fd, offset)
+            if not addr and self.align and length >= self.align and not flags & MAP_FIXED:
+                result = self._aligned_mmap(length, prot, flags, fd, offset)
+        if result is None:
+            result = self._real_mmap(addr, length, prot, flags, fd, offset)
         if fd >= 0 and result not in (None, MAP_FAILED):
             kept = -1
             if self.enabled:
@@ -232,6 +241,27 @@ class LoadHooks:
                     pass  # out of descriptors: streamed pieces go back through the engine's own
             with self._lock:
                 self.mappings.append(Mapping(self._fd_path(fd), int(result), int(length), kept))
+        return result
+
+    def _aligned_mmap(self, length, prot, flags, fd, offset):
+        """The model's mapping on a 2 MiB boundary, so that its offsets that are multiples of
+        2 MiB are too: the engine's direct reads then move whole huge pages into it (one
+        page-table entry each, kept huge for compute's TLB). None if the room cannot be had."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        span = length + self.align
+        room = self._real_mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if room in (None, MAP_FAILED):
+            return None
+        start = -(-room // self.align) * self.align
+        result = self._real_mmap(start, length, prot, flags | MAP_FIXED, fd, offset)
+        if result in (None, MAP_FAILED):
+            self._munmap(room, span)
+            return result
+        end = -(-(start + length) // page) * page
+        if start > room:
+            self._munmap(room, start - room)
+        if room + span > end:
+            self._munmap(end, room + span - end)
         return result
 
     def _madvise(self, addr, length, advice):
