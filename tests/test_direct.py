@@ -148,7 +148,7 @@ def test_a_smaller_pool_gives_its_spare_buffers_back(mapped_file):
     path, data, address, placer = mapped_file
     pieces = [(s, n) for s, n, p in split_pieces(0, len(data), PAGE) if p][:4]
     for start, length in pieces:
-        placer.place(0, start, length)
+        assert placer.place(0, start, length) == length
     placer.release(0, 0, len(data))
     assert placer._made == 4 and sum(map(len, placer._free.values())) == 4
     placer.capacity = 1

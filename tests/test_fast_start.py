@@ -229,6 +229,25 @@ def test_stock_loads_turn_the_hooks_off_only_inside(model_path):
     engine.close()
 
 
+def test_an_engine_asked_for_a_stock_load_gets_one_though_the_hooks_are_in(model_path):
+    """The hooks are process-wide: an Engine(fast_load=False) after a fast one must not go
+    through them (WILLNEED skipped, a duplicated descriptor nobody claims)."""
+    import os
+
+    from kimitui.engine.session import Engine
+
+    engine = Engine(model_path, n_ctx=256)
+    engine.load()
+    hooks = loadhooks.install()
+    skipped, fds = hooks.skipped_willneed_bytes, len(os.listdir("/proc/self/fd"))
+    stock = Engine(model_path, n_ctx=256, fast_load=False)
+    stock.load()
+    assert hooks.skipped_willneed_bytes == skipped and stock.mapping is None
+    assert len(os.listdir("/proc/self/fd")) == fds  # nothing duplicated and left open
+    stock.close()
+    engine.close()
+
+
 def test_slot_cache_skips_the_elf_read_until_the_library_changes(tmp_path):
     lib = tmp_path / "libllama.so"
     lib.write_bytes(b"\x7fELF" + bytes(60))

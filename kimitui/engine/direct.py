@@ -30,7 +30,7 @@ import threading
 PROT_READ, PROT_WRITE = 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
-MADV_HUGEPAGE = 14
+MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 MADV_POPULATE_WRITE = 23
 MAP_FAILED = ctypes.c_void_p(-1).value
 PIECE_BYTES = 4 * 2**20  # one pool buffer; pieces start on multiples of it in the file
@@ -185,6 +185,7 @@ class DirectPlacer:
                 while free and self._made > buffers:
                     spare.append(free.pop())
                     self._made -= 1
+            self._returned.notify_all()
         for buf in spare:
             self._libc.munmap(buf, PIECE_BYTES)
 
@@ -207,9 +208,11 @@ class DirectPlacer:
                 buf = huge_buffer(c, PIECE_BYTES)
             else:
                 buf = c.check(c.mmap(None, PIECE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
+                c.madvise(buf, PIECE_BYTES, MADV_NOHUGEPAGE)  # even where THP is "always"
         except OSError:
-            with self._lock:
+            with self._returned:
                 self._made -= 1
+                self._returned.notify_all()
             return None
         # Fault the buffer in now, once: a read into untouched memory would pay for it every time.
         if c.madvise(buf, PIECE_BYTES, MADV_POPULATE_WRITE) != 0:
@@ -257,8 +260,14 @@ class DirectPlacer:
             self._give_back(buf, whole)
             return got
         target = self.addresses[file] + offset
-        if self._libc.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
-            self._give_back(buf, whole)  # ENOMEM, most likely: too many mappings
+        c = self._libc
+        if c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
+            err = ctypes.get_errno()
+            self._give_back(buf, whole)
+            # ENOMEM, most likely (too many mappings, a memory limit). The kernel may have
+            # unmapped the target before it failed: map the file there again, or stop.
+            if c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
+                raise OSError(err, f"mremap: {os.strerror(err)}")
             return None
         with self._lock:
             self._placed[(file, offset)] = (buf, at, length, whole)
@@ -310,7 +319,8 @@ class DirectPlacer:
                 pass
         with self._lock:
             free = self._free[True] + self._free[False]
-            self._free = {True: [], False: []}
+            for kind in self._free.values():
+                kind.clear()
             self._made -= len(free)
         for buf in free:
             self._libc.munmap(buf, PIECE_BYTES)

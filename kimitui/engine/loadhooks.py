@@ -285,12 +285,13 @@ class LoadHooks:
         with self._lock:
             return len(self.mappings)
 
-    def claim(self, path: Path) -> Mapping | None:
-        """The newest mapping of ``path`` (a reload maps the file again), its descriptor now
-        the caller's to close; the record stays (WILLNEED over it is still skipped), without it."""
+    def claim(self, path: Path, since: int = 0) -> Mapping | None:
+        """The newest mapping of ``path`` made since ``mark()`` returned ``since``, its
+        descriptor now the caller's to close; the record stays (WILLNEED over it is still
+        skipped), without it. Older loads' mappings may be gone: they are never answered."""
         target = os.path.realpath(path)
         with self._lock:
-            for i in range(len(self.mappings) - 1, -1, -1):
+            for i in range(len(self.mappings) - 1, since - 1, -1):
                 m = self.mappings[i]
                 if m.path == target:
                     self.mappings[i] = replace(m, fd=-1)

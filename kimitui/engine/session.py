@@ -7,6 +7,7 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import enum
 import itertools
@@ -340,10 +341,10 @@ class Engine:
         import llama_cpp
         # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
         _silence_llama_log(llama_cpp)
+        from kimitui.engine import loadhooks
+
         hooks = None
         if self.fast_load:
-            from kimitui.engine import loadhooks
-
             try:
                 hooks = loadhooks.install()
             except loadhooks.HookUnavailable as exc:
@@ -356,7 +357,9 @@ class Engine:
             # llama.cpp calls the progress callback once per tensor, each call a wait for the
             # GIL while the UI starts beside it; with fast start the load reads nothing and takes
             # a fraction of a second, so only the stock load, which reads the whole file, has one.
-            with _llama_params(progress if hooks is None else None, self.repack, *callbacks):
+            # The hooks are process-wide once installed: a stock load must not go through them.
+            stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
+            with stock, _llama_params(progress if hooks is None else None, self.repack, *callbacks):
                 self._llm = llama_cpp.Llama(
                     model_path=str(self.model_path),
                     n_ctx=self.n_ctx,
@@ -375,7 +378,7 @@ class Engine:
         self.decode_clock.attach(self._llm._ctx)
         files = self.info.files or (self.model_path,)
         if hooks is not None:
-            found = {i: hooks.claim(path) for i, path in enumerate(files)}
+            found = {i: hooks.claim(path, since=mark) for i, path in enumerate(files)}
             hooks.close_unclaimed(mark)
             # Every file of a split set must be mapped where we can see it, or none is managed.
             self.mappings = found if all(m is not None for m in found.values()) else {}
