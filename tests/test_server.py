@@ -206,12 +206,16 @@ def test_metrics_streaming_counters_only_when_reported():
         time=0.0, rss_bytes=1, rss_peak_bytes=2, cpu_percent=None, process_read_bytes=None, process_read_rate=None,
         disk_name=None, disk_read_rate=None, budget_bytes=None, latencies=[], p50_s=None, p95_s=None, ttft_s=None,
         decode_tok_s=None, tokens_total=0, requests_total=0, prompt_tokens_total=0,
-        streaming=StreamingCounters(cache_hits=7, cache_misses=3, prefetch_queue_depth=2, prefetch_inflight_bytes=4096, stall_s=1.5),
+        streaming=StreamingCounters(
+            cache_hits=7, cache_misses=3, prefetch_queue_depth=2, prefetch_inflight_bytes=4096, stall_s=1.5,
+            page_cache_fallback_bytes=8192,
+        ),
     )
     values = prom.parse(prom.render(snap, processing=1, deferred=4))
     assert values["kimitui_cache_hits_total"] == 7 and values["kimitui_cache_misses_total"] == 3
     assert values["kimitui_prefetch_queue_depth"] == 2 and values["kimitui_prefetch_inflight_bytes"] == 4096
     assert values["kimitui_stall_seconds_total"] == 1.5
+    assert values["kimitui_page_cache_fallback_bytes_total"] == 8192
     assert values["llamacpp:requests_deferred"] == 4
     # Unmeasured values are left out, never written as 0.
     for absent in ("kimitui_read_bytes_total", "kimitui_ttft_seconds", "kimitui_budget_bytes", "llamacpp:predicted_tokens_seconds"):

@@ -318,7 +318,7 @@ async def test_remote_mode_chats_through_our_server(model_path):
 async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
     from kimitui.model import synth
     from kimitui.tui.screens.tuning import TuningScreen
-    from kimitui.tui.widgets.panels import CachePanel, ResidencyPanel
+    from kimitui.tui.widgets.panels import CachePanel, PrefetchPanel, ResidencyPanel
 
     model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
     app = make_app("--model", str(model), "--budget", "150MiB")
@@ -341,6 +341,13 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
         assert app.engine.stream_settings.prefetch_depth == 1
         await ask(pilot, app, "Again")
         assert app.engine.streamer.settings.prefetch_depth == 1
+        placer = app.engine.streamer.placer
+        if placer is not None:  # direct reads: a spent buffer pool is shown, not hidden
+            placer.WAIT_FOR_BUFFER_S = 0
+            placer.capacity = 0
+            await ask(pilot, app, "Once more")
+            note = app.query_one(PrefetchPanel).note
+            await wait_for(pilot, lambda: "via page cache" in str(note.render()))
 
 
 async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_path):

@@ -43,6 +43,7 @@ class StreamingCounters:
     prefetch_inflight_bytes: int = 0
     prefetch_used: int = 0  # reads ahead (shards, experts) that compute then used
     prefetch_wasted_bytes: int = 0  # read ahead, dropped unused
+    page_cache_fallback_bytes: int = 0  # shard bytes meant for a direct read that went through the page cache
     stall_s: float = 0.0
     expert_hits: int | None = None  # None: the model streams no routed experts
     expert_misses: int | None = None

@@ -564,6 +564,7 @@ class Streamer:
             prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
             prefetch_used=self.prefetch_used + (experts.prefetch_used if experts else 0),
             prefetch_wasted_bytes=self.prefetch_wasted_bytes + (experts.prefetch_wasted_bytes if experts else 0),
+            page_cache_fallback_bytes=self.direct_fallback_bytes,
             stall_s=self.stall_s,
         )
 

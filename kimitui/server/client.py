@@ -31,6 +31,7 @@ STREAMING_METRICS = {
     "kimitui_prefetch_inflight_bytes": "prefetch_inflight_bytes",
     "kimitui_prefetch_used_total": "prefetch_used",
     "kimitui_prefetch_wasted_bytes_total": "prefetch_wasted_bytes",
+    "kimitui_page_cache_fallback_bytes_total": "page_cache_fallback_bytes",
     "kimitui_stall_seconds_total": "stall_s",
 }
 

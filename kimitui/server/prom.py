@@ -45,6 +45,7 @@ def render(snap: Snapshot, *, processing: int, deferred: int) -> str:
         _line(out, "kimitui_prefetch_inflight_bytes", "gauge", "Bytes being prefetched right now.", s.prefetch_inflight_bytes)
         _line(out, "kimitui_prefetch_used_total", "counter", "Reads ahead that compute then used.", s.prefetch_used)
         _line(out, "kimitui_prefetch_wasted_bytes_total", "counter", "Bytes read ahead and dropped unused.", s.prefetch_wasted_bytes)
+        _line(out, "kimitui_page_cache_fallback_bytes_total", "counter", "Shard bytes meant for a direct read that went through the page cache.", s.page_cache_fallback_bytes)
         _line(out, "kimitui_stall_seconds_total", "counter", "Time decoding waited on storage.", s.stall_s)
     return "\n".join(out) + "\n"
 

@@ -86,7 +86,9 @@ class PrefetchPanel(Panel):
             f"in flight {format_bytes(s.prefetch_inflight_bytes)}\n"
             f"used {s.prefetch_used}  wasted {format_bytes(s.prefetch_wasted_bytes)}"
         )
-        self.note.update("")
+        # Direct reads ran out of buffers (a window larger than the pool): slower, so say so.
+        spilled = s.page_cache_fallback_bytes
+        self.note.update(f"{format_bytes(spilled)} via page cache: read pool spent" if spilled else "")
 
 
 class DiskPanel(Panel):
