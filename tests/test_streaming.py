@@ -111,13 +111,14 @@ def test_streaming_leaves_no_trail_of_kernel_mappings(model):
 def test_whole_pieces_land_on_huge_page_boundaries(model):
     """The load hooks put the model's mapping on a 2 MiB boundary, so a whole 4 MiB piece moves
     in as whole huge pages from a huge-page buffer at the same offset."""
-    from kimitui.engine.direct import HUGE_PAGE, PIECE_BYTES
+    from kimitui.engine.direct import PIECE_BYTES
+    from kimitui.engine.loadhooks import HUGE_ALIGN
 
     engine = streaming_engine(model)
     try:
         if not sys.platform.startswith("linux"):
             pytest.skip("the alignment is Linux's")
-        assert all(m.address % HUGE_PAGE == 0 for m in engine.mappings.values())
+        assert all(m.address % HUGE_ALIGN == 0 for m in engine.mappings.values())
         placer = engine.streamer.placer
         if not takes_direct_reads(model):
             pytest.skip("no direct reads on this file system")
@@ -132,8 +133,8 @@ def test_whole_pieces_land_on_huge_page_boundaries(model):
         whole = [(offset, buf) for (_, offset), (buf, at, length, is_whole) in placed if is_whole]
         assert whole, "some whole pieces should be placed"
         for offset, buf in whole:
-            assert offset % PIECE_BYTES == 0 and buf % HUGE_PAGE == 0
-            assert (engine.mappings[0].address + offset) % HUGE_PAGE == 0
+            assert offset % PIECE_BYTES == 0 and buf % HUGE_ALIGN == 0
+            assert (engine.mappings[0].address + offset) % HUGE_ALIGN == 0
     finally:
         engine.close()
 

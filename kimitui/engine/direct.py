@@ -27,14 +27,14 @@ import errno
 import os
 import threading
 
-PROT_READ, PROT_WRITE = 1, 2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+from kimitui.engine.loadhooks import (
+    HUGE_ALIGN, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, reserve_aligned,
+)
+
 MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 MADV_POPULATE_WRITE = 23
-MAP_FAILED = ctypes.c_void_p(-1).value
 PIECE_BYTES = 4 * 2**20  # one pool buffer; pieces start on multiples of it in the file
-HUGE_PAGE = 2 * 2**20
 
 
 class Libc:
@@ -64,13 +64,9 @@ def huge_buffer(libc: Libc, size: int) -> int:
     """Anonymous memory on a huge-page boundary, huge pages asked for: an O_DIRECT read into
     it goes to the disk as a few large requests (254 segments of one 4 KiB page each cap a
     request at about 1 MiB here), and ran at twice the rate of one into 4 KiB pages."""
-    span = size + HUGE_PAGE
-    base = libc.check(libc.mmap(None, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
-    start = -(-base // HUGE_PAGE) * HUGE_PAGE
-    if start > base:
-        libc.munmap(base, start - base)
-    if base + span > start + size:
-        libc.munmap(start + size, base + span - start - size)
+    start = libc.check(
+        reserve_aligned(libc.mmap, libc.munmap, size, HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS), "mmap"
+    )
     libc.madvise(start, size, MADV_HUGEPAGE)
     return start
 

@@ -30,13 +30,33 @@ MAP_POPULATE = 0x8000 if sys.platform.startswith("linux") else 0
 POSIX_MADV_WILLNEED = 3
 POSIX_FADV_SEQUENTIAL = 2
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
-MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x10, 0x20, 0x4000
+# Linux's values: the hooks align mappings on Linux only, and direct.py is Linux's.
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 HUGE_ALIGN = 2 * 2**20  # Linux x86-64/arm64 (4 KiB pages): one page-table entry maps 2 MiB
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 MMAP_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
 MADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 FADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+
+
+def reserve_aligned(mmap, munmap, length: int, align: int, prot: int = PROT_NONE,
+                    flags: int = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE) -> int | None:
+    """Anonymous memory of ``length`` bytes that starts on an ``align`` boundary (mapped with
+    room to spare, the slack either side given back), through the given mmap/munmap; None if
+    the system has no room."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    span = length + align
+    room = mmap(None, span, prot, flags, -1, 0)
+    if room in (None, MAP_FAILED):
+        return None
+    start = -(-room // align) * align
+    end = -(-(start + length) // page) * page
+    if start > room:
+        munmap(room, start - room)
+    if room + span > end:
+        munmap(end, room + span - end)
+    return start
 
 
 class HookUnavailable(Exception):
@@ -247,21 +267,12 @@ class LoadHooks:
         """The model's mapping on a 2 MiB boundary, so that its offsets that are multiples of
         2 MiB are too: the engine's direct reads then move whole huge pages into it (one
         page-table entry each, kept huge for compute's TLB). None if the room cannot be had."""
-        page = os.sysconf("SC_PAGE_SIZE")
-        span = length + self.align
-        room = self._real_mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-        if room in (None, MAP_FAILED):
+        start = reserve_aligned(self._real_mmap, self._munmap, length, self.align)
+        if start is None:
             return None
-        start = -(-room // self.align) * self.align
         result = self._real_mmap(start, length, prot, flags | MAP_FIXED, fd, offset)
         if result in (None, MAP_FAILED):
-            self._munmap(room, span)
-            return result
-        end = -(-(start + length) // page) * page
-        if start > room:
-            self._munmap(room, start - room)
-        if room + span > end:
-            self._munmap(end, room + span - end)
+            self._munmap(start, length)  # the reservation
         return result
 
     def _madvise(self, addr, length, advice):
