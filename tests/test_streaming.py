@@ -67,7 +67,7 @@ def test_streamed_tokens_match_stock_and_bytes_add_up(model, stock_text, policy,
         text, n = greedy(engine)
         assert text == stock_text
         if takes_direct_reads(model):  # shards came by direct read (a slow machine may spill a little)
-            assert s.placer is not None and s.placer._made > 0 and s.direct_fallback_bytes < s.bytes_read / 4
+            assert s.placer is not None and s.placer._made > 0 and s.page_cache_fallback_bytes < s.bytes_read / 4
         # Every layer's streamed shards are checked once per evaluated batch of tokens.
         per_pass = sum(len(shards) for shards in s.layer_shards)
         passes = n  # the prompt is one batch, then one pass per sampled token but the last

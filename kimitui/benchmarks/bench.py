@@ -542,9 +542,9 @@ def render(report: dict) -> str:
         k = runs["kimitui"]
         if k.get("direct_reads") is False:
             reads = ", shards read through the page cache (no O_DIRECT here)"
-        elif k.get("direct_fallback_bytes_per_token"):
+        elif k.get("page_cache_fallback_bytes_per_token"):
             reads = (
-                f", direct reads ({format_bytes(k['direct_fallback_bytes_per_token'])} per token went through "
+                f", direct reads ({format_bytes(k['page_cache_fallback_bytes_per_token'])} per token went through "
                 "the page cache instead: the buffer pool was spent)"
             )
         else:

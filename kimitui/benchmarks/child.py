@@ -107,9 +107,9 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
             streamed["expert_hit_rate"] = expert_hits / seen if seen else None
             streamed["expert_prefetch_wasted_bytes_per_token"] = delta("expert_prefetch_wasted_bytes") / n_decode
         streamed["shard_prefetch_wasted_per_token"] = delta("prefetch_wasted") / n_decode
-        fallback = delta("direct_fallback_bytes")
+        fallback = delta("page_cache_fallback_bytes")
         streamed["direct_reads"] = fallback is not None
-        streamed["direct_fallback_bytes_per_token"] = None if fallback is None else fallback / n_decode
+        streamed["page_cache_fallback_bytes_per_token"] = None if fallback is None else fallback / n_decode
     return {
         "prompt_tokens": n_prompt,
         "completion_tokens": len(ids),

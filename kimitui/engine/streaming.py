@@ -185,7 +185,7 @@ class Streamer:
         # Linux: shard pages are read with O_DIRECT and moved into the mapping (see direct.py);
         # None elsewhere, or where the file system or kernel cannot, and reads use the page cache.
         self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
-        self.direct_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
+        self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
         self._dropper = Dropper(self._release, self._fail)
         self._local = threading.local()
         self.error: str | None = None
@@ -255,7 +255,7 @@ class Streamer:
                 got = length
                 if placed:  # meant for a direct read, but the pool was spent
                     with self._lock:
-                        self.direct_fallback_bytes += length
+                        self.page_cache_fallback_bytes += length
             else:
                 got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
         except OSError as exc:
@@ -564,7 +564,7 @@ class Streamer:
             prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
             prefetch_used=self.prefetch_used + (experts.prefetch_used if experts else 0),
             prefetch_wasted_bytes=self.prefetch_wasted_bytes + (experts.prefetch_wasted_bytes if experts else 0),
-            page_cache_fallback_bytes=self.direct_fallback_bytes,
+            page_cache_fallback_bytes=self.page_cache_fallback_bytes,
             stall_s=self.stall_s,
         )
 
@@ -587,7 +587,7 @@ class Streamer:
             "prefetch_issued": self.prefetch_issued + (experts.prefetch_issued if experts else 0),
             "prefetch_used": self.prefetch_used + (experts.prefetch_used if experts else 0),
             "prefetch_wasted": self.prefetch_wasted + (experts.prefetch_wasted if experts else 0),
-            "direct_fallback_bytes": self.direct_fallback_bytes if self.placer is not None else None,
+            "page_cache_fallback_bytes": self.page_cache_fallback_bytes if self.placer is not None else None,
         }
 
     def reset_error(self) -> None:
