@@ -30,7 +30,10 @@ QUANTS = {
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
 }
+# Kimi K3 ships its routed experts in MXFP4 (17 bytes per 32 weights) whatever the trunk is.
+MXFP4 = GGMLQuantizationType.MXFP4
 # Q4_1 by default: llama.cpp's CPU backend repacks Q4_0 (and Q8_0 on some builds) into
 # anonymous memory, measured here for Q4_0, so weights would stop streaming from the file.
 DEFAULT_QUANT = "q4_1"
@@ -55,6 +58,12 @@ EMBED = "embed"  # token embeddings from a block pool, std 1
 ONES = "ones"  # norm weights
 ROUTER = "router"  # ffn_gate_inp, f32, fresh random per layer
 ROUTER_BIAS = "router_bias"  # exp_probs_b, f32, Zipf-like per layer
+FLAT_ROUTER_BIAS = "flat_router_bias"  # exp_probs_b for a router trained for flat expert use (K3)
+SMALL = "small"  # f32 conv kernels and the residual-attention scores, std 1/sqrt(ne0)
+ZEROS = "zeros"  # f32 biases (ssm_dt.bias)
+DECAY = "decay"  # ssm_a: -exp(A_log), negative, per KDA head
+# K3's router was trained for flat expert use: a skew a third of K2's keeps a mild hot set.
+FLAT_ROUTER_SKEW = 0.02
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,8 @@ def _kv_bytes(key: str, value: Any, vtype: GGUFValueType) -> int:
     size = 8 + len(key.encode()) + 4
     if vtype == GGUFValueType.STRING:
         return size + 8 + len(str(value).encode())
+    if vtype == GGUFValueType.ARRAY:  # only arrays of uint32 (per-layer head counts)
+        return size + 4 + 8 + 4 * len(value)
     return size + {GGUFValueType.UINT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1}[vtype]
 
 
@@ -297,6 +308,157 @@ def deepseek2_spec(d: Deepseek2Dims, qtype: GGMLQuantizationType, ftype: LlamaFi
     return _finish_spec(a, desc, kv, tensors, ftype, tok)
 
 
+@dataclass(frozen=True)
+class KimiK3Dims:
+    n_embd: int
+    n_layer: int
+    n_head: int  # KDA and MLA alike
+    q_lora: int
+    kv_lora: int
+    n_ff: int  # the leading dense layers' FFN
+    n_ff_exp: int
+    n_latent: int  # LatentMoE: routed experts run at this width
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    n_dense_lead: int
+    expert_weights_scale: float
+    kda_head_dim: int = 128
+    conv_kernel: int = 4
+    qk_nope: int = 128
+    qk_rope: int = 64  # NoPE, but it still sizes K (the converter's note)
+    v_head: int = 128
+    attn_res_block_size: int = 6
+
+    def is_mla(self, layer: int) -> bool:
+        """Full (MLA) attention on every fourth layer and on the last, KDA elsewhere: 24 MLA and
+        69 KDA layers at 93, as the release; a cut keeps the rule (4 layers: 3 KDA, 1 MLA)."""
+        return (layer + 1) % 4 == 0 or layer == self.n_layer - 1
+
+
+def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileType, tok: Tokenizer) -> ModelSpec:
+    """Kimi K3 as llama.cpp's kimi-k3 loader reads it (src/models/kimi-k3.cpp of the pinned
+    llama.cpp): KDA and gated-MLA layers told apart by a per-layer head_count_kv of 0 or 1,
+    cross-layer residual attention scores, LatentMoE (router on n_embd, routed experts in
+    MXFP4 at the latent width between ffn_routed_down and ffn_routed_up), a shared expert at
+    n_embd, and the situ activation. The trunk is `qtype`."""
+    a, v = "kimi-k3", tok.n_vocab
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kv = [
+        (f"{a}.vocab_size", v, u32),
+        (f"{a}.context_length", CONTEXT_LENGTH, u32),
+        (f"{a}.embedding_length", d.n_embd, u32),
+        (f"{a}.feed_forward_length", d.n_ff, u32),
+        (f"{a}.block_count", d.n_layer, u32),
+        (f"{a}.attention.head_count", d.n_head, u32),
+        # 0 marks a KDA (recurrent) layer; MLA runs as one kv head over the compressed latent.
+        (f"{a}.attention.head_count_kv", [1 if d.is_mla(i) else 0 for i in range(d.n_layer)], GGUFValueType.ARRAY),
+        (f"{a}.attention.key_length", d.kv_lora + d.qk_rope, u32),
+        (f"{a}.attention.value_length", d.kv_lora, u32),
+        (f"{a}.attention.key_length_mla", d.qk_nope + d.qk_rope, u32),
+        (f"{a}.attention.value_length_mla", d.v_head, u32),
+        (f"{a}.attention.q_lora_rank", d.q_lora, u32),
+        (f"{a}.attention.kv_lora_rank", d.kv_lora, u32),
+        (f"{a}.attention.layer_norm_rms_epsilon", 1e-6, f32),
+        (f"{a}.rope.dimension_count", d.qk_rope, u32),
+        (f"{a}.ssm.conv_kernel", d.conv_kernel, u32),
+        (f"{a}.kda.head_dim", d.kda_head_dim, u32),
+        (f"{a}.kda.gate_lower_bound", -5.0, f32),
+        (f"{a}.leading_dense_block_count", d.n_dense_lead, u32),
+        (f"{a}.expert_feed_forward_length", d.n_ff_exp, u32),
+        (f"{a}.expert_count", d.n_expert, u32),
+        (f"{a}.expert_used_count", d.n_expert_used, u32),
+        (f"{a}.expert_shared_count", d.n_expert_shared, u32),
+        (f"{a}.expert_weights_scale", d.expert_weights_scale, f32),
+        (f"{a}.expert_weights_norm", True, GGUFValueType.BOOL),
+        (f"{a}.expert_gating_func", 2, u32),  # sigmoid
+        (f"{a}.expert_latent_length", d.n_latent, u32),
+        (f"{a}.activation.situ_beta", 8.0, f32),
+        (f"{a}.activation.situ_linear_beta", 8.0, f32),
+        (f"{a}.attn_res.block_size", d.attn_res_block_size, u32),
+    ]
+    d_inner = d.n_head * d.kda_head_dim
+    n_shexp = d.n_ff_exp * d.n_expert_shared
+    tensors = [TensorSpec("token_embd.weight", (d.n_embd, v), qtype, EMBED)]
+    for i in range(d.n_layer):
+        b = f"blk.{i}."
+        tensors += [
+            TensorSpec(b + "attn_norm.weight", (d.n_embd,), F32, ONES),
+            TensorSpec(b + "attn_res_score.weight", (d.n_embd,), F32, SMALL),
+        ]
+        if d.is_mla(i):
+            tensors += [
+                TensorSpec(b + "attn_q_a.weight", (d.n_embd, d.q_lora), qtype, WEIGHT),
+                TensorSpec(b + "attn_q_a_norm.weight", (d.q_lora,), F32, ONES),
+                TensorSpec(b + "attn_q_b.weight", (d.q_lora, d.n_head * (d.qk_nope + d.qk_rope)), qtype, WEIGHT),
+                TensorSpec(b + "attn_kv_a_mqa.weight", (d.n_embd, d.kv_lora + d.qk_rope), qtype, WEIGHT),
+                TensorSpec(b + "attn_kv_a_norm.weight", (d.kv_lora,), F32, ONES),
+                TensorSpec(b + "attn_k_b.weight", (d.qk_nope, d.kv_lora, d.n_head), qtype, WEIGHT),
+                TensorSpec(b + "attn_v_b.weight", (d.kv_lora, d.v_head, d.n_head), qtype, WEIGHT),
+                TensorSpec(b + "attn_gate.weight", (d.n_embd, d.n_head * d.v_head), qtype, WEIGHT),
+                TensorSpec(b + "attn_output.weight", (d.n_head * d.v_head, d.n_embd), qtype, WEIGHT),
+            ]
+        else:
+            tensors += [
+                TensorSpec(b + "ssm_conv1d_q.weight", (d.conv_kernel, 1, d_inner), F32, SMALL),
+                TensorSpec(b + "ssm_conv1d_k.weight", (d.conv_kernel, 1, d_inner), F32, SMALL),
+                TensorSpec(b + "ssm_conv1d_v.weight", (d.conv_kernel, 1, d_inner), F32, SMALL),
+                TensorSpec(b + "attn_q.weight", (d.n_embd, d_inner), qtype, WEIGHT),
+                TensorSpec(b + "attn_k.weight", (d.n_embd, d_inner), qtype, WEIGHT),
+                TensorSpec(b + "attn_v.weight", (d.n_embd, d_inner), qtype, WEIGHT),
+                TensorSpec(b + "ssm_f_a.weight", (d.n_embd, d.kda_head_dim), qtype, WEIGHT),
+                TensorSpec(b + "ssm_f_b.weight", (d.kda_head_dim, d_inner), qtype, WEIGHT),
+                TensorSpec(b + "ssm_beta.weight", (d.n_embd, d.n_head), F32, SMALL),
+                TensorSpec(b + "ssm_a", (d.n_head,), F32, DECAY),
+                TensorSpec(b + "ssm_dt.bias", (d_inner,), F32, ZEROS),
+                TensorSpec(b + "ssm_g.weight", (d.n_embd, d_inner), qtype, WEIGHT),
+                TensorSpec(b + "ssm_norm.weight", (d.kda_head_dim,), F32, ONES),
+                TensorSpec(b + "attn_output.weight", (d_inner, d.n_embd), qtype, WEIGHT),
+            ]
+        tensors += [
+            TensorSpec(b + "ffn_norm.weight", (d.n_embd,), F32, ONES),
+            TensorSpec(b + "ffn_res_score.weight", (d.n_embd,), F32, SMALL),
+        ]
+        if i < d.n_dense_lead:
+            tensors += [
+                TensorSpec(b + "ffn_gate.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
+                TensorSpec(b + "ffn_up.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
+                TensorSpec(b + "ffn_down.weight", (d.n_ff, d.n_embd), qtype, WEIGHT),
+            ]
+        else:
+            tensors += [
+                TensorSpec(b + "ffn_gate_inp.weight", (d.n_embd, d.n_expert), F32, ROUTER),
+                TensorSpec(b + "exp_probs_b.bias", (d.n_expert,), F32, FLAT_ROUTER_BIAS),
+                TensorSpec(b + "ffn_routed_down.weight", (d.n_embd, d.n_latent), qtype, WEIGHT),
+                TensorSpec(b + "ffn_gate_exps.weight", (d.n_latent, d.n_ff_exp, d.n_expert), MXFP4, WEIGHT),
+                TensorSpec(b + "ffn_up_exps.weight", (d.n_latent, d.n_ff_exp, d.n_expert), MXFP4, WEIGHT),
+                TensorSpec(b + "ffn_down_exps.weight", (d.n_ff_exp, d.n_latent, d.n_expert), MXFP4, WEIGHT),
+                TensorSpec(b + "ffn_routed_norm.weight", (d.n_latent,), F32, ONES),
+                TensorSpec(b + "ffn_routed_up.weight", (d.n_latent, d.n_embd), qtype, WEIGHT),
+                TensorSpec(b + "ffn_gate_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
+                TensorSpec(b + "ffn_up_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
+                TensorSpec(b + "ffn_down_shexp.weight", (n_shexp, d.n_embd), qtype, WEIGHT),
+            ]
+    tensors += [
+        TensorSpec("output_res_score.weight", (d.n_embd,), F32, SMALL),
+        TensorSpec("output_norm.weight", (d.n_embd,), F32, ONES),
+        TensorSpec("output.weight", (d.n_embd, v), qtype, WEIGHT),
+    ]
+    n_mla = sum(d.is_mla(i) for i in range(d.n_layer))
+    desc = (
+        f"kimi-k3: {d.n_layer} layers ({d.n_layer - n_mla} KDA, {n_mla} MLA; {d.n_dense_lead} dense), n_embd {d.n_embd}, "
+        f"{d.n_expert} experts ({d.n_expert_used} used, {d.n_expert_shared} shared) of n_ff {d.n_ff_exp} "
+        f"at latent {d.n_latent} in MXFP4, one expert {format_bytes(_expert_bytes_k3(d))}, "
+        f"{d.n_head} heads, trunk {qtype.name}, vocab {v}"
+    )
+    return _finish_spec(a, desc, kv, tensors, ftype, tok)
+
+
+def _expert_bytes_k3(d: KimiK3Dims) -> int:
+    block, size = GGML_QUANT_SIZES[MXFP4]
+    return 3 * d.n_latent * d.n_ff_exp // block * size
+
+
 def _finish_spec(arch, desc, kv, tensors, ftype, tok) -> ModelSpec:
     head = [
         ("general.architecture", arch, GGUFValueType.STRING),
@@ -315,7 +477,17 @@ KIMI_K2 = dict(
     n_embd=7168, n_layer=61, n_head=64, q_lora=1536, kv_lora=512, n_ff=18432, n_ff_exp=2048,
     n_expert=384, n_expert_used=8, n_expert_shared=1, n_dense_lead=1, expert_weights_scale=2.827,
 )
-LIKE = {"kimi-k2": KIMI_K2}
+# Kimi K3 (the public record, checked against llama.cpp's kimi-k3 loader): 93 layers, 69 KDA
+# and 24 gated MLA, LatentMoE with 896 routed experts (16 used, one shared) at latent 3584 and
+# n_ff 3072 in MXFP4 (17,547,264 bytes an expert). The trunk in BF16 lands the whole on the
+# release's ~1.56 TB; the rest of the shape follows K2.
+KIMI_K3 = dict(
+    n_embd=7168, n_layer=93, n_head=64, q_lora=1536, kv_lora=512, n_ff=18432, n_ff_exp=3072,
+    n_latent=3584, n_expert=896, n_expert_used=16, n_expert_shared=1, n_dense_lead=1,
+    expert_weights_scale=2.827,
+)
+K3_TRUNK_QUANT = "bf16"
+LIKE = {"kimi-k2": KIMI_K2, "kimi-k3": KIMI_K3}
 # Generic MoE: DeepSeek-V2-Lite / Moonlight expert counts (64 routed, 6 used, 2 shared).
 GENERIC_MOE = dict(n_expert=64, n_expert_used=6, n_expert_shared=2, n_dense_lead=1, expert_weights_scale=2.5)
 LLAMA_FF_RATIO = 8 / 3  # SwiGLU keeps the FFN's parameters at 4x n_embd wide: n_ff ~ 8/3 n_embd
@@ -416,42 +588,78 @@ def plan_moe(target: int, quant: str, tok: Tokenizer) -> ModelSpec:
     return _search(target, "MoE", _widths(256, 64), layers_for, spec_for, free_range, 32)
 
 
-def like_dims(like: str, scale: float, n_ff_exp: int | None = None) -> Deepseek2Dims:
-    """`like`'s layer and expert counts with every width multiplied by `scale`."""
-    ref = LIKE[like]
-    return Deepseek2Dims(
+def _scaled(ref: dict, scale: float, n_ff_exp: int | None, counts: dict) -> dict:
+    """`ref`'s widths times `scale` (head widths stay, head counts shrink); `counts` as given."""
+    out = dict(
         n_embd=_round(ref["n_embd"] * scale, 32, 64),
-        n_layer=ref["n_layer"],
         n_head=max(1, round(ref["n_head"] * scale)),
         q_lora=_round(ref["q_lora"] * scale, 32),
         kv_lora=_round(ref["kv_lora"] * scale, 32),
         n_ff=_round(ref["n_ff"] * scale, 32),
         n_ff_exp=n_ff_exp if n_ff_exp is not None else _round(ref["n_ff_exp"] * scale, 32),
-        n_expert=ref["n_expert"],
-        n_expert_used=ref["n_expert_used"],
-        n_expert_shared=ref["n_expert_shared"],
-        n_dense_lead=ref["n_dense_lead"],
-        expert_weights_scale=ref["expert_weights_scale"],
+        **counts,
     )
+    if "n_latent" in ref:
+        out["n_latent"] = _round(ref["n_latent"] * scale, 32)
+    return out
 
 
-def plan_like(like: str, target: int | None, scale: float | None, quant: str, tok: Tokenizer) -> ModelSpec:
-    """Kimi's counts (layers, experts, used, shared, dense lead); widths from `scale`, or
-    solved so the file lands on `target`."""
-    qtype, ftype = QUANTS[quant]
+@dataclass(frozen=True)
+class Cut:
+    """A slice of the real model: its widths (so reads have their real sizes), fewer of
+    its layers and experts. None keeps the real count."""
+
+    layers: int | None = None
+    experts: int | None = None
+
+    def counts(self, ref: dict) -> dict:
+        n_layer = self.layers or ref["n_layer"]
+        n_expert = self.experts or ref["n_expert"]
+        return dict(
+            n_layer=n_layer,
+            n_expert=n_expert,
+            n_expert_used=min(ref["n_expert_used"], n_expert),
+            n_expert_shared=ref["n_expert_shared"],
+            # a slice keeps the leading dense layer only while some MoE layer is left after it
+            n_dense_lead=min(ref["n_dense_lead"], n_layer - 1),
+            expert_weights_scale=ref["expert_weights_scale"],
+        )
+
+
+def like_dims(like: str, scale: float, n_ff_exp: int | None = None, cut: Cut = Cut()):
+    """`like`'s counts (cut as asked) with every width multiplied by `scale`."""
+    ref = LIKE[like]
+    dims = _scaled(ref, scale, n_ff_exp, cut.counts(ref))
+    return KimiK3Dims(**dims) if like == "kimi-k3" else Deepseek2Dims(**dims)
+
+
+def like_spec(like: str, dims, quant: str | None, tok: Tokenizer) -> ModelSpec:
+    if like == "kimi-k3":
+        qtype, _ = QUANTS[quant or K3_TRUNK_QUANT]
+        return kimi_k3_spec(dims, qtype, LlamaFileType.MOSTLY_MXFP4_MOE, tok)
+    qtype, ftype = QUANTS[quant or DEFAULT_QUANT]
+    return deepseek2_spec(dims, qtype, ftype, tok)
+
+
+def plan_like(
+    like: str, target: int | None, scale: float | None, quant: str | None, tok: Tokenizer, cut: Cut = Cut()
+) -> ModelSpec:
+    """Kimi's counts (layers, experts, used, shared, dense lead; fewer with `cut`); widths
+    from `scale`, or solved so the file lands on `target`."""
     ref = LIKE[like]
     if scale is not None:
-        return deepseek2_spec(like_dims(like, scale), qtype, ftype, tok)
+        return like_spec(like, like_dims(like, scale, cut=cut), quant, tok)
     assert target is not None
+    n_layer = cut.layers or ref["n_layer"]
 
-    def spec_for(n_embd: int, n_layer: int, n_ff_exp: int) -> ModelSpec:
-        return deepseek2_spec(like_dims(like, n_embd / ref["n_embd"], n_ff_exp), qtype, ftype, tok)
+    def spec_for(n_embd: int, _n_layer: int, n_ff_exp: int) -> ModelSpec:
+        return like_spec(like, like_dims(like, n_embd / ref["n_embd"], n_ff_exp, cut), quant, tok)
 
     def free_range(n_embd: int) -> tuple[int, int, float]:
         ideal = max(32.0, n_embd * ref["n_ff_exp"] / ref["n_embd"])
         return _round(ideal / 3, 32), _round(3 * ideal, 32), ideal
 
-    return _search(target, like, _widths(64, 32), lambda n_embd: [(ref["n_layer"], 0.0)], spec_for, free_range, 32)
+    return _search(target, like, _widths(64, 32), lambda n_embd: [(n_layer, 0.0)], spec_for, free_range, 32)
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -460,15 +668,29 @@ _BLOCK_DTYPES = {
     GGMLQuantizationType.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
     GGMLQuantizationType.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
     GGMLQuantizationType.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
+    MXFP4: np.dtype([("e", "u1"), ("qs", "u1", (16,))]),  # an E8M0 scale, 32 E2M1 codes
+    GGMLQuantizationType.BF16: np.dtype("<u2"),
 }
 # Std of a dequantized weight per unit of the block scale d: uniform over 16 levels (4-bit)
-# or over -127..127 (8-bit).
-_STD_PER_SCALE = {GGMLQuantizationType.Q4_0: 4.61, GGMLQuantizationType.Q4_1: 4.61, GGMLQuantizationType.Q8_0: 73.6}
+# or over -127..127 (8-bit); MXFP4 codes are ggml's kvalues (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12)
+# times half the E8M0 scale.
+_STD_PER_SCALE = {
+    GGMLQuantizationType.Q4_0: 4.61, GGMLQuantizationType.Q4_1: 4.61, GGMLQuantizationType.Q8_0: 73.6, MXFP4: 5.85,
+}
 
 
 def random_blocks(qtype: GGMLQuantizationType, n_blocks: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
     """`n_blocks` valid quantized blocks whose weights have std ~`sigma`, as raw bytes."""
+    if qtype == GGMLQuantizationType.BF16:  # the top half of float32
+        values = rng.normal(0.0, sigma, n_blocks).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     blocks = np.empty(n_blocks, dtype=_BLOCK_DTYPES[qtype])
+    if qtype == MXFP4:
+        # E8M0 holds a power of two: 2^(e-127), of which ggml takes half (2^(e-128)).
+        e = 128 + np.round(np.log2(sigma / _STD_PER_SCALE[qtype])) + rng.integers(-1, 2, n_blocks)
+        blocks["e"] = np.clip(e, 1, 254).astype(np.uint8)
+        blocks["qs"] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
+        return blocks.view(np.uint8)
     d = sigma / _STD_PER_SCALE[qtype] * rng.uniform(0.5, 1.5, n_blocks)
     blocks["d"] = d.astype(np.float16)
     if qtype == GGMLQuantizationType.Q8_0:
@@ -517,10 +739,17 @@ class _Filler:
             yield np.ones(t.n_elements, dtype=np.float32).tobytes()
         elif t.fill == ROUTER:
             yield self.rng.normal(0.0, 1 / math.sqrt(t.shape[0]), t.n_elements).astype(np.float32).tobytes()
-        elif t.fill == ROUTER_BIAS:
+        elif t.fill in (ROUTER_BIAS, FLAT_ROUTER_BIAS):
             # a different hot set in every layer, as real routers have
+            skew = ROUTER_SKEW if t.fill == ROUTER_BIAS else FLAT_ROUTER_SKEW
             rank = self.rng.permutation(t.n_elements)
-            yield (-ROUTER_SKEW * np.log1p(rank)).astype(np.float32).tobytes()
+            yield (-skew * np.log1p(rank)).astype(np.float32).tobytes()
+        elif t.fill == SMALL:
+            yield self.rng.normal(0.0, 1 / math.sqrt(t.shape[0]), t.n_elements).astype(np.float32).tobytes()
+        elif t.fill == ZEROS:
+            yield bytes(4 * t.n_elements)
+        elif t.fill == DECAY:
+            yield (-self.rng.uniform(0.5, 2.0, t.n_elements)).astype(np.float32).tobytes()
         else:
             raise AssertionError(f"unknown fill {t.fill}")
 
@@ -662,7 +891,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--like", choices=sorted(LIKE), help="MoE with this model's layer and expert counts, widths shrunk to --size")
     parser.add_argument("--scale", type=float, help="with --like instead of --size: multiply its widths by this")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0): same seed, same bytes")
-    parser.add_argument("--type", dest="quant", choices=sorted(QUANTS), default=DEFAULT_QUANT, help=f"weight type (default {DEFAULT_QUANT})")
+    parser.add_argument("--layers", type=int, help="with --like: a slice of this many of its layers at its real widths")
+    parser.add_argument("--experts", type=int, help="with --like: a slice with this many routed experts per layer at their real size")
+    parser.add_argument(
+        "--type", dest="quant", choices=sorted(QUANTS),
+        help=f"weight type (default {DEFAULT_QUANT}; the trunk of kimi-k3, {K3_TRUNK_QUANT}, its experts are MXFP4)",
+    )
     parser.add_argument("--split-size", help="write a llama.cpp split set, files of about this size")
     parser.add_argument("--force", action="store_true", help="replace existing output files")
     parser.add_argument("--dry-run", action="store_true", help="print the shape and size, write nothing")
@@ -682,8 +916,17 @@ def plan(args: argparse.Namespace) -> ModelSpec:
         raise UserError("--scale needs --like (it scales that model's widths)")
     if args.scale is not None and args.size:
         raise UserError("give --size or --scale, not both")
+    cut = Cut(args.layers, args.experts)
+    if (cut.layers is not None or cut.experts is not None) and not args.like:
+        raise UserError("--layers and --experts cut a --like model (e.g. --like kimi-k3 --layers 4 --experts 48)")
+    if cut.layers is not None and not 2 <= cut.layers <= LIKE[args.like]["n_layer"]:
+        raise UserError(f"--layers must be in 2..{LIKE[args.like]['n_layer']}")
+    if cut.experts is not None and not 1 <= cut.experts <= LIKE[args.like]["n_expert"]:
+        raise UserError(f"--experts must be in 1..{LIKE[args.like]['n_expert']}")
     if args.scale is None and not args.size:
-        raise UserError("--size is required (e.g. --size 8GiB)")
+        if cut == Cut():
+            raise UserError("--size is required (e.g. --size 8GiB), or --scale, --layers or --experts with --like")
+        args.scale = 1.0  # a slice keeps the real widths
     if args.scale is not None and not 0 < args.scale <= 4:
         raise UserError("--scale must be in (0, 4]")
     if args.seed < 0:
@@ -691,11 +934,33 @@ def plan(args: argparse.Namespace) -> ModelSpec:
     target = _size_arg(args.size, "--size") if args.size else None
     tok = default_tokenizer()
     if args.like:
-        return plan_like(args.like, target, args.scale, args.quant, tok)
+        return plan_like(args.like, target, args.scale, args.quant, tok, cut)
     assert target is not None
     if args.arch == "moe":
-        return plan_moe(target, args.quant, tok)
-    return plan_dense(target, args.quant, tok)
+        return plan_moe(target, args.quant or DEFAULT_QUANT, tok)
+    return plan_dense(target, args.quant or DEFAULT_QUANT, tok)
+
+
+def figures(spec: ModelSpec) -> list[str]:
+    """What a streaming engine meets in this model, for --dry-run: the sizes that decide it."""
+    experts = [t for t in spec.tensors if "_exps." in t.name]
+    if not experts:
+        return []
+    n_expert = experts[0].shape[-1]
+    used = spec.kv_value(f"{spec.arch}.expert_used_count")
+    moe_layers = sorted({t.name.split(".")[1] for t in experts})
+    one_expert = sum(t.n_bytes for t in experts) // n_expert // len(moe_layers)
+    routed = sum(t.n_bytes for t in experts)
+    embd = next(t for t in spec.tensors if t.name == "token_embd.weight")
+    trunk = sum(t.n_bytes for t in spec.tensors) - routed - embd.n_bytes
+    per_layer = [sum(t.n_bytes for t in spec.tensors if t.name.startswith(f"blk.{i}.")) for i in range(len(moe_layers) + 1)]
+    return [
+        f"one expert {format_bytes(one_expert)} ({one_expert:,} B); {n_expert} per MoE layer, {len(moe_layers)} MoE layers",
+        f"one token: {used} experts x {len(moe_layers)} layers = {format_bytes(used * one_expert * len(moe_layers))} of experts, "
+        f"plus {format_bytes(trunk + embd.n_bytes // embd.shape[1])} of trunk",
+        f"routed experts {format_bytes(routed)}, trunk {format_bytes(trunk)}, embeddings {format_bytes(embd.n_bytes)}; "
+        f"largest layer with all its experts {format_bytes(max(per_layer))}",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -703,6 +968,8 @@ def run(args: argparse.Namespace) -> int:
     spec = plan(args)
     print(f"{spec.description}; {format_bytes(spec.file_bytes())}")
     if args.dry_run:
+        for line in figures(spec):
+            print(f"  {line}")
         return 0
     result = write_model(spec, args.out, seed=args.seed, split_size=split, force=args.force)
     names = ", ".join(str(p) for p in result.paths)
