@@ -104,7 +104,7 @@ def resolve_model(settings: Settings) -> Path:
 def check_budget(settings: Settings, model_path: Path) -> None:
     """A budget that cannot hold one layer is refused before llama.cpp is called."""
     from kimitui.engine.memory import SAFE_SHARE, default_budget
-    from kimitui.engine.streaming import budget_shortfall
+    from kimitui.engine.budget import budget_shortfall
     from kimitui.model import read_model_info
     from kimitui.model.gguf_map import load_model_map
 

@@ -38,3 +38,15 @@ def takes_direct_reads(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def stock_llama(path: Path, **kwargs):
+    """Plain llama-cpp-python, with llama.cpp's weight repacking off as the engine has it (and as
+    a fair baseline must): a natively built llama.cpp on a VM whose CPU reports AMX but cannot
+    run it dies of SIGILL on the repack path (this CI host), and repacked weights do not stream."""
+    import llama_cpp
+
+    from kimitui.engine.session import _llama_params
+
+    with _llama_params(None, repack=False):
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)

@@ -3,6 +3,7 @@ match plain llama.cpp, the heatmap carries over to the next run."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,14 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
             (r.file, r.offset, r.length) for unit, offset, length in reads
             for r in (unit.ranges if isinstance(unit, ExpertUnit) else [ByteRange(unit.file, offset, length)])
         ]
-        assert sum(n for _, _, n in spans) == sum(length for _, _, length in reads)
+        # An expert is read in whole pages (into place, see direct.py): its slices rounded out to
+        # pages, less the end pages a resident neighbour already holds.
+        page = os.sysconf("SC_PAGE_SIZE")
+        for unit, _, length in reads:
+            if isinstance(unit, ExpertUnit):
+                exact = sum(r.length for r in unit.ranges)
+                rounded = sum(-(-r.end // page) * page - r.offset // page * page for r in unit.ranges)
+                assert exact - 2 * page * len(unit.ranges) <= length <= rounded
         for file, offset, length in spans:
             for layer in range(model.n_layers):
                 if not model.layers[layer].is_moe:
@@ -204,8 +212,6 @@ def test_look_ahead_never_evicts_the_experts_of_the_layer_computing_now(moe_mode
 def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_model, monkeypatch):
     """The drive fails under an expert read: one clear line, nothing half-read kept as cached."""
     import errno
-    import fcntl
-    import os
 
     from kimitui.engine.session import EngineError
 
@@ -219,10 +225,13 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
             requested.append((unit.layer, unit.expert))
             return real_read_unit(unit)
 
+        page = os.sysconf("SC_PAGE_SIZE")
+        routed = [(t.offset - page, t.offset + t.n_bytes) for t in load_model_map(moe_model).tensors if t.role == "routed_experts"]
+
         def failing_preadv(fd, buffers, offset):
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:  # a trunk shard's direct read: not this test's
-                return real_preadv(fd, buffers, offset)
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
+            if any(lo <= offset < hi for lo, hi in routed):  # an expert's read, direct or not
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_preadv(fd, buffers, offset)
 
         cache._read_unit = read_unit
         monkeypatch.setattr(os, "preadv", failing_preadv)
@@ -243,26 +252,64 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
         engine.close()
 
 
-def test_prefill_reads_each_routed_expert_once_per_batch(moe_model):
-    """A 40-token prompt is one batch: its tokens route to many experts per layer, and each of
-    those is read once for the whole batch, not once per token."""
-    engine = expert_engine(moe_model)
+PREFILL_PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 3
+
+
+def prefill_expert_reads(engine: Engine) -> list[tuple[int, int]]:
+    reads: list = []
+    engine.streamer.on_read = lambda unit, offset, length, start, seconds: reads.append(unit)
+    gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=1))  # prefill, then one sample
+    list(gen)
+    assert gen.result.prompt_tokens >= 40
+    return [(u.layer, u.expert) for u in reads if isinstance(u, ExpertUnit)]
+
+
+def test_prefill_reads_each_routed_expert_once_when_a_layer_fits(moe_model):
+    """A budget whose expert cache holds a whole layer's experts prefills a 40-token prompt as
+    one batch: each expert its tokens route to is read once for the prompt, not once per token."""
+    engine = expert_engine(moe_model, budget_mib=150)
     try:
-        streamer = engine.streamer
-        reads: list = []
-        streamer.on_read = lambda unit, offset, length, start, seconds: reads.append(unit)
-        prompt = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 3
-        gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=1))  # prefill, then one sample
-        list(gen)
-        assert gen.result.prompt_tokens >= 40
-        experts = [(u.layer, u.expert) for u in reads if isinstance(u, ExpertUnit)]
-        per_layer = {}
+        assert engine.n_ubatch == engine.n_batch
+        experts = prefill_expert_reads(engine)
+        per_layer: dict[int, int] = {}
         for layer, _ in experts:
             per_layer[layer] = per_layer.get(layer, 0) + 1
         model = load_model_map(moe_model)
-        # Many tokens, many experts: more than one token's worth were read in a layer...
-        assert max(per_layer.values()) > model.n_expert_used
-        # ...and none of them twice.
-        assert len(experts) == len(set(experts))
+        assert max(per_layer.values()) > model.n_expert_used  # many tokens, many experts in a layer...
+        assert len(experts) == len(set(experts))  # ...and none of them twice
+    finally:
+        engine.close()
+
+
+def test_prefill_under_a_small_budget_is_cut_to_what_the_cache_holds(moe_model):
+    """Below a layer's experts, a micro-batch is as many tokens as the expert cache surely holds:
+    the cache never holds more than its capacity, and the reply matches the stock run's."""
+    stock = Engine(moe_model, n_ctx=256, fast_load=False)
+    stock.load()
+    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=6))
+    list(gen)
+    expected = gen.result.text
+    stock.close()
+
+    engine = expert_engine(moe_model, budget_mib=100)
+    try:
+        cache = engine.streamer.experts
+        model = load_model_map(moe_model)
+        assert 1 <= engine.n_ubatch < 40
+        assert engine.n_ubatch * model.n_expert_used * model.bytes_per_expert <= cache.capacity
+        peak = 0
+        real_ensure = cache.ensure
+
+        def ensure(layer, experts):
+            nonlocal peak
+            waited = real_ensure(layer, experts)
+            peak = max(peak, cache.resident_bytes)
+            return waited
+
+        cache.ensure = ensure
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=6))
+        list(gen)
+        assert gen.result.text == expected
+        assert 0 < peak <= cache.capacity
     finally:
         engine.close()

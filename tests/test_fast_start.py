@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import stock_llama
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import drop_from_page_cache
@@ -208,8 +209,6 @@ def test_darwin_rebind_by_injection_writes_the_slots(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF hooks are Linux's")
 def test_stock_loads_turn_the_hooks_off_only_inside(model_path):
     """bench's in-process baseline loads as stock llama.cpp, beside an engine that loaded fast."""
-    import llama_cpp
-
     from kimitui.engine.session import Engine
 
     engine = Engine(model_path, n_ctx=256)
@@ -218,7 +217,7 @@ def test_stock_loads_turn_the_hooks_off_only_inside(model_path):
     skipped = hooks.skipped_willneed_bytes
     with loadhooks.stock_loads():
         assert not hooks.enabled
-        plain = llama_cpp.Llama(model_path=str(model_path), n_ctx=256, verbose=False)
+        plain = stock_llama(model_path, n_ctx=256)
     assert hooks.enabled
     assert hooks.skipped_willneed_bytes == skipped  # stock llama.cpp's whole-file WILLNEED went through
     again = Engine(model_path, n_ctx=256)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
+from helpers import stock_llama
 
 from kimitui.cli import main, resolve_model
 from kimitui.config import load_settings
@@ -52,9 +53,7 @@ def sharded(sources, tmp_path_factory):
 
 
 def completion(path: Path) -> tuple[str, int]:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, verbose=False)
+    llm = stock_llama(path, n_ctx=256)
     try:
         out = llm.create_completion("The capital of France is", max_tokens=8, temperature=0)
         return out["choices"][0]["text"], out["usage"]["completion_tokens"]

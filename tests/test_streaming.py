@@ -189,7 +189,7 @@ def test_lowering_the_budget_of_a_model_that_fits_starts_streaming_next_reply(mo
 
 
 def test_a_budget_at_the_minimum_still_pins_the_non_layer_tensors(model, stock_text):
-    from kimitui.engine.streaming import minimum_budget
+    from kimitui.engine.budget import minimum_budget
 
     model_map = load_model_map(model)
     engine = Engine(model, n_ctx=256, budget=minimum_budget(model_map))

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader
+from helpers import stock_llama
 
 from kimitui.cli import main
 from kimitui.errors import UserError
@@ -27,9 +28,7 @@ def read(path: Path) -> GGUFReader:
 
 def greedy_tokens(path: Path, n: int = 6) -> list[int]:
     """Load with llama-cpp-python, check the prompt's logits are finite, decode n tokens greedily."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False, logits_all=True)
+    llm = stock_llama(path, n_ctx=256, n_threads=1, logits_all=True)
     try:
         prompt = llm.tokenize(b"The capital of France is")
         llm.eval(prompt)

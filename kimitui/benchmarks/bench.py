@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     model_map = load_model_map(path)  # checks the file too: one line on a bad GGUF
     if budget is not None:
-        from kimitui.engine.streaming import budget_shortfall
+        from kimitui.engine.budget import budget_shortfall
 
         shortfall = budget_shortfall(model_map, budget)
         if shortfall:

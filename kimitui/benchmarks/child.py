@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 MARKER = "@kimitui-bench "
@@ -283,7 +284,14 @@ def phase_engine(spec: dict) -> None:
 
     engine.pin(pinning)
     pin_s = time.perf_counter() - started
-    figures = _engine_generation(engine, spec)
+    with _ModelResidentPeak(engine) as resident:
+        figures = _engine_generation(engine, spec)
+    prefill = {}
+    experts = engine.streamer.experts if engine.streamer is not None else None
+    if experts is not None:
+        # The bytes of the distinct experts the prompt routed to: the least a prefill can read.
+        prefill["prefill_distinct_expert_bytes"] = len(experts.prefill_seen) * engine._model_map().bytes_per_expert
+        prefill["prefill_expert_read_bytes"] = experts.prefill_read_bytes
     emit(
         "result",
         load_s=load_s,
@@ -300,8 +308,42 @@ def phase_engine(spec: dict) -> None:
         pin_note=engine.pin_note,
         fast_load_note=engine.fast_load_note,
         peak_rss_bytes=_peak_rss(),
+        peak_model_resident_bytes=resident.peak,
+        n_ubatch=engine.n_ubatch,
+        plan_note=engine.plan_note,
+        **prefill,
         **figures,
     )
+
+
+class _ModelResidentPeak:
+    """The most of the model's mappings resident at once during a reply (smaps, every 50 ms:
+    a tenth of a millisecond each at this size, out of the way of the two cores)."""
+
+    def __init__(self, engine) -> None:
+        self.source = engine.metrics.model_resident_source
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self._sample()
+
+    def _sample(self) -> None:
+        value = self.source() if self.source else None
+        if value is not None:
+            self.peak = max(self.peak or 0, value)
+
+    def __enter__(self):
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
 
 
 def phase_compute(spec: dict) -> None:
@@ -318,15 +360,21 @@ def phase_compute(spec: dict) -> None:
 
 
 def _plain_llama(spec: dict):
+    """Stock llama-cpp-python, but with llama.cpp's weight repacking off as the engine has it:
+    repacked weights (MXFP4 experts on AVX2, Q4_0) are read and copied into anonymous memory
+    at load, so a model larger than memory could not even start, and compute would differ."""
     import llama_cpp
 
-    return llama_cpp.Llama(
-        model_path=spec["model"],
-        n_ctx=spec["n_ctx"],
-        n_threads=spec["threads"],
-        n_threads_batch=spec["threads"],  # the engine prefills with the same threads
-        verbose=False,
-    )
+    from kimitui.engine.session import _llama_params
+
+    with _llama_params(None, repack=False):
+        return llama_cpp.Llama(
+            model_path=spec["model"],
+            n_ctx=spec["n_ctx"],
+            n_threads=spec["threads"],
+            n_threads_batch=spec["threads"],  # the engine prefills with the same threads
+            verbose=False,
+        )
 
 
 def _plain_greedy(llm, tokens: list[int], n_tokens: int):

@@ -132,6 +132,11 @@ class ExpertCache:
         self.bytes_from_cache = 0
         self.bytes_needed = 0  # bytes compute used that were not resident before (read for it)
         self._in_use: set[tuple[int, int]] = set()  # the experts of the layer computing now
+        # Until the first decode token: the distinct experts the prompt used, and the expert
+        # bytes read for it (a prefill reads each of them once at best).
+        self.prefilling = True
+        self.prefill_seen: set[tuple[int, int]] = set()
+        self.prefill_read_bytes = 0
         # Look-ahead: the experts each layer chose last time, read early for the next token.
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
         self._inflight: dict[tuple[int, int], list[Future]] = {}
@@ -213,6 +218,8 @@ class ExpertCache:
         self.last_choice[layer] = set(wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
         needed = self._in_use = {(layer, e) for e in wanted}
+        if self.prefilling:
+            self.prefill_seen |= needed
         for e in wanted:
             key = (layer, e)
             self.counts[layer][e] += 1
@@ -244,6 +251,8 @@ class ExpertCache:
             self.layer_misses[layer] += 1
             unit = self._unit(layer, e)
             self.bytes_needed += unit.length
+            if self.prefilling:
+                self.prefill_read_bytes += unit.length
             self._make_room(unit.length, needed)
             pending.append((unit, self._read_unit(unit)))
             self._touch(key, unit)
@@ -270,6 +279,11 @@ class ExpertCache:
         if unit is not None:
             self._resident_bytes -= unit.length
             self._drop_unit(unit)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Cached experts' bytes, the pinned hot ones aside: never above ``capacity``."""
+        return self._resident_bytes
 
     def resident_keys(self) -> set[tuple[int, int]]:
         return set(self._resident) | self.pinned

@@ -77,3 +77,28 @@ def available_memory() -> int:
 def default_budget() -> int:
     """A safe share of what is really available; the streaming engine sizes its pinned set from it."""
     return int(available_memory() * SAFE_SHARE)
+
+
+def mapped_resident_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/proc/self/smaps")) -> int | None:
+    """Resident bytes of this process inside the address ranges ``[(start, end), ...]``: the
+    model's mappings, whatever backs each page there (the file, or anonymous pages a direct
+    read moved in). From /proc/self/smaps (Linux); None where there is none."""
+    try:
+        text = smaps.read_text()
+    except OSError:
+        return None
+    total = 0
+    inside = False
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            try:
+                start, end = int(lo, 16), int(hi, 16)
+            except ValueError:
+                inside = False
+                continue
+            inside = any(start < r_end and end > r_start for r_start, r_end in ranges)
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total

@@ -64,6 +64,8 @@ class EngineMetrics:
         self.budget_bytes: int | None = None
         # Set by the streaming engine: one state per layer (pinned / resident / in flight / cold).
         self.residency_source: Callable[[], list[str]] | None = None
+        # Set by the engine once the model is mapped: resident bytes of the model's mappings.
+        self.model_resident_source: Callable[[], int | None] | None = None
         # Set when routed experts stream: (routing counts [layer][expert], hit rate per layer).
         self.experts_source: Callable[[], tuple[list[list[int]], list[float | None]]] | None = None
         self._request_start: float | None = None
@@ -150,6 +152,8 @@ class Snapshot:
     prompt_tokens_total: int
     streaming: StreamingCounters | None
     rss_history: list[int] = field(default_factory=list)
+    # The model's share of rss_bytes (its pinned, streamed and cached pages); None where unknown.
+    model_rss_bytes: int | None = None
     read_rate_history: list[float] = field(default_factory=list)
     residency: list[str] | None = None
     experts: tuple[list[list[int]], list[float | None]] | None = None
@@ -301,6 +305,7 @@ class Sampler:
             rss_history=list(self._rss_history),
             read_rate_history=list(self._rate_history),
             disk_rates=disk_rates,
+            model_rss_bytes=self.metrics.model_resident_source() if self.metrics.model_resident_source else None,
             residency=self.metrics.residency_source() if self.metrics.residency_source else None,
             experts=self.metrics.experts_source() if self.metrics.experts_source else None,
         )

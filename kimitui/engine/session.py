@@ -26,6 +26,7 @@ from kimitui.engine.settings import StreamSettings
 from kimitui.engine.turns import TurnQueue
 from kimitui.errors import UserError
 from kimitui.model.gguf_file import ModelInfo, read_model_info
+from kimitui.units import format_bytes
 
 # Used when a GGUF carries no chat template (base models): plain ChatML.
 FALLBACK_TEMPLATE = (
@@ -119,6 +120,11 @@ def _ggml_base(llama_library: str):
     lib.ggml_get_data.restype = ctypes.c_void_p
     lib.ggml_get_data.argtypes = (ctypes.c_void_p,)
     return lib
+
+
+# The node that holds the token embeddings, computed before layer 0: most graphs name it
+# "embd" (build_inp_embd); kimi-k3 renames that same node "inp_embd".
+LAYER_ZERO_NODES = (b"embd", b"inp_embd")
 
 
 def _topk_ids(ggml, tensor: int) -> set[int]:
@@ -240,6 +246,7 @@ class Engine:
         budget: int | None = None,
         stream_settings: StreamSettings | None = None,
         shard_size: int = 64 * 2**20,
+        n_ctx_fixed: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
@@ -265,6 +272,11 @@ class Engine:
         self.pinned_bytes = 0
         self.hot_expert_bytes = 0  # of the pinned set: experts earlier runs' heatmap marked hot
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
+        self.plan = None  # budget.MemoryPlan, once a streamed model is planned
+        self.plan_note: str | None = None  # what the plan changed of the settings, when it did
+        self.n_ctx_fixed = n_ctx_fixed  # the user chose n_ctx: refuse rather than shrink it
+        self.fit_note: str | None = None  # why n_ctx is smaller than configured, when it is
+        self.n_ubatch = n_batch
         self.metrics = metrics or EngineMetrics()
         self.state = EngineState.EMPTY
         self.load_progress = 0.0
@@ -349,8 +361,15 @@ class Engine:
                 hooks = loadhooks.install()
             except loadhooks.HookUnavailable as exc:
                 self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
-        callbacks = self._stream_callbacks() if self._may_stream() else (None, None)
-        rss_before = psutil.Process().memory_info().rss
+        streams = self._may_stream()
+        callbacks = self._stream_callbacks() if streams else (None, None)
+        if streams:
+            # A prefill micro-batch needs the union of its tokens' experts at once: as many
+            # tokens as the planned expert cache surely holds.
+            self.n_ubatch = min(self.n_batch, self._memory_plan(self._model_map()).ubatch)
+        self._fit_context()
+        process = psutil.Process()
+        rss_before, vms_before = process.memory_info()[:2]
         mark = hooks.mark() if hooks is not None else 0
         self._in_c.set()
         try:
@@ -364,6 +383,7 @@ class Engine:
                     model_path=str(self.model_path),
                     n_ctx=self.n_ctx,
                     n_batch=self.n_batch,
+                    n_ubatch=self.n_ubatch,
                     n_threads=self.n_threads,
                     n_threads_batch=self.n_threads,
                     verbose=False,
@@ -387,14 +407,48 @@ class Engine:
                     if m is not None and m.fd >= 0:
                         os.close(m.fd)
         self._sizes_at_load = {Path(f): os.stat(f).st_size for f in files}
-        # With fast start no model page is resident yet: what the load added is llama.cpp's own
-        # working memory (KV cache, compute buffers, vocabulary), which the budget must leave room for.
-        self.working_bytes = max(0, psutil.Process().memory_info().rss - rss_before)
+        if self.mappings:
+            from kimitui.engine.memory import mapped_resident_bytes
+
+            spans = [(m.address, m.address + m.length) for m in self.mappings.values()]
+            self.metrics.model_resident_source = lambda: mapped_resident_bytes(spans)
+        # llama.cpp's own working memory (KV cache, recurrent state, compute buffers, vocabulary):
+        # committed at load, touched as the context fills, so the address space it added tells
+        # what RSS will tell later. The model's mappings are not part of it.
+        rss_after, vms_after = process.memory_info()[:2]
+        mapped = sum(os.path.getsize(f) for f in files)
+        self.working_bytes = max(rss_after - rss_before, vms_after - vms_before - mapped)
         self._formatter = self._make_formatter()
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:
             progress(1.0)  # fast start: the one step there was
         self.state = EngineState.READY
+
+    def _fit_context(self) -> None:
+        """Pick n_ctx so that the budget and llama.cpp's context (KV cache, recurrent state,
+        compute buffers) fit the memory this process may use (cgroup limits included): the
+        largest up to the configured one, or, when the user chose it, a refusal that says what
+        to lower. Without it a context too big is an OOM kill once the KV cache fills."""
+        if self.budget is None:
+            return
+        from kimitui.engine.budget import context_fits, working_estimate
+        from kimitui.engine.memory import available_memory
+
+        model = self._model_map()
+        weights = min(self.budget, model.tensor_bytes)
+        room = available_memory()
+        fitted = context_fits(model, weights, room, self.n_ctx, self.n_ubatch)
+        if fitted == self.n_ctx:
+            return
+        if fitted is None or self.n_ctx_fixed:
+            need = working_estimate(model, self.n_ctx, self.n_ubatch)
+            lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
+            raise EngineError(
+                f"context of {self.n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
+                f"{format_bytes(weights)} of weights, but {format_bytes(room)} is available (cgroup limits included): lower {lower}"
+            )
+        self.fit_note = f"context {fitted} tokens instead of {self.n_ctx}: the KV cache for more would not fit beside the budget"
+        self.n_ctx = fitted
 
     def abort_load(self) -> None:
         self._abort_load.set()
@@ -417,8 +471,8 @@ class Engine:
 
         def on_eval(tensor, ask, _user):
             name = ggml.ggml_get_name(tensor) or b""
-            if ask:  # observe the node before each layer (embd, then l_out-<i>) and each router's top-k
-                if name == b"embd" or name.startswith((b"l_out-", b"ffn_moe_topk-")):
+            if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
+                if name in LAYER_ZERO_NODES or name.startswith((b"l_out-", b"ffn_moe_topk-")):
                     return True
                 # With router look-ahead, also each MoE layer's FFN input ("ffn_norm-<i>" exactly).
                 streamer = self.streamer
@@ -426,14 +480,19 @@ class Engine:
             streamer = self.streamer
             if streamer is None:
                 return True
-            if name.startswith(b"ffn_moe_topk-"):
-                streamer.on_experts(int(name[13:]), _topk_ids(ggml, tensor))
-            elif name.startswith(b"ffn_norm-"):
-                hidden = _last_row_f32(ggml, tensor)
-                if hidden is not None:
-                    streamer.on_router_input(int(name[9:]), hidden)
-            else:
-                streamer.on_layer_start(0 if name == b"embd" else int(name[6:]) + 1)
+            # Returning False here would make ggml skip the rest of the graph split: silently
+            # wrong logits. Any failure stops the token through the abort callback instead.
+            try:
+                if name.startswith(b"ffn_moe_topk-"):
+                    streamer.on_experts(int(name[13:]), _topk_ids(ggml, tensor))
+                elif name.startswith(b"ffn_norm-"):
+                    hidden = _last_row_f32(ggml, tensor)
+                    if hidden is not None:
+                        streamer.on_router_input(int(name[9:]), hidden)
+                else:
+                    streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else int(name[6:]) + 1)
+            except Exception as exc:  # noqa: BLE001 - a C callback must not raise
+                streamer.fail(f"streaming failed at graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
             return True
 
         def on_abort(_user):
@@ -453,35 +512,29 @@ class Engine:
             self._pin_listener = on_progress  # a later re-pin (live tuning) reports to it too
         if not self.mappings:
             return
-        from kimitui.engine.memory import default_budget
         from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned, shard_ranges
 
         model = self._model_map()
-        budget = self.budget if self.budget is not None else default_budget()
-        # llama.cpp's working memory and, when streaming, the window of layers in flight come
-        # off the budget; a tenth stays free as slack.
-        working = self.working_bytes
         streaming = self._callbacks is not None
-        window = 0
-        if streaming:
-            # The layers in flight: trunk bytes only for MoE layers, whose experts come on demand.
-            per_layer = max(layer.trunk_bytes if model.is_moe else layer.n_bytes for layer in model.layers)
-            window = per_layer * (self.stream_settings.prefetch_depth + 1)
-        # The non-layer tensors (embeddings, output) are pinned whatever is left: every token
-        # reads them and the streamer never does; minimum_budget() has made room for them.
-        pin_budget = max(int(budget * 0.9) - working - window, model.nonlayer_bytes)
-        pinned = plan_pinned(model, pin_budget)
-        moe_streaming = streaming and model.is_moe and len(pinned) < len(model.shards)
+        settings = self.stream_settings
         hot: list = []
         counts = None
-        if moe_streaming:
-            from kimitui.engine.experts import hot_experts, load_heatmap
+        if streaming:
+            plan = self.plan = self._memory_plan(model)
+            pinned = list(plan.pinned)
+            if plan.prefetch_depth < settings.prefetch_depth:
+                settings = replace(settings, prefetch_depth=plan.prefetch_depth)
+                self.plan_note = (
+                    f"prefetch depth {plan.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
+                    "deeper read-ahead would pass the budget"
+                )
+            if model.is_moe:
+                from kimitui.engine.experts import hot_experts, load_heatmap
 
-            pinned = [s for s in pinned if not s.routed]
-            left = pin_budget - sum(s.length for s in pinned)
-            counts = load_heatmap(self.heatmap_path(model), model.n_layers, model.n_expert)
-            # Half of what is left pins the experts past runs used most; the rest caches.
-            hot = hot_experts(model, counts, left // 2)
+                counts = load_heatmap(self.heatmap_path(model), model.n_layers, model.n_expert)
+                hot = hot_experts(model, counts, plan.hot_expert_bytes)
+        else:  # the whole model fits: pin it all, streaming nothing
+            pinned = plan_pinned(model, sum(shard.length for shard in model.shards))
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
         try:
             ParallelReader().read(model.files, ranges, on_progress, cancel=self._abort_load)
@@ -494,20 +547,27 @@ class Engine:
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
         self.hot_expert_bytes = sum(unit.length for unit in hot)
-        if streaming and (len(pinned) < len(model.shards)):
+        if streaming:
             from kimitui.engine.streaming import Streamer
 
             self.streamer = Streamer(
-                model, addresses, {s.index for s in pinned}, self.stream_settings, self.metrics,
+                model, addresses, {s.index for s in pinned}, settings, self.metrics,
                 mapping_fds={i: m.fd for i, m in self.mappings.items() if m.fd >= 0},
+                window_limit=plan.window_bytes,
             )
-            if moe_streaming:
-                capacity = max(0, pin_budget - self.pinned_bytes)
-                self.streamer.attach_experts(capacity, hot, counts)
+            if model.is_moe:
+                self.streamer.attach_experts(plan.expert_bytes - self.hot_expert_bytes, hot, counts)
                 experts = self.streamer.experts
                 self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
             self.metrics.residency_source = self.streamer.residency_by_layer
             self.set_tracer(self.tracer)
+
+    def _memory_plan(self, model):
+        from kimitui.engine.budget import plan_memory
+        from kimitui.engine.memory import default_budget
+
+        budget = self.budget if self.budget is not None else default_budget()
+        return plan_memory(model, budget, self.stream_settings.prefetch_depth, self.n_batch)
 
     def check_files(self) -> None:
         """A model held whole has no per-layer check (no eval callback): before each reply, make
@@ -571,7 +631,7 @@ class Engine:
         the token waits for it, which the latency panel shows. Returns a line saying when the
         change applies."""
         if budget is not None:
-            from kimitui.engine.streaming import budget_shortfall
+            from kimitui.engine.budget import budget_shortfall
 
             try:
                 shortfall = budget_shortfall(self._model_map(), budget)
@@ -736,6 +796,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
     return Engine(
         model_path,
         n_ctx=settings["model.n_ctx"],
+        n_ctx_fixed=settings.origin("model.n_ctx") != "default",
         n_threads=settings["model.n_threads"],
         n_batch=settings["model.n_batch"],
         metrics=metrics,

@@ -45,25 +45,6 @@ class Residency(enum.Enum):
     PINNED = "pinned"
 
 
-def minimum_budget(model: ModelMap) -> int:
-    """Weights that must fit at once: non-layer tensors (read by every token, so pinned) plus
-    the largest layer while it computes."""
-    return model.nonlayer_bytes + max((layer.n_bytes for layer in model.layers), default=0)
-
-
-def budget_shortfall(model: ModelMap, budget: int) -> str | None:
-    """Why ``budget`` cannot run ``model``, in one line; None when it can."""
-    from kimitui.units import format_bytes
-
-    needed = minimum_budget(model)
-    if budget >= needed:
-        return None
-    return (
-        f"budget {format_bytes(budget)} is below the minimum working set of {model.files[0].name}: "
-        f"{format_bytes(needed)} (non-layer tensors plus its largest layer)"
-    )
-
-
 class _WholeRead:
     """An expert's slices (gate, up, down: three reads) reported to the trace as one read, when
     the last lands: hundreds fewer records per token on a Kimi-shaped model."""
@@ -100,7 +81,7 @@ class Dropper:
         self._release = release
         self._on_error = on_error
         self._lock = threading.Lock()
-        self._pending: dict[object, tuple] = {}  # key -> ranges, oldest first
+        self._pending: dict[object, tuple] = {}  # key -> (ranges, release), oldest first
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -108,15 +89,17 @@ class Dropper:
         self._thread = threading.Thread(target=self._run, name="kimitui-drop", daemon=True)
         self._thread.start()
 
-    def later(self, key, ranges) -> None:
+    def later(self, key, ranges, release: Callable[[object], None] | None = None) -> None:
+        """Release ``ranges`` soon, with ``release`` (default: the dropper's own)."""
         with self._lock:
-            self._pending[key] = tuple(ranges)
+            self._pending[key] = (tuple(ranges), release or self._release)
             self._idle.clear()
         self._wake.set()
 
-    def keep(self, key) -> None:
+    def keep(self, key) -> bool:
+        """Cancel ``key``'s release if it has not run; True when it had not."""
         with self._lock:
-            self._pending.pop(key, None)
+            return self._pending.pop(key, None) is not None
 
     def flush(self) -> None:
         """Wait until every queued release is done."""
@@ -139,9 +122,10 @@ class Dropper:
                         self._idle.set()
                         break
                     key = next(iter(self._pending))
-                    for r in self._pending.pop(key):
+                    ranges, release = self._pending.pop(key)
+                    for r in ranges:
                         try:
-                            self._release(r)
+                            release(r)
                         except OSError as exc:  # the thread lives on: flush() and close() must return
                             self._on_error(f"cannot give streamed bytes back to the model file: {exc}")
             if self._closing:
@@ -158,9 +142,13 @@ class Streamer:
         metrics: EngineMetrics,
         platform_io: PlatformIO | None = None,
         mapping_fds: dict[int, int] | None = None,
+        window_limit: int | None = None,
     ) -> None:
         """``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
-        them), through which direct reads give ranges back to the file; our own otherwise."""
+        them), through which direct reads give ranges back to the file; our own otherwise.
+        ``window_limit``: the most trunk bytes in flight the budget allows, whatever the
+        prefetch depth is tuned to later."""
+        self.window_limit = window_limit
         self.model = model
         self.addresses = mapping_addresses
         self.settings = settings
@@ -186,7 +174,8 @@ class Streamer:
         # None elsewhere, or where the file system or kernel cannot, and reads use the page cache.
         self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
-        self._dropper = Dropper(self._release, self._fail)
+        self._dropper = Dropper(self._release, self.fail)
+        self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
@@ -216,9 +205,13 @@ class Streamer:
 
     def _window(self) -> int:
         if self.settings.window_bytes:
-            return self.settings.window_bytes
-        per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
-        return per_layer * (self.settings.prefetch_depth + 1)
+            wanted = self.settings.window_bytes
+        else:
+            per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+            wanted = per_layer * (self.settings.prefetch_depth + 1)
+        # Never less than one layer: the layer computing must be resident.
+        floor = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+        return wanted if self.window_limit is None else max(floor, min(wanted, self.window_limit))
 
     def _pool_pieces(self) -> int:
         """Direct-read buffers for a full window: a shard's pieces start on PIECE_BYTES
@@ -240,24 +233,33 @@ class Streamer:
     ) -> int:
         """Read one piece of a shard or an expert (``unit``, for messages and the trace);
         ``whole`` gathers an expert's slices into one read for the trace; ``placed``: whole
-        pages that go to the mapping by direct read (None back: the pool is spent)."""
+        pages that go to the mapping by direct read (None back: the pool is spent, or O_DIRECT
+        was refused)."""
         started = time.perf_counter()
+        expert = isinstance(unit, ExpertUnit)
         try:
             size = os.fstat(self.fds[file]).st_size
             if offset + length > size:
                 got = max(0, size - offset)
-            elif placed and (got := self.placer.place(file, offset, length)) is not None:
+            elif placed and (
+                got := self.placer.place_in_place(file, offset, length, placed)
+                if expert
+                else self.placer.place(file, offset, length)
+            ) is not None:
                 pass
             # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
             # are read through our descriptor instead, because a fault on the mapping brings the
             # disk's whole read-ahead window (8 MiB here) with each small slice.
-            elif not isinstance(unit, ExpertUnit) and self.io.populate(self.fds[file], self.addresses[file], offset, length):
+            elif not expert and self.io.populate(self.fds[file], self.addresses[file], offset, length):
                 got = length
                 if placed:  # meant for a direct read, but the pool was spent
                     with self._lock:
                         self.page_cache_fallback_bytes += length
             else:
-                got = os.preadv(self.fds[file], [self._buffer()[:length]], offset)
+                got = self._pread(file, offset, length)
+                if placed:
+                    with self._lock:
+                        self.page_cache_fallback_bytes += length
         except OSError as exc:
             raise StreamAbort(
                 f"cannot read {self._what(unit)} of layer {unit.layer} from model file "
@@ -280,12 +282,25 @@ class Streamer:
                 on_read(unit, whole.offset, whole.length, whole.start, whole.end - whole.start)
         return length
 
+    def _pread(self, file: int, offset: int, length: int) -> int:
+        """Through the page cache, in buffer-sized reads: the page cache keeps the bytes for the mapping."""
+        buf, got = self._buffer(), 0
+        while got < length:
+            n = os.preadv(self.fds[file], [buf[: min(CHUNK_BYTES, length - got)]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
     @staticmethod
     def _what(unit) -> str:
         return f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
 
     def _read_ranges(self, unit, ranges, pool: ThreadPoolExecutor | None = None) -> list[Future]:
-        if self.placer is not None and not isinstance(unit, ExpertUnit):
+        expert = isinstance(unit, ExpertUnit)
+        if self.placer is not None and expert:
+            pieces = [piece for r in ranges for piece in self._expert_pieces(r)]
+        elif self.placer is not None:
             page = self.placer.page
             pieces = [(r.file, *piece) for r in ranges for piece in split_pieces(r.offset, r.end, page)]
         else:
@@ -295,15 +310,15 @@ class Streamer:
                 for start in range(r.offset, r.end, CHUNK_BYTES)
             ]
         whole = None
-        if isinstance(unit, ExpertUnit) and len(pieces) > 1 and self.on_read is not None:
+        if expert and len(pieces) > 1 and self.on_read is not None:
             whole = _WholeRead(pieces[0][1], sum(p[2] for p in pieces), len(pieces))
         return [
             (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed)
             for file, start, length, placed in pieces
         ]
 
-    def _fail(self, message: str) -> None:
-        """An error off the compute thread: the next layer start stops the reply with it."""
+    def fail(self, message: str) -> None:
+        """An error off the compute path: the abort callback stops the token, the reply ends with it."""
         if self.error is None:
             self.error = message
 
@@ -313,6 +328,73 @@ class Streamer:
         if self.placer is not None:
             self.placer.release(r.file, r.offset, r.length)
         self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
+
+    # -- expert slices in place ------------------------------------------------------------
+    #
+    # An expert slice is read, whole pages and all, into anonymous memory at its place (see
+    # direct.py), its partial end pages included: a file-backed page there would be faulted in
+    # by compute, and the fault maps its cached neighbours with it (fault-around: 64 KiB of
+    # other experts per fault when the file sits in the page cache, as after a restart). An end
+    # page is shared with the neighbouring slice, so it is counted: read by the first slice
+    # that needs it, given back with the last. A pinned hot expert holds its pages for good.
+
+    def _slice_pages(self, r) -> tuple[int, int, list[int]]:
+        """(first page, end, shared end pages) of a slice, as file offsets."""
+        page = self.io.page
+        lo, hi = r.offset // page * page, -(-r.end // page) * page
+        shared = []
+        if r.offset % page:
+            shared.append(lo)
+        if r.end % page and hi - page not in shared:
+            shared.append(hi - page)
+        return lo, hi, shared
+
+    def _hold_edges(self, r) -> None:
+        with self._lock:
+            for edge in self._slice_pages(r)[2]:
+                self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
+
+    def _expert_pieces(self, r) -> list[tuple]:
+        """The slice's pages not already in place, as one in-place read, with its parts."""
+        page = self.io.page
+        lo, hi, shared = self._slice_pages(r)
+        with self._lock:
+            held = {edge for edge in shared if self._edge_refs.get((r.file, edge), 0) > 0}
+            for edge in shared:
+                self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
+        start = lo + page if lo in held else lo
+        end = hi - page if hi - page in held else hi
+        if end <= start:
+            return []
+        inner_start = lo + page if lo in shared else lo
+        inner_end = hi - page if hi - page in shared else hi
+        parts = [(edge, page) for edge in shared if edge not in held]
+        if inner_end > inner_start:
+            parts.append((inner_start, inner_end - inner_start))
+        return [(r.file, start, end - start, sorted(parts))]
+
+    def _release_expert(self, r) -> None:
+        """Give a slice back: its own pages, and each shared end page no resident slice holds."""
+        page = self.io.page
+        lo, hi, shared = self._slice_pages(r)
+        give_back = []
+        inner_start = lo + page if lo in shared else lo
+        inner_end = hi - page if hi - page in shared else hi
+        if inner_end > inner_start:
+            give_back.append((inner_start, inner_end - inner_start))
+        with self._lock:
+            for edge in shared:
+                left = self._edge_refs.get((r.file, edge), 0) - 1
+                if left > 0:
+                    self._edge_refs[(r.file, edge)] = left
+                else:
+                    self._edge_refs.pop((r.file, edge), None)
+                    give_back.append((edge, page))
+        for offset, length in give_back:
+            if self.placer is not None and self.placer.holds(r.file, offset):
+                self.placer.release_in_place(r.file, offset)
+            else:  # read through the page cache (O_DIRECT refused): out of our tables and the cache
+                self.io.drop(self.fds[r.file], self.addresses[r.file], offset, length)
 
     def _submit(self, shard: Shard) -> None:
         """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
@@ -464,12 +546,17 @@ class Streamer:
         for layer in range(self.model.n_layers):
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
 
+        for unit in pinned:  # locked, file-backed: never read in place, never given back
+            for r in unit.ranges:
+                self._hold_edges(r)
+
         def read_unit(unit: ExpertUnit, pool: ThreadPoolExecutor | None = None) -> list[Future]:
-            self._dropper.keep(("expert", unit.layer, unit.expert))
+            if self._dropper.keep(("expert", unit.layer, unit.expert)) and self.placer is not None:
+                return []  # its release had not run: its pages are still in place, its end pages still counted
             return self._read_ranges(unit, unit.ranges, pool)
 
         def drop_unit(unit: ExpertUnit) -> None:
-            self._dropper.later(("expert", unit.layer, unit.expert), unit.ranges)
+            self._dropper.later(("expert", unit.layer, unit.expert), unit.ranges, self._release_expert)
 
         self.experts = ExpertCache(
             self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy,
@@ -494,10 +581,10 @@ class Streamer:
 
     def on_experts(self, layer: int, experts: set[int]) -> None:
         """The router of ``layer`` chose ``experts`` (for every token of the batch)."""
-        if self.error is not None or self.experts is None:
-            return
+        if self.error is not None or self.experts is None or not experts:
+            return  # no tokens in this micro-batch (llama.cpp builds such graphs): nothing to read
         n_expert = self.model.layers[layer].n_expert
-        if not experts or min(experts) < 0 or max(experts) >= n_expert:
+        if min(experts) < 0 or max(experts) >= n_expert:
             # ggml's tensor layout moved under us: stop rather than guess which bytes to read.
             self.error = f"layer {layer}: router ids {sorted(experts)[:8]} are not experts 0..{n_expert - 1} (unsupported llama.cpp build?)"
             self._report()

@@ -151,6 +151,7 @@ class ModelMap:
     shards: tuple[Shard, ...] = field(repr=False)
     layers: tuple[LayerInfo, ...] = field(repr=False)
     alignment: int = 32  # GGUF data alignment: the most padding that separates adjacent tensors
+    hparams: dict = field(default_factory=dict, repr=False, compare=False)  # the `{arch}.*` keys
 
     # --- totals -------------------------------------------------------------------------
     @cached_property
@@ -303,6 +304,7 @@ class ModelMap:
             shards=shards,
             layers=_layer_infos(self.tensors, shards, len(self.layers)),
             alignment=self.alignment,
+            hparams=self.hparams,
         )
 
     def _check_layer(self, layer: int) -> None:
@@ -451,6 +453,8 @@ def _open_reader(path: Path, arrays: bool = False):
             alen = self._get(orig_offs + 4, np.uint64)
             start = offs = orig_offs + 12
             itype, count = GGUFValueType(int(raw_itype[0])), int(alen[0])
+            if itype != GGUFValueType.STRING and count <= 4096:  # per-layer hyperparameters: cheap, and needed
+                return super()._get_field_parts(orig_offs, raw_type)
             if itype == GGUFValueType.STRING:
                 view, length = memoryview(self._data), struct.Struct(alen.dtype.str[0] + "Q")
                 for _ in range(count):
@@ -556,6 +560,7 @@ def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> Mo
             n_used = field_value(reader, f"{arch}.expert_used_count")
             n_shared = field_value(reader, f"{arch}.expert_shared_count")
             alignment = int(reader.alignment)
+            hparams = {key: field_value(reader, key) for key in reader.fields if key.startswith(f"{arch}.")}
         for tname, qtype, shape, n_bytes, offset in tensor_layout(reader, file, size):
             if tname in seen:
                 raise UserError(f"{file}: tensor {tname} appears twice")
@@ -606,4 +611,5 @@ def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> Mo
         shards=shards,
         layers=_layer_infos(frozen, shards, n_layers),
         alignment=alignment,
+        hparams=hparams,
     )

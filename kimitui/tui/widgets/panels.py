@@ -114,12 +114,20 @@ class MemoryPanel(Panel):
     summary = "RSS —"
 
     def render_snapshot(self, snap: Snapshot) -> None:
+        # The budget is the model's: its pages are measured against it, the rest of the process
+        # (interpreter, UI, llama.cpp's KV cache and buffers) is shown beside it.
         budget = snap.budget_bytes
-        fraction = snap.rss_bytes / budget if budget and snap.rss_bytes is not None else None
-        self.summary = (
-            f"RSS {format_bytes(snap.rss_bytes)}\npeak {format_bytes(snap.rss_peak_bytes)}\n"
-            f"of {format_bytes(budget)}{'' if fraction is None else f' ({fraction:.0%})'}"
-        )
+        model = snap.model_rss_bytes
+        held = model if model is not None else snap.rss_bytes
+        fraction = held / budget if budget and held is not None else None
+        share = "" if fraction is None else f" ({fraction:.0%})"
+        if model is None:
+            self.summary = f"RSS {format_bytes(snap.rss_bytes)}\npeak {format_bytes(snap.rss_peak_bytes)}\nof {format_bytes(budget)}{share}"
+        else:
+            self.summary = (
+                f"model {format_bytes(model)}\nof {format_bytes(budget)}{share}\n"
+                f"other {format_bytes(max(0, snap.rss_bytes - model))}, peak RSS {format_bytes(snap.rss_peak_bytes)}"
+            )
         text = Text(self.summary)
         # Rich's bar takes the width it is given at render time, whatever the layout.
         bar = ProgressBar(total=1.0, completed=min(1.0, fraction)) if fraction is not None else Text("—")

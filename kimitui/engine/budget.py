@@ -1,0 +1,195 @@
+"""How a memory budget is spent, decided before llama.cpp is called.
+
+The budget is the promise about the model: its resident pages (pinned, streamed, cached
+experts; file-backed and anonymous alike) stay within it. llama.cpp's own working memory (KV
+cache, recurrent state, compute buffers) and the interpreter live beside it, and must fit what
+the process may use next to the budget: the context length is chosen for that.
+
+An MoE model's budget, in order of bytes saved per byte spent:
+1. the non-layer tensors (every token reads them, and the streamer never does);
+2. the expert cache's floor: the routed experts one token uses in one layer;
+3. the trunk window: the largest streamed trunk for the layer computing and each layer read ahead
+   (the prefetch depth shrinks before the budget is passed);
+4. pinned trunk, layer by layer (a pinned trunk byte saves a read every token);
+5. what is left caches experts (a cached expert byte saves n_used/n_expert of a read per token
+   under flat routing, more under skew); half of it may pin the experts past runs used most.
+Prefill: a batch of tokens needs the union of its experts at once, so the micro-batch is cut to
+what the expert cache holds (all of a prompt's batch when a whole layer's experts fit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimitui.model.gguf_map import ModelMap, Shard
+
+# Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
+# cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
+SLACK_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int
+    pinned: tuple[Shard, ...]  # whole shards pinned (non-layer tensors and trunk)
+    window_bytes: int  # trunk bytes streamed in flight at most (computing layer and read-ahead)
+    prefetch_depth: int  # layers read ahead; the configured depth or less, so the window fits
+    expert_bytes: int  # routed experts resident at most (the cache, with any hot pinned ones)
+    hot_expert_bytes: int  # of expert_bytes: at most this much may pin past runs' hot experts
+    ubatch: int  # prefill tokens computed at once
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(s.length for s in self.pinned)
+
+
+def trunk_bytes(model: ModelMap, layer: int) -> int:
+    info = model.layers[layer]
+    return info.trunk_bytes if info.is_moe else info.n_bytes
+
+
+def expert_floor(model: ModelMap) -> int:
+    """The routed experts one token needs in one layer: the cache can never be smaller."""
+    return model.n_expert_used * model.bytes_per_expert if model.is_moe else 0
+
+
+def minimum_budget(model: ModelMap) -> int:
+    """Non-layer tensors, the largest trunk, and the experts one token uses in a layer."""
+    largest = max((trunk_bytes(model, i) for i in range(model.n_layers)), default=0)
+    return model.nonlayer_bytes + largest + expert_floor(model) + SLACK_BYTES
+
+
+def budget_shortfall(model: ModelMap, budget: int) -> str | None:
+    """Why ``budget`` cannot run ``model``, in one line; None when it can."""
+    from kimitui.units import format_bytes
+
+    needed = minimum_budget(model)
+    if budget >= needed:
+        return None
+    what = "the largest trunk and the routed experts one token uses in a layer" if model.is_moe else "its largest layer"
+    return (
+        f"budget {format_bytes(budget)} is below the minimum working set of {model.files[0].name}: "
+        f"{format_bytes(needed)} (non-layer tensors, {what}, {format_bytes(SLACK_BYTES)} of page slack)"
+    )
+
+
+def _trunk_shards(model: ModelMap) -> list[Shard]:
+    """Trunk shards in pinning order: non-layer tensors, then layer by layer."""
+    return sorted(
+        (s for s in model.shards if not s.routed),
+        key=lambda s: (-1 if s.layer is None else s.layer, s.file, s.offset),
+    )
+
+
+def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int) -> MemoryPlan:
+    """Spend ``budget`` on ``model`` as the module says; ``budget`` is at least the minimum."""
+    room = max(0, budget - SLACK_BYTES)
+    shards = _trunk_shards(model)
+    nonlayer = [s for s in shards if s.layer is None]
+    layered = [s for s in shards if s.layer is not None]
+    pinned = list(nonlayer)
+    left = room - sum(s.length for s in nonlayer) - expert_floor(model)
+
+    def window(pinned_by_layer: dict[int, int], depth: int) -> int:
+        """The largest trunk still streamed (what is not pinned of it), times the layers in flight."""
+        streamed = [trunk_bytes(model, i) - pinned_by_layer.get(i, 0) for i in range(model.n_layers)]
+        return max(streamed, default=0) * (depth + 1)
+
+    # The deepest read-ahead that fits with nothing pinned, down to none.
+    depth = prefetch_depth
+    while depth > 0 and window({}, depth) > left:
+        depth -= 1
+    # Then trunk shards in order, while the window of what still streams fits beside them.
+    pinned_by_layer: dict[int, int] = {}
+    spent = 0
+    for shard in layered:
+        after = dict(pinned_by_layer)
+        after[shard.layer] = after.get(shard.layer, 0) + shard.length
+        if spent + shard.length + window(after, depth) > left:
+            break
+        pinned.append(shard)
+        spent += shard.length
+        pinned_by_layer = after
+    win = window(pinned_by_layer, depth)
+    experts = 0
+    if model.is_moe:
+        experts = max(0, left - spent - win) + expert_floor(model)
+    cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
+    ubatch = n_batch
+    if model.is_moe and model.bytes_per_expert:
+        cached = cache_floor // model.bytes_per_expert
+        if cached < model.n_expert:  # a layer's experts do not all fit: as many tokens as surely fit
+            ubatch = max(1, min(n_batch, cached // model.n_expert_used))
+    return MemoryPlan(
+        budget=budget,
+        pinned=tuple(pinned),
+        window_bytes=win,
+        prefetch_depth=depth,
+        expert_bytes=experts,
+        hot_expert_bytes=(experts - expert_floor(model)) // 2,
+        ubatch=ubatch,
+    )
+
+
+def context_bytes(kv: dict, arch: str, n_ctx: int) -> int:
+    """llama.cpp's KV cache (f16) and recurrent state (f32) for ``n_ctx`` cells, from the GGUF's
+    keys (``kv``: key -> value), as llama.cpp sizes them (checked against its own log lines)."""
+
+    def get(key: str, default=None):
+        return kv.get(f"{arch}.{key}", default)
+
+    n_layer = int(get("block_count", 0))
+    n_head = int(get("attention.head_count", 0) or 0)
+    heads_kv = get("attention.head_count_kv", n_head)
+    per_layer_kv = list(heads_kv) if isinstance(heads_kv, (list, tuple)) else [heads_kv] * n_layer
+    n_embd = int(get("embedding_length", 0))
+    head_dim = n_embd // n_head if n_head else 0
+    k_len = int(get("attention.key_length", head_dim) or head_dim)
+    v_len = int(get("attention.value_length", head_dim) or head_dim)
+    mla = get("attention.kv_lora_rank") is not None  # absorbed MLA caches K only; V is a view of it
+    total = 0
+    kda_dim = get("kda.head_dim")
+    for n_kv in per_layer_kv:
+        n_kv = int(n_kv)
+        if n_kv == 0 and kda_dim is not None:  # a KDA layer: conv state and the recurrent matrix
+            d_inner = int(kda_dim) * n_head
+            conv = (int(get("ssm.conv_kernel", 4)) - 1) * d_inner * 3
+            total += 4 * (conv + int(kda_dim) ** 2 * n_head)
+            continue
+        width = n_kv * k_len + (0 if mla else n_kv * v_len)
+        total += 2 * width * n_ctx
+    return total
+
+
+# llama.cpp's buffers for one micro-batch, per token in it: logits over the vocabulary, the
+# attention scores of each head over the context, a few activations (4 bytes each); the margin
+# covers what the formula leaves out (measured against llama.cpp's own log: within 10%).
+COMPUTE_MARGIN = 1.15
+# What the process may still grow by beside llama.cpp and the weights (the UI, threads): the
+# memory available is measured with the interpreter already in it.
+PROCESS_RESERVE = 32 * 2**20
+MIN_CTX = 256
+
+
+def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int) -> int:
+    """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers."""
+    arch = model.architecture
+    kv = model.hparams
+    n_vocab = int(kv.get(f"{arch}.vocab_size") or 0) or 32000
+    n_embd = int(kv.get(f"{arch}.embedding_length") or 0)
+    n_head = int(kv.get(f"{arch}.attention.head_count") or 1)
+    tokens = min(n_ubatch, n_ctx)
+    compute = 4 * tokens * (n_vocab + n_head * n_ctx + 8 * n_embd)
+    return context_bytes(kv, arch, n_ctx) + int(compute * COMPUTE_MARGIN)
+
+
+def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int) -> int | None:
+    """The largest context up to ``n_ctx`` (halving, down to MIN_CTX) whose working memory fits
+    ``room`` beside ``weights`` bytes of model pages; None when not even the smallest does."""
+    ctx = n_ctx
+    while True:
+        if weights + working_estimate(model, ctx, n_ubatch) + PROCESS_RESERVE <= room:
+            return ctx
+        if ctx <= MIN_CTX:
+            return None
+        ctx = max(MIN_CTX, ctx // 2)

@@ -1,0 +1,291 @@
+"""Kimi K3 as the pinned llama.cpp loads it: the synth writes it, stock llama.cpp runs it, and the
+streaming engine gives the same greedy tokens under a budget far below its size, with the budget
+holding, a context that fits, and the KDA recurrent state carried across chat turns."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine.budget import budget_shortfall, minimum_budget, plan_memory
+from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.model import synth
+from kimitui.model.gguf_map import load_model_map
+
+MIB = 2**20
+PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle"
+
+
+@pytest.fixture(scope="module")
+def k3_model(tmp_path_factory) -> Path:
+    """4 layers (1 dense, then 3 MoE; 3 KDA and 1 MLA), all 896 experts, 16 used, widths cut to
+    a fiftieth: 28 MiB, so a budget of a third of it streams."""
+    spec = synth.plan_like("kimi-k3", None, 0.02, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))
+    out = tmp_path_factory.mktemp("k3") / "k3.gguf"
+    return synth.write_model(spec, out, seed=3, progress=False).paths[0]
+
+
+@pytest.fixture(scope="module")
+def k3_paged(tmp_path_factory) -> Path:
+    """The same cut at three fiftieths of the widths (210 MiB): an expert's slices span pages,
+    so whether each leaves memory when evicted is visible page by page."""
+    spec = synth.plan_like("kimi-k3", None, 0.06, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))
+    out = tmp_path_factory.mktemp("k3p") / "k3p.gguf"
+    return synth.write_model(spec, out, seed=5, progress=False).paths[0]
+
+
+def stock_reply(path: Path, prompt=PROMPT, tokens: int = 16) -> list[int]:
+    engine = Engine(path, n_ctx=256, fast_load=False)
+    engine.load()
+    try:
+        return reply_tokens(engine, prompt, tokens)
+    finally:
+        engine.close()
+
+
+def reply_tokens(engine: Engine, prompt=PROMPT, tokens: int = 16) -> list[int]:
+    gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=tokens))
+    return [event.token_id for event in gen if event.token_id >= 0]
+
+
+def streamed_engine(path: Path, budget: int) -> Engine:
+    engine = Engine(path, n_ctx=256, budget=budget)
+    engine.load()
+    engine.pin()
+    assert engine.streamer is not None and engine.streamer.experts is not None
+    return engine
+
+
+def test_synth_writes_the_kimi_k3_architecture(k3_model):
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(k3_model))
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("kimi-k3.")}
+    assert reader.fields["general.architecture"].contents() == "kimi-k3"
+    assert fields["kimi-k3.attention.head_count_kv"] == [0, 0, 0, 1]  # 3 KDA layers, then MLA
+    assert fields["kimi-k3.expert_count"] == 896 and fields["kimi-k3.expert_used_count"] == 16
+    for key in ("expert_latent_length", "kda.head_dim", "ssm.conv_kernel", "kda.gate_lower_bound",
+                "activation.situ_beta", "activation.situ_linear_beta", "attn_res.block_size",
+                "key_length_mla", "value_length_mla"):
+        assert any(k.endswith(key) for k in fields), key
+    tensors = {t.name: t for t in reader.tensors}
+    latent = fields["kimi-k3.expert_latent_length"]
+    gate = tensors["blk.1.ffn_gate_exps.weight"]
+    assert gate.tensor_type == GGMLQuantizationType.MXFP4
+    assert list(gate.shape) == [latent, fields["kimi-k3.expert_feed_forward_length"], 896]
+    for name in ("blk.1.ffn_routed_down.weight", "blk.1.ffn_routed_up.weight", "blk.1.ffn_gate_shexp.weight",
+                 "blk.0.ssm_conv1d_q.weight", "blk.0.ssm_g.weight", "blk.0.ssm_a", "blk.3.attn_gate.weight",
+                 "blk.3.attn_k_b.weight", "blk.2.attn_res_score.weight", "output_res_score.weight"):
+        assert name in tensors, name
+
+
+def test_full_scale_dry_run_prints_the_real_figures(capsys):
+    from kimitui.cli import main
+
+    assert main(["synth", "/tmp/never-written.gguf", "--like", "kimi-k3", "--scale", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "93 layers (69 KDA, 24 MLA" in out and "896 experts (16 used, 1 shared)" in out
+    assert "17,547,264 B" in out  # one MXFP4 expert at latent 3584, n_ff 3072
+    assert "1.4 TiB" in out  # ~1.56 TB
+
+
+def test_a_real_width_slice_keeps_the_expert_size(tmp_path):
+    spec = synth.plan_like("kimi-k3", None, 1.0, None, synth.default_tokenizer(), synth.Cut(layers=2, experts=4))
+    experts = [t for t in spec.tensors if t.name.startswith("blk.1.") and "_exps." in t.name]
+    assert sum(t.n_bytes for t in experts) // 4 == 17_547_264
+
+
+def test_stock_llama_cpp_decodes_finite_varied_logits(k3_model):
+    import numpy as np
+
+    engine = Engine(k3_model, n_ctx=256, fast_load=False)
+    engine.load()
+    try:
+        tokens = reply_tokens(engine, tokens=12)
+        scores = np.array(engine.llm.scores[: engine.llm.n_tokens])
+        assert np.isfinite(scores).all()
+        assert len(set(tokens)) > 3
+    finally:
+        engine.close()
+
+
+def test_streamed_k3_gives_the_stock_greedy_tokens(k3_model):
+    """A budget a third of the model: every layer start and router choice of K3's graph is seen
+    (layer 0 starts at its "inp_embd" node), experts are read, not faulted in."""
+    expected = stock_reply(k3_model)
+    model = load_model_map(k3_model)
+    engine = streamed_engine(k3_model, minimum_budget(model) + 2 * MIB)
+    try:
+        starts: list[int] = []
+        chosen: set[int] = set()
+        streamer = engine.streamer
+        real_start, real_experts = streamer.on_layer_start, streamer.on_experts
+
+        def on_layer_start(layer):
+            starts.append(layer)
+            return real_start(layer)
+
+        def on_experts(layer, experts):
+            chosen.update(experts)
+            return real_experts(layer, experts)
+
+        streamer.on_layer_start, streamer.on_experts = on_layer_start, on_experts
+        assert reply_tokens(engine) == expected
+        assert set(starts) == set(range(model.n_layers + 1))  # 0..3 and the output stage
+        assert chosen and max(chosen) < 896 and max(chosen) > 448  # ids over all 896 experts
+        counters = streamer.counters()
+        assert counters["expert_misses"] > 0 and counters["bytes_read"] > 0
+    finally:
+        engine.close()
+
+
+def test_moe_working_set_is_one_tokens_experts_not_a_whole_layer(k3_model):
+    model = load_model_map(k3_model)
+    whole_layer = max(layer.n_bytes for layer in model.layers)
+    largest_trunk = max(layer.trunk_bytes if layer.is_moe else layer.n_bytes for layer in model.layers)
+    one_token = model.n_expert_used * model.bytes_per_expert
+    need = minimum_budget(model)
+    assert need == model.nonlayer_bytes + largest_trunk + one_token + 16 * MIB
+    assert need < model.nonlayer_bytes + whole_layer + 16 * MIB
+    assert budget_shortfall(model, need) is None
+    line = budget_shortfall(model, need - 1)
+    assert "minimum working set of k3.gguf" in line and "routed experts one token uses" in line
+    for budget in (need, need + 4 * MIB, 3 * need):
+        plan = plan_memory(model, budget, prefetch_depth=2, n_batch=512)
+        assert plan.expert_bytes >= one_token
+        assert plan.pinned_bytes + plan.window_bytes + plan.expert_bytes <= budget
+        assert plan.ubatch * model.n_expert_used * model.bytes_per_expert <= plan.expert_bytes - plan.hot_expert_bytes \
+            or plan.ubatch == 512
+
+
+@pytest.mark.parametrize("extra_mib", [2, 40])
+def test_the_budget_holds_the_models_resident_pages(k3_paged, extra_mib):
+    """Sampled all through a reply, the model's resident pages (file-backed and anonymous) stay
+    within the budget: prefill micro-batches fit the expert cache, evicted experts leave, and
+    the greedy tokens are stock llama.cpp's."""
+    import threading
+
+    expected = stock_reply(k3_paged, PROMPT * 2, tokens=12)
+    model = load_model_map(k3_paged)
+    budget = minimum_budget(model) + extra_mib * MIB
+    engine = streamed_engine(k3_paged, budget)
+    try:
+        source = engine.metrics.model_resident_source
+        assert source is not None and source() is not None
+        peak, stop = [0], threading.Event()
+
+        def sample():
+            while not stop.wait(0.002):
+                peak[0] = max(peak[0], source())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            assert reply_tokens(engine, PROMPT * 2, tokens=12) == expected
+        finally:
+            stop.set()
+            sampler.join()
+        assert model.n_expert_used * model.bytes_per_expert < peak[0] <= budget
+    finally:
+        engine.close()
+
+
+def test_the_default_context_shrinks_to_what_fits(k3_model, monkeypatch):
+    import kimitui.engine.memory as memory
+    from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
+
+    model = load_model_map(k3_model)
+    budget = minimum_budget(model) + 2 * MIB
+    ubatch = plan_memory(model, budget, 2, 512).ubatch
+    # Room for the weights and a context of 1024 tokens, not of 2048.
+    room = budget + PROCESS_RESERVE + working_estimate(model, 1024, ubatch) + 4096
+    assert room < budget + PROCESS_RESERVE + working_estimate(model, 2048, ubatch)
+    monkeypatch.setattr(memory, "available_memory", lambda: room)
+    engine = Engine(k3_model, n_ctx=65536, budget=budget)
+    engine.load()
+    try:
+        assert engine.n_ctx == 1024 and engine.llm.n_ctx() == 1024
+        assert "context 1024 tokens instead of 65536" in engine.fit_note
+        assert reply_tokens(engine, tokens=4)
+    finally:
+        engine.close()
+
+
+def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monkeypatch):
+    import kimitui.engine.memory as memory
+    from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
+
+    model = load_model_map(k3_model)
+    budget = minimum_budget(model) + 2 * MIB
+    ubatch = plan_memory(model, budget, 2, 512).ubatch
+    monkeypatch.setattr(memory, "available_memory", lambda: budget + PROCESS_RESERVE + working_estimate(model, 1024, ubatch))
+    engine = Engine(k3_model, n_ctx=65536, budget=budget, n_ctx_fixed=True)
+    with pytest.raises(EngineError, match=r"^context of 65536 tokens needs .* lower --n-ctx \(to 1024 at most\) or --budget$"):
+        engine.load()
+    monkeypatch.setattr(memory, "available_memory", lambda: budget)
+    engine = Engine(k3_model, n_ctx=256, budget=budget)
+    with pytest.raises(EngineError, match="lower --budget$"):
+        engine.load()
+
+
+def test_the_kda_state_carries_across_chat_turns(k3_model):
+    """Three turns: the same replies as stock llama.cpp on the same conversation, and each later
+    turn evaluates only what the conversation added (the recurrent state is kept, not rebuilt)."""
+
+    def converse(engine: Engine) -> tuple[list[str], list[int], list[int]]:
+        evaluated: list[int] = []
+        real_decode = engine.llm._ctx.decode
+
+        def decode(batch):
+            evaluated.append(batch.batch.n_tokens)
+            return real_decode(batch)
+
+        engine.llm._ctx.decode = decode
+        messages = [{"role": "user", "content": "Tell me about foxes."}]
+        texts, fresh, prompts = [], [], []
+        for _ in range(3):
+            evaluated.clear()
+            gen = engine.chat(messages, Sampling(temperature=0.0, max_tokens=6))
+            list(gen)
+            texts.append(gen.result.text)
+            prompts.append(gen.result.prompt_tokens)
+            fresh.append(evaluated[0] if evaluated else 0)  # the prompt's decode: new tokens only
+            messages += [{"role": "assistant", "content": gen.result.text}, {"role": "user", "content": "And then?"}]
+        return texts, fresh, prompts
+
+    stock = Engine(k3_model, n_ctx=512, fast_load=False)
+    stock.load()
+    try:
+        expected, _, _ = converse(stock)
+    finally:
+        stock.close()
+    model = load_model_map(k3_model)
+    engine = Engine(k3_model, n_ctx=512, budget=minimum_budget(model) + 2 * MIB)
+    engine.load()
+    engine.pin()
+    try:
+        texts, fresh, prompts = converse(engine)
+        assert texts == expected
+        assert fresh[0] == prompts[0]
+        for turn in (1, 2):  # no more than the turn added: the last reply's tail and the new message
+            assert 0 < fresh[turn] <= prompts[turn] - prompts[turn - 1]
+    finally:
+        engine.close()
+
+
+def test_k3_routers_are_read_for_look_ahead(k3_model):
+    """The router look-ahead reads K3's full-width router (ffn_gate_inp on n_embd) and its bias."""
+    from kimitui.engine.experts import RouterPredictor
+
+    model = load_model_map(k3_model)
+    engine = streamed_engine(k3_model, minimum_budget(model) + 2 * MIB)
+    try:
+        predictor = RouterPredictor.from_mapping(model, engine.streamer.addresses)
+        assert predictor is not None and sorted(predictor.routers) == [1, 2, 3]
+        weight, bias = predictor.routers[1]
+        assert weight.shape == (896, model.hparams["kimi-k3.embedding_length"]) and bias is not None
+        assert math.isfinite(float(weight.sum()))
+    finally:
+        engine.close()
