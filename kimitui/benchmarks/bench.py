@@ -352,6 +352,19 @@ def run(args: argparse.Namespace) -> int:
         need = limit_figures["model_minus_pinned_bytes"]
         figures["read_vs_model_minus_pinned"] = ratio(figures.get("read_bytes_per_token"), need)
         figures["read_vs_needed"] = ratio(figures.get("read_bytes_per_token"), figures.get("needed_bytes_per_token"))
+        # Against what this very run had to read after its cache hits (not an estimate from
+        # uniform routing): at the best disk rate of this run, or compute, whichever is slower.
+        needed, bandwidth = figures.get("needed_bytes_per_token"), disk["bandwidth_bytes_s"]
+        if needed is not None and bandwidth:
+            floor_s = max(needed / bandwidth, compute["s_per_token"] or 0.0)
+            figures["io_limit_tok_s"] = 1 / floor_s if floor_s else None
+            figures["share_of_io_limit"] = ratio(rate, figures["io_limit_tok_s"])
+        distinct = figures.get("prefill_distinct_expert_bytes")
+        if distinct and bandwidth and figures.get("ttft_s"):
+            figures["prefill_read_vs_distinct"] = ratio(figures.get("prefill_expert_read_bytes"), distinct)
+            figures["prefill_share_of_limit"] = (distinct / bandwidth) / figures["ttft_s"]
+        if figures.get("peak_model_resident_bytes") is not None and figures.get("budget_bytes"):
+            figures["model_resident_vs_budget"] = figures["peak_model_resident_bytes"] / figures["budget_bytes"]
     report = {
         "model": {
             "path": str(path),
@@ -488,6 +501,14 @@ def render(report: dict) -> str:
         row("expert hit rate", "expert_hit_rate", share),
         row("wasted prefetch/token", "expert_prefetch_wasted_bytes_per_token", format_bytes),
         row("stall per token", "stall_s_per_token", format_ms),
+        row("prefill experts read", "prefill_expert_read_bytes", format_bytes),
+        row("  distinct experts used", "prefill_distinct_expert_bytes", format_bytes),
+        row("  read / distinct", "prefill_read_vs_distinct", lambda v: cell(v, ".2f", unit="x")),
+        row("  of the I/O limit", "prefill_share_of_limit", share),
+        row("decode I/O limit tok/s", "io_limit_tok_s", per_s),
+        row("  decode of it", "share_of_io_limit", share),
+        row("peak model resident", "peak_model_resident_bytes", format_bytes),
+        row("  of the budget", "model_resident_vs_budget", share),
         row("peak RSS", "peak_rss_bytes", format_bytes),
         row("peak cgroup", "cgroup_peak_bytes", format_bytes),
         row("of physical limit", "share_of_limit", share),
@@ -551,8 +572,10 @@ def render(report: dict) -> str:
             reads = ", direct reads" if k.get("direct_reads") else ""
         notes.append(
             f"kimitui streams with policy {k['policy']}, prefetch depth {k['prefetch_depth']}, "
-            f"{k.get('io_threads')} I/O threads{lookahead}{reads}"
+            f"{k.get('io_threads')} I/O threads{lookahead}{reads}, prefill micro-batches of {k.get('n_ubatch')} tokens"
         )
+        if k.get("plan_note"):
+            notes.append(f"kimitui: {k['plan_note']}")
     for name, label in names:
         figures = runs[name]
         if figures["error"]:

@@ -6,6 +6,7 @@ process OOM-killed; both cgroup v1 and v2 files are read where present.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import psutil
@@ -82,11 +83,17 @@ def default_budget() -> int:
 def mapped_resident_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/proc/self/smaps")) -> int | None:
     """Resident bytes of this process inside the address ranges ``[(start, end), ...]``: the
     model's mappings, whatever backs each page there (the file, or anonymous pages a direct
-    read moved in). From /proc/self/smaps (Linux); None where there is none."""
+    read moved in). From /proc/self/smaps (Linux); None where there is none.
+
+    Only areas wholly inside a range count: llama.cpp unmaps the unused head and tail of a
+    model's mapping after the load, and the allocator may then grow its own areas into that
+    room (one seen here reached 1.7 MB into the span and held other memory)."""
     try:
         text = smaps.read_text()
     except OSError:
         return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    ranges = [(start, -(-end // page) * page) for start, end in ranges]  # areas end on pages
     total = 0
     inside = False
     for line in text.splitlines():
@@ -98,7 +105,7 @@ def mapped_resident_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/pr
             except ValueError:
                 inside = False
                 continue
-            inside = any(start < r_end and end > r_start for r_start, r_end in ranges)
+            inside = any(r_start <= start and end <= r_end for r_start, r_end in ranges)
         elif inside and head == "Rss:":
             total += int(line.split()[1]) * 1024
     return total

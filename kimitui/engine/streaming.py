@@ -75,13 +75,19 @@ class Dropper:
     on the compute thread that was a third of a token's time. A range read again before its
     turn comes is kept (``keep``); the lock is held across each release, so a read submitted
     after ``keep`` returns can never be thrown away by a release still under way.
+
+    A read that an eviction made room for waits for that release (``mark``, then
+    ``wait_released``): otherwise reads outrun the releases behind them and the model's pages
+    pass the budget while the queue drains (115% of it was seen on a K3 slice).
     """
 
     def __init__(self, release: Callable[[object], None], on_error: Callable[[str], None]) -> None:
         self._release = release
         self._on_error = on_error
         self._lock = threading.Lock()
-        self._pending: dict[object, tuple] = {}  # key -> (ranges, release), oldest first
+        self._released = threading.Condition(self._lock)
+        self._pending: dict[object, tuple] = {}  # key -> (ranges, release, sequence number), oldest first
+        self._seq = 0
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -92,14 +98,28 @@ class Dropper:
     def later(self, key, ranges, release: Callable[[object], None] | None = None) -> None:
         """Release ``ranges`` soon, with ``release`` (default: the dropper's own)."""
         with self._lock:
-            self._pending[key] = (tuple(ranges), release or self._release)
+            self._seq += 1
+            self._pending.pop(key, None)  # to the back of the queue, in sequence order
+            self._pending[key] = (tuple(ranges), release or self._release, self._seq)
             self._idle.clear()
         self._wake.set()
 
     def keep(self, key) -> bool:
         """Cancel ``key``'s release if it has not run; True when it had not."""
         with self._lock:
-            return self._pending.pop(key, None) is not None
+            kept = self._pending.pop(key, None) is not None
+            self._released.notify_all()
+            return kept
+
+    def mark(self) -> int:
+        """The releases queued so far."""
+        with self._lock:
+            return self._seq
+
+    def wait_released(self, mark: int) -> None:
+        """Wait until every release queued up to ``mark`` is done (or cancelled)."""
+        with self._released:
+            self._released.wait_for(lambda: not self._pending or next(iter(self._pending.values()))[2] > mark)
 
     def flush(self) -> None:
         """Wait until every queued release is done."""
@@ -122,12 +142,13 @@ class Dropper:
                         self._idle.set()
                         break
                     key = next(iter(self._pending))
-                    ranges, release = self._pending.pop(key)
+                    ranges, release, _ = self._pending.pop(key)
                     for r in ranges:
                         try:
                             release(r)
                         except OSError as exc:  # the thread lives on: flush() and close() must return
                             self._on_error(f"cannot give streamed bytes back to the model file: {exc}")
+                    self._released.notify_all()
             if self._closing:
                 return
 
@@ -229,12 +250,15 @@ class Streamer:
         return buf
 
     def _read_chunk(
-        self, unit, file: int, offset: int, length: int, whole: _WholeRead | None = None, placed: bool = False
+        self, unit, file: int, offset: int, length: int, whole: _WholeRead | None = None, placed=False,
+        room: int | None = None,
     ) -> int:
         """Read one piece of a shard or an expert (``unit``, for messages and the trace);
         ``whole`` gathers an expert's slices into one read for the trace; ``placed``: whole
         pages that go to the mapping by direct read (None back: the pool is spent, or O_DIRECT
-        was refused)."""
+        was refused); ``room``: the dropper's mark to wait for before reading."""
+        if room is not None:
+            self._dropper.wait_released(room)
         started = time.perf_counter()
         expert = isinstance(unit, ExpertUnit)
         try:
@@ -312,8 +336,9 @@ class Streamer:
         whole = None
         if expert and len(pieces) > 1 and self.on_read is not None:
             whole = _WholeRead(pieces[0][1], sum(p[2] for p in pieces), len(pieces))
+        room = self._dropper.mark()  # the releases that made room for these reads
         return [
-            (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed)
+            (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed, room)
             for file, start, length, placed in pieces
         ]
 
