@@ -427,3 +427,59 @@ def test_read_records_are_json_whatever_the_fields(tmp_path):
         ('req-"ü"', 0, None, None, 0, MIB), ('req-"ü"', None, 17, 3, 1, 200),
     ]
     assert [r for r in seen if r["type"] == "read"] == reads  # listeners get the same records
+
+
+# --- routing against the offline optimum -----------------------------------------------------
+
+
+def test_belady_is_the_optimum_on_a_known_sequence():
+    from kimitui.trace.routing import belady_hits, lfu_hits, lru_hits
+
+    # One expert a choice, two slots: a b c a b c ... LRU always misses; the optimum keeps one.
+    groups = [[(0, e)] for e in [0, 1, 2] * 4]
+    assert lru_hits(groups, 2) == 0
+    assert belady_hits(groups, 2) == 5  # hand-counted: accesses 4, 6, 8, 10 and 12 hit
+    # Never better than what fits: with room for all, every reuse hits.
+    assert belady_hits(groups, 3) == len(groups) - 3 == lru_hits(groups, 3) == lfu_hits(groups, 3)
+
+
+def test_belady_never_loses_to_lru_or_lfu_on_random_routing():
+    import random
+
+    from kimitui.trace.routing import belady_hits, lfu_hits, lru_hits
+
+    rng = random.Random(7)
+    groups = [[(layer, e) for e in rng.sample(range(40), 6)] for _ in range(60) for layer in range(3)]
+    for slots in (6, 12, 30, 90):
+        best = belady_hits(groups, slots)
+        assert best >= lru_hits(groups, slots) and best >= lfu_hits(groups, slots)
+
+
+def test_a_streamed_moe_trace_judges_the_expert_cache(tmp_path):
+    """The engine's route records replay through the optimum at the cache's own slot count."""
+    from kimitui.engine.session import Engine, Sampling
+    from kimitui.model import synth
+    from kimitui.trace.reader import read_trace
+    from kimitui.trace.routing import report
+    from kimitui.trace.writer import TraceWriter
+
+    spec = synth.plan_like("kimi-k3", None, 0.02, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))
+    model = synth.write_model(spec, tmp_path / "k3.gguf", seed=3, progress=False).paths[0]
+    engine = Engine(model, n_ctx=256, budget=24 * 2**20)
+    engine.load()
+    engine.pin()
+    writer = TraceWriter(tmp_path / "trace.jsonl")
+    try:
+        writer.attach(engine)
+        gen = engine.complete("The quick brown fox jumps over the lazy dog", Sampling(temperature=0.0, max_tokens=8))
+        list(gen)
+    finally:
+        writer.close()
+        engine.close()
+    trace = read_trace([tmp_path / "trace.jsonl"])
+    r = report(trace)
+    assert r["slots"] == trace.requests[0].settings["expert_slots"] > 0
+    assert r["choices"] == len(trace.requests[0].routes) >= 3 * gen.result.completion_tokens  # 3 MoE layers a token
+    assert {x["layer"] for x in trace.requests[0].routes} == {1, 2, 3}
+    assert 0 <= r["engine_hit_rate"] <= 1 and r["belady_hit_rate"] >= r["lru_hit_rate"]
+    assert r["experts_asked"] == sum(len(x["experts"]) for x in trace.requests[0].routes)

@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each kind, alternating; each kind's median run (by decode tok/s) is reported (default 1)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure to FILE as JSON")
+    parser.add_argument(
+        "--trace", type=Path, metavar="FILE",
+        help="write the kimitui run's trace here (routing included: kimitui trace routing FILE judges its expert cache)",
+    )
 
 
 def _size(text: str, flag: str) -> int:
@@ -299,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         "prefetch_depth": args.prefetch_depth,
         "io_threads": args.io_threads,
         "expert_lookahead": args.expert_lookahead,
+        "trace": str(args.trace) if args.trace else None,
     }
 
     def show_pinning(kind: str, message: dict) -> None:

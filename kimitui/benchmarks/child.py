@@ -284,8 +284,16 @@ def phase_engine(spec: dict) -> None:
 
     engine.pin(pinning)
     pin_s = time.perf_counter() - started
+    writer = None
+    if spec.get("trace"):
+        from kimitui.trace.writer import TraceWriter
+
+        writer = TraceWriter(spec["trace"])
+        writer.attach(engine)
     with _ModelResidentPeak(engine) as resident:
         figures = _engine_generation(engine, spec)
+    if writer is not None:
+        writer.close()
     prefill = {}
     experts = engine.streamer.experts if engine.streamer is not None else None
     if experts is not None:

@@ -193,3 +193,29 @@ def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch:
         if ctx <= MIN_CTX:
             return None
         ctx = max(MIN_CTX, ctx // 2)
+
+
+def plan_reads(model: ModelMap, plan: MemoryPlan) -> dict:
+    """What a token reads from storage under ``plan``: the trunk not pinned (each token walks all
+    of it; an embedding row if the table is not pinned) and the routed experts that miss the
+    cache, at flat routing (Kimi K3's router was trained for it: a cached expert is hit at
+    n_used / n_expert per layer and token, whatever the policy)."""
+    pinned = {s.index for s in plan.pinned}
+    trunk = 0
+    for shard in model.shards:
+        if shard.routed or shard.index in pinned:
+            continue
+        if shard.layer is None:
+            continue  # non-layer tensors are always pinned (minimum_budget has room for them)
+        trunk += shard.length
+    moe_layers = [layer for layer in model.layers if layer.is_moe]
+    total_experts = sum(layer.n_expert for layer in moe_layers)
+    cached = plan.expert_bytes // model.bytes_per_expert if model.bytes_per_expert else 0
+    hit = min(1.0, cached / total_experts) if total_experts else 0.0
+    experts = sum(model.n_expert_used * layer.expert_bytes for layer in moe_layers) * (1 - hit)
+    return {
+        "trunk_bytes_per_token": trunk,
+        "expert_bytes_per_token": int(experts),
+        "cached_experts": cached,
+        "flat_hit_rate": hit,
+    }

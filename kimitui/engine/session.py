@@ -226,6 +226,7 @@ class Tracer(Protocol):
         self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None, decode_s: float
     ) -> None: ...
     def read(self, shard, offset: int, length: int, start: float, seconds: float) -> None: ...
+    def route(self, layer: int, experts: list[int], hits: int) -> None: ...
     def request_finished(self, request_id: str, result: "GenerationResult") -> None: ...
 
 
@@ -611,6 +612,7 @@ class Engine:
         self.tracer = tracer
         if self.streamer is not None:
             self.streamer.on_read = tracer.read if tracer is not None else None
+            self.streamer.on_route = tracer.route if tracer is not None else None
 
     def tuning(self) -> dict:
         """The settings a trace records with each request."""
@@ -623,7 +625,16 @@ class Engine:
             "expert_lookahead": self.stream_settings.expert_lookahead,
             "pinned_bytes": self.pinned_bytes,
             "streaming": self.streamer is not None,
+            # Routed experts that may be resident at once (pinned hot ones and the cache): the
+            # capacity an offline optimum of the same routing is computed for.
+            "expert_slots": self._expert_slots(),
         }
+
+    def _expert_slots(self) -> int | None:
+        experts = self.streamer.experts if self.streamer is not None else None
+        if experts is None or not self._model_map().bytes_per_expert:
+            return None
+        return len(experts.pinned) + experts.capacity // self._model_map().bytes_per_expert
 
     def retune(self, *, budget: int | None = None, shard_size: int | None = None, **stream) -> str:
         """Live tuning, applied from the next token. Budget and shard size change the pinned

@@ -214,6 +214,8 @@ class Streamer:
         ]
         # Called from I/O threads for every storage read: (shard, offset, bytes, start, seconds).
         self.on_read: Callable[[Shard | ExpertUnit, int, int, float, float], None] | None = None
+        # Called on the compute thread for each router choice: (layer, experts, how many were resident).
+        self.on_route: Callable[[int, list[int], int], None] | None = None
         self.experts: ExpertCache | None = None
         self._report()
 
@@ -615,7 +617,11 @@ class Streamer:
             self._report()
             return
         try:
+            hits = self.experts.hits
             self.stall_s += self.experts.ensure(layer, experts)
+            on_route = self.on_route
+            if on_route is not None:
+                on_route(layer, sorted(experts), self.experts.hits - hits)
             following = layer + 1
             # Without router weights to apply, look-ahead guesses what the next layer chose last token.
             if (

@@ -93,10 +93,40 @@ def file_layout(m: ModelMap) -> tuple[list[dict], list[dict]]:
     return files, cuts
 
 
+PLAN_BANDWIDTHS = (0.3e9, 0.6e9, 1.0e9)  # an external SSD over the phone's USB-C, low to high
+
+
+def engine_plan(m: ModelMap, budget: int) -> dict | None:
+    """How the streaming engine would spend ``budget`` on this model (None: it cannot start)."""
+    from kimitui.engine.budget import budget_shortfall, plan_memory, plan_reads
+    from kimitui.engine.settings import StreamSettings
+
+    shortfall = budget_shortfall(m, budget)
+    if shortfall:
+        return {"refused": shortfall}
+    plan = plan_memory(m, budget, StreamSettings().prefetch_depth, 512)
+    pinned_layers = sorted({s.layer for s in plan.pinned if s.layer is not None})
+    return {
+        "pinned_bytes": plan.pinned_bytes,
+        "nonlayer_bytes": m.nonlayer_bytes,
+        "pinned_trunk_layers": len(pinned_layers),
+        "window_bytes": plan.window_bytes,
+        "prefetch_depth": plan.prefetch_depth,
+        "expert_cache_bytes": plan.expert_bytes,
+        "ubatch": plan.ubatch,
+        **plan_reads(m, plan),
+    }
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def summarize(m: ModelMap, bandwidth: float, budget: int) -> dict:
     layout, cuts = file_layout(m)
     read = m.read_bytes_per_token(budget)
     return {
+        "plan": engine_plan(m, budget),
         "files": [str(f) for f in m.files],
         "file_bytes": list(m.file_sizes),
         "name": m.name,
@@ -175,11 +205,25 @@ def render(r: dict) -> str:
         if floor is None
         else f"at most {floor:.3g} tok/s at {format_rate(r['bandwidth'])}"
     )
-    lines.append(f"budget   {fb(r['budget'])} pinned: reads {fb(r['read_bytes_per_token'])} per token, {speed}")
-    if floor is not None:
-        # The engine keeps part of the budget for llama.cpp's working memory and the layers in
-        # flight, which depend on the context and the run: a ceiling, and bench measures.
-        lines.append("         (if all of the budget held weights; the engine pins less: see kimitui bench)")
+    lines.append(f"budget   {fb(r['budget'])} all pinned: reads {fb(r['read_bytes_per_token'])} per token, {speed}")
+    plan = r.get("plan")
+    if plan and "refused" in plan:
+        lines.append(f"plan     {plan['refused']}")
+    elif plan:
+        lines.append(
+            f"plan     pins {fb(plan['pinned_bytes'])} (non-layer {fb(plan['nonlayer_bytes'])}, "
+            f"trunk of {_count(plan['pinned_trunk_layers'], 'layer')}), reads {_count(plan['prefetch_depth'], 'layer')} ahead "
+            f"({fb(plan['window_bytes'])} in flight), caches {plan['cached_experts']} experts "
+            f"({fb(plan['expert_cache_bytes'])}), prefills {_count(plan['ubatch'], 'token')} at once"
+        )
+        per_token = plan["trunk_bytes_per_token"] + plan["expert_bytes_per_token"]
+        lines.append(
+            f"         per token reads trunk {fb(plan['trunk_bytes_per_token'])} + experts {fb(plan['expert_bytes_per_token'])} "
+            f"(flat routing: {plan['flat_hit_rate']:.1%} expert hits)"
+        )
+        if per_token:
+            floors = ", ".join(f"{rate / per_token:.3g} tok/s at {format_rate(rate)}" for rate in PLAN_BANDWIDTHS)
+            lines.append(f"         the I/O floor: {floors} ({per_token / 1e9:.1f} GB a token)")
     lines.append("")
     header = ("layer", "bytes", "trunk", "experts", "1 expert", "shards")
     rows = [("—", fb(r["nonlayer"]["bytes"]), fb(r["nonlayer"]["bytes"]), "—", "—", str(len(r["nonlayer"]["shards"])))]

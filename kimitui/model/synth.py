@@ -57,6 +57,7 @@ WEIGHT = "weight"  # a matrix from a block pool, std 1/sqrt(fan-in)
 EMBED = "embed"  # token embeddings from a block pool, std 1
 ONES = "ones"  # norm weights
 ROUTER = "router"  # ffn_gate_inp, f32, fresh random per layer
+HOLE_FILLS = (WEIGHT, EMBED)  # what --sparse leaves as file holes (the large matrices)
 ROUTER_BIAS = "router_bias"  # exp_probs_b, f32, Zipf-like per layer
 FLAT_ROUTER_BIAS = "flat_router_bias"  # exp_probs_b for a router trained for flat expert use (K3)
 SMALL = "small"  # f32 conv kernels and the residual-attention scores, std 1/sqrt(ne0)
@@ -808,10 +809,13 @@ def write_model(
     split_size: int | None = None,
     force: bool = False,
     progress: bool = True,
+    sparse: bool = False,
 ) -> WriteResult:
     """Write `spec` to `out` (or a split set next to it) through a `.partial` directory,
-    renamed into place only once every byte is on disk."""
-    total = sum(t.n_bytes for t in spec.tensors)
+    renamed into place only once every byte is on disk. `sparse`: the weight matrices are file
+    holes (they read back as zeros and take no disk); headers, norms, routers and their biases
+    hold data, so the file has the real model's shape and size at the cost of its small tensors."""
+    total = sum(t.n_bytes for t in spec.tensors if not (sparse and t.fill in HOLE_FILLS))
     splitting = split_size is not None and total > split_size
     writer = GGUFWriter(None, spec.arch, split_max_size=split_size if splitting else 0)
     for key, value, vtype in spec.kv:
@@ -834,8 +838,9 @@ def write_model(
         raise UserError(f"{existing[0]} exists (use --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
-    if free < spec.file_bytes():
-        raise UserError(f"{out.parent}: {format_bytes(free)} free, the model needs {format_bytes(spec.file_bytes())}")
+    needs = total + (spec.file_bytes() - sum(t.n_bytes for t in spec.tensors))
+    if free < needs:
+        raise UserError(f"{out.parent}: {format_bytes(free)} free, the model needs {format_bytes(needs)}")
 
     tmp_dir = out.with_name(out.name + ".partial")
     if tmp_dir.exists():
@@ -851,7 +856,7 @@ def write_model(
         assert writer.fout is not None
         temps = [Path(f.name) for f in writer.fout]
         for fout, tensors in zip(writer.fout, writer.tensors):
-            _write_data(fout, [by_name[name] for name in tensors], filler, bar)
+            _write_data(fout, [by_name[name] for name in tensors], filler, bar, sparse)
             fout.flush()
             os.fsync(fout.fileno())
         writer.close()
@@ -871,14 +876,18 @@ def write_model(
     return WriteResult(tuple(finals), sum(p.stat().st_size for p in finals), seconds)
 
 
-def _write_data(fout: BinaryIO, tensors: list[TensorSpec], filler: _Filler, bar: _Progress | None) -> None:
+def _write_data(fout: BinaryIO, tensors: list[TensorSpec], filler: _Filler, bar: _Progress | None, sparse: bool) -> None:
     fout.write(bytes(_pad(fout.tell()) - fout.tell()))
     for t in tensors:
+        if sparse and t.fill in HOLE_FILLS:
+            fout.seek(_pad(t.n_bytes), os.SEEK_CUR)
+            continue
         for piece in filler.pieces(t):
             fout.write(piece)
             if bar:
                 bar.add(len(piece))
         fout.write(bytes(_pad(t.n_bytes) - t.n_bytes))
+    fout.truncate(fout.tell())  # a hole at the end still makes the file its full size
 
 
 # --- command line -------------------------------------------------------------------------
@@ -900,6 +909,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-size", help="write a llama.cpp split set, files of about this size")
     parser.add_argument("--force", action="store_true", help="replace existing output files")
     parser.add_argument("--dry-run", action="store_true", help="print the shape and size, write nothing")
+    parser.add_argument(
+        "--sparse", action="store_true",
+        help="weight matrices as file holes (zeros, no disk): the real size for planning and start-up; routers, norms and biases hold data",
+    )
 
 
 def _size_arg(text: str, flag: str) -> int:
@@ -971,7 +984,7 @@ def run(args: argparse.Namespace) -> int:
         for line in figures(spec):
             print(f"  {line}")
         return 0
-    result = write_model(spec, args.out, seed=args.seed, split_size=split, force=args.force)
+    result = write_model(spec, args.out, seed=args.seed, split_size=split, force=args.force, sparse=args.sparse)
     names = ", ".join(str(p) for p in result.paths)
     print(f"wrote {names}: {format_bytes(result.n_bytes)} in {result.seconds:.1f} s ({format_rate(result.rate)})")
     return 0

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kimitui.errors import UserError
 from kimitui.trace.reader import read_trace
 from kimitui.trace.summary import summarize
 from kimitui.units import format_bytes, format_ms, format_rate
@@ -19,7 +20,7 @@ MATTERS_PP = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", required=True, metavar="summarize|compare|bench")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="summarize|compare|routing|bench")
     s = sub.add_parser("summarize", help="per request and overall: TTFT, tok/s, latency, time split, bytes, hit rate, slowest tokens")
     s.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace file(s); for a rotated run, oldest first")
     s.add_argument("--slowest", type=int, default=5, metavar="N", help="how many of the slowest tokens to explain (default 5)")
@@ -28,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("a", type=Path, metavar="A", help="trace of the first run")
     c.add_argument("b", type=Path, metavar="B", help="trace of the second run")
     c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    r = sub.add_parser("routing", help="the expert cache's hit rate against the offline optimum (Belady), LRU and LFU on the traced routing")
+    r.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace file(s); for a rotated run, oldest first")
+    r.add_argument("--slots", type=int, metavar="N", help="experts the cache holds (default: what the trace says)")
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
     b = sub.add_parser("bench", help="decode speed with tracing on vs off on a streamed model")
     from kimitui.trace.bench import add_arguments as bench_arguments
 
@@ -40,6 +45,19 @@ def run(args: argparse.Namespace) -> int:
 
         return bench(args)
     console = _console()
+    if args.action == "routing":
+        from kimitui.trace.routing import report
+
+        if args.slots is not None and args.slots < 1:
+            raise UserError("--slots must be 1 or more")
+        result = report(read_trace(args.files), args.slots)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        elif "error" in result:
+            raise UserError(f"{args.files[-1]}: {result['error']}")
+        else:
+            render_routing(console, result)
+        return 0
     if args.action == "summarize":
         summary = summarize(read_trace(args.files), args.slowest)
         if args.json:
@@ -53,6 +71,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_compare(console, result, args.a.name, args.b.name)
     return 0
+
+
+def render_routing(console: Console, r: dict) -> None:
+    console.print(
+        f"{r['choices']} router choices, {r['experts_asked']} experts asked for ({r['distinct_experts']} distinct), "
+        f"a cache of {r['slots']} experts (policy {', '.join(r['expert_policies'])})"
+    )
+    console.print(f"  engine       {_pct(r['engine_hit_rate'])} hits")
+    console.print(f"  optimum      {_pct(r['belady_hit_rate'])} (Belady: offline, evicts the expert used farthest ahead)")
+    console.print(f"  LRU          {_pct(r['lru_hit_rate'])}")
+    console.print(f"  LFU          {_pct(r['lfu_hit_rate'])} (counts from this trace only)")
+    ratio = r["engine_vs_belady"]
+    console.print(f"  engine / optimum: {'—' if ratio is None else f'{ratio:.0%}'} of the optimum's hits")
 
 
 def _console() -> Console:

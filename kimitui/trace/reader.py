@@ -47,6 +47,10 @@ FIELDS: dict[str, dict[str, tuple]] = {
         "req": STR_OR_NULL, "shard": INT_OR_NULL, "expert": INT_OR_NULL, "layer": INT_OR_NULL, "file": INT,
         "offset": INT, "bytes": INT, "start_s": NUM, "dur_s": NUM,
     },
+    "route": {
+        "req": STR_OR_NULL, "layer": INT, "hits": INT,
+        "experts": ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(x) for x in v)),
+    },
     "end": {
         "req": STR, "t": NUM, "finish": STR, "error": STR_OR_NULL, "prompt_tokens": INT, "completion_tokens": INT,
         "prompt_s": NUM, "decode_s": NUM, "queued_s": NUM, "after_s": NUM, "tail": COUNTERS_OR_NULL,
@@ -65,6 +69,7 @@ class RequestTrace:
     idle: dict | None  # counters that moved between the previous request and this one
     tokens: list[dict] = field(default_factory=list)
     reads: list[dict] = field(default_factory=list)
+    routes: list[dict] = field(default_factory=list)  # router choices in order (route records)
     end: dict | None = None
 
 
@@ -145,6 +150,10 @@ def read_trace(paths: list[Path]) -> Trace:
             elif kind == "read":
                 owner = requests.get((session, record["req"]))
                 (owner.reads if owner is not None else stray).append(record)
+            elif kind == "route":
+                owner = requests.get((session, record["req"]))
+                if owner is not None:
+                    owner.routes.append(record)
             else:
                 owner = requests.get((session, record["req"]))
                 if owner is None:

@@ -14,6 +14,9 @@ Record types (every record has ``type``; times are seconds):
   the last end) and layer, bytes, start (since the request that was running or last ran when
   the read began) and duration. Written at the next record of the generation thread, not when
   the read lands.
+- ``route``: one router choice of a streamed MoE layer: request, layer, the experts chosen for
+  the micro-batch (every token of a prefill batch together) and how many of them were resident.
+  The routing a cache policy is judged on (``kimitui trace routing``).
 - ``end``: finish reason, token counts, prompt/decode/queue time, ``after_s`` (from the last
   token to the end) and ``tail``: the counters' change over that stretch.
 - ``close``: the writer stopped; ``idle`` since the last request ended.
@@ -43,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMAT_VERSION = 2  # 2: compute measured in llama_decode; expert reads one record per expert
+FORMAT_VERSION = 3  # 2: compute measured in llama_decode; expert reads one record per expert; 3: route records
 COUNTERS = (
     "bytes_read", "bytes_from_cache", "hits", "misses", "stall_s",
     "prefetch_issued", "prefetch_used", "prefetch_wasted",
@@ -111,6 +114,7 @@ class TraceWriter:
         # (a Kimi-shaped token has hundreds of expert reads; a record each, written on the spot,
         # cost 7% of decode).
         self._reads: deque[tuple] = deque()
+        self._routes: deque[tuple] = deque()  # (layer, experts, hits), from the compute thread
         self._closed = False
         self._rotating = False
         self.error: str | None = None
@@ -195,11 +199,24 @@ class TraceWriter:
     def read(self, unit, offset: int, length: int, start: float, seconds: float) -> None:
         self._reads.append((unit, offset, length, start, seconds))  # atomic: no lock, no JSON here
 
+    def route(self, layer: int, experts: list[int], hits: int) -> None:
+        self._routes.append((layer, experts, hits))  # written with the reads, at the next record
+
     def _write_reads(self) -> None:
         """The reads reported so far, as records (lock held), before the record that called.
         Hundreds per token on a MoE model: each line is formatted directly, not via json."""
         reads, recent = self._reads, self._recent
         lines, records = [], []
+        routes = self._routes
+        current = recent[-1] if recent else None  # routing happens inside the request computing
+        while routes:
+            layer, experts, hits = routes.popleft()
+            lines.append(
+                f'{{"type":"route","req":{_json(current and current.id_json)},"layer":{layer},'
+                f'"experts":[{",".join(map(str, experts))}],"hits":{hits}}}\n'
+            )
+            if self._listeners:
+                records.append({"type": "route", "req": current and current.id, "layer": layer, "experts": experts, "hits": hits})
         while reads:
             unit, offset, length, start, seconds = reads.popleft()
             # The request that was running (or last ran) when the read began issued it.
