@@ -313,3 +313,35 @@ def test_prefill_under_a_small_budget_is_cut_to_what_the_cache_holds(moe_model):
         assert 0 < peak <= cache.capacity
     finally:
         engine.close()
+
+
+def test_an_expert_read_ahead_and_evicted_is_released_only_after_its_read(moe_model):
+    """Evicting an expert whose look-ahead read is still running waits for that read: released
+    first, its pages would land afterwards and stay in memory, counted nowhere."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    size = model.layers[layer].expert_bytes
+    counts = [[0] * model.n_expert for _ in range(model.n_layers)]
+    gate = threading.Event()
+    events: list[str] = []
+    pool = ThreadPoolExecutor(1)
+
+    def slow_read(unit):
+        def read():
+            gate.wait(5)
+            events.append(f"read {unit.expert}")
+        return [pool.submit(read)]
+
+    def drop(unit):
+        events.append(f"drop {unit.expert}")
+
+    cache = ExpertCache(model, size, [], counts, lambda unit: [], drop, "lru", read_ahead=slow_read)
+    cache.prefetch(layer, [3])  # its read is still waiting on the gate
+    threading.Timer(0.2, gate.set).start()
+    cache.ensure(layer, [5])  # no room: 3 goes, after its read
+    assert events == ["read 3", "drop 3"]
+    assert cache.resident_bytes <= cache.capacity
+    pool.shutdown()

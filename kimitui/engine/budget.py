@@ -8,10 +8,11 @@ the process may use next to the budget: the context length is chosen for that.
 An MoE model's budget, in order of bytes saved per byte spent:
 1. the non-layer tensors (every token reads them, and the streamer never does);
 2. the expert cache's floor: the routed experts one token uses in one layer;
-3. the trunk window: the largest streamed trunk for the layer computing and each layer read ahead
-   (the prefetch depth shrinks before the budget is passed);
+3. the trunk window for the layer computing (the largest trunk still streamed);
 4. pinned trunk, layer by layer (a pinned trunk byte saves a read every token);
-5. what is left caches experts (a cached expert byte saves n_used/n_expert of a read per token
+5. one layer of read-ahead, if it fits (it hides reads behind compute, saves none; deeper
+   read-ahead is left to dense models, which have no expert cache to feed);
+6. what is left caches experts (a cached expert byte saves n_used/n_expert of a read per token
    under flat routing, more under skew); half of it may pin the experts past runs used most.
 Prefill: a batch of tokens needs the union of its experts at once, so the micro-batch is cut to
 what the expert cache holds (all of a prompt's batch when a whole layer's experts fit).
@@ -95,21 +96,33 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
         streamed = [trunk_bytes(model, i) - pinned_by_layer.get(i, 0) for i in range(model.n_layers)]
         return max(streamed, default=0) * (depth + 1)
 
-    # The deepest read-ahead that fits with nothing pinned, down to none.
-    depth = prefetch_depth
-    while depth > 0 and window({}, depth) > left:
-        depth -= 1
-    # Then trunk shards in order, while the window of what still streams fits beside them.
-    pinned_by_layer: dict[int, int] = {}
-    spent = 0
-    for shard in layered:
-        after = dict(pinned_by_layer)
-        after[shard.layer] = after.get(shard.layer, 0) + shard.length
-        if spent + shard.length + window(after, depth) > left:
-            break
-        pinned.append(shard)
-        spent += shard.length
-        pinned_by_layer = after
+    def pin_trunk(depth: int) -> tuple[dict[int, int], int, list[Shard]]:
+        """Trunk shards in order, while the window of what still streams fits beside them."""
+        by_layer: dict[int, int] = {}
+        spent, chosen = 0, []
+        for shard in layered:
+            after = dict(by_layer)
+            after[shard.layer] = after.get(shard.layer, 0) + shard.length
+            if spent + shard.length + window(after, depth) > left:
+                break
+            chosen.append(shard)
+            spent += shard.length
+            by_layer = after
+        return by_layer, spent, chosen
+
+    if model.is_moe:
+        # A pinned trunk byte saves a read every token; read-ahead only hides reads behind
+        # compute. So the trunk is pinned first, beside a window of the layer computing; one
+        # layer of read-ahead if what is left holds it; the rest caches experts.
+        pinned_by_layer, spent, chosen = pin_trunk(0)
+        depth = 1 if prefetch_depth >= 1 and spent + window(pinned_by_layer, 1) <= left else 0
+    else:
+        # Dense: the deepest read-ahead that fits with nothing pinned, then the trunk beside it.
+        depth = prefetch_depth
+        while depth > 0 and window({}, depth) > left:
+            depth -= 1
+        pinned_by_layer, spent, chosen = pin_trunk(depth)
+    pinned += chosen
     win = window(pinned_by_layer, depth)
     experts = 0
     if model.is_moe:

@@ -186,7 +186,7 @@ class ExpertCache:
                 return False
             evicted = self._resident.pop(victim)
             self._rank.pop(victim, None)
-            self._inflight.pop(victim, None)
+            self._settle(self._inflight.pop(victim, None))
             if victim in self._prefetched:  # read ahead and never used
                 self._prefetched.discard(victim)
                 self.prefetch_wasted += 1
@@ -194,6 +194,17 @@ class ExpertCache:
             self._drop_unit(evicted)
             self._resident_bytes -= evicted.length
         return self._resident_bytes + length <= self.capacity
+
+    @staticmethod
+    def _settle(futures: list[Future] | None) -> None:
+        """An expert read ahead is evicted before its read landed: cancel what has not started and
+        wait for the rest, so that its release cannot run before its pages arrive (they would
+        stay in memory, uncounted)."""
+        for f in futures or ():
+            f.cancel()
+        for f in futures or ():
+            if not f.cancelled():
+                f.exception()  # waits; a failed guess is nobody's error
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> None:
         """Start reading ``experts`` of ``layer`` without waiting; only into free or colder room."""
@@ -265,8 +276,7 @@ class ExpertCache:
         except BaseException:
             # Nothing half-read may count as resident: the next reply reads it again.
             for unit, futures in pending:
-                for f in futures:
-                    f.cancel()
+                self._settle(futures)
                 self._forget((unit.layer, unit.expert))
             raise
         return time.perf_counter() - started if pending else 0.0
@@ -274,7 +284,7 @@ class ExpertCache:
     def _forget(self, key: tuple[int, int]) -> None:
         unit = self._resident.pop(key, None)
         self._rank.pop(key, None)
-        self._inflight.pop(key, None)
+        self._settle(self._inflight.pop(key, None))
         self._prefetched.discard(key)
         if unit is not None:
             self._resident_bytes -= unit.length
