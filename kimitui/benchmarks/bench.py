@@ -364,6 +364,14 @@ def run(args: argparse.Namespace) -> int:
             floor_s = max(needed / bandwidth, compute["s_per_token"] or 0.0)
             figures["io_limit_tok_s"] = 1 / floor_s if floor_s else None
             figures["share_of_io_limit"] = ratio(rate, figures["io_limit_tok_s"])
+            # The same with the experts' bytes at this disk's rate for expert-sized reads at
+            # scattered offsets (measured in this run too), and compute after the reads, not
+            # beside them: experts are known only when the router has run.
+            expert_needed, random_bw = figures.get("expert_needed_bytes_per_token"), disk["random_bandwidth_bytes_s"]
+            if expert_needed is not None and random_bw:
+                serial_s = (needed - expert_needed) / bandwidth + expert_needed / random_bw + (compute["s_per_token"] or 0.0)
+                figures["serial_limit_tok_s"] = 1 / serial_s if serial_s else None
+                figures["share_of_serial_limit"] = ratio(rate, figures["serial_limit_tok_s"])
         distinct = figures.get("prefill_distinct_expert_bytes")
         if distinct and bandwidth and figures.get("ttft_s"):
             figures["prefill_read_vs_distinct"] = ratio(figures.get("prefill_expert_read_bytes"), distinct)
@@ -512,6 +520,8 @@ def render(report: dict) -> str:
         row("  of the I/O limit", "prefill_share_of_limit", share),
         row("decode I/O limit tok/s", "io_limit_tok_s", per_s),
         row("  decode of it", "share_of_io_limit", share),
+        row("serial limit tok/s", "serial_limit_tok_s", per_s),
+        row("  decode of it", "share_of_serial_limit", share),
         row("peak model resident", "peak_model_resident_bytes", format_bytes),
         row("  of the budget", "model_resident_vs_budget", share),
         row("peak RSS", "peak_rss_bytes", format_bytes),

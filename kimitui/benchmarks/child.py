@@ -102,6 +102,8 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
         streamed["hit_rate"] = hits / (hits + misses) if hits + misses else None
         streamed["stall_s_per_token"] = delta("stall_s") / n_decode
         streamed["needed_bytes_per_token"] = delta("bytes_needed") / n_decode
+        expert_needed = delta("expert_bytes_needed")
+        streamed["expert_needed_bytes_per_token"] = None if expert_needed is None else expert_needed / n_decode
         expert_hits, expert_misses = delta("expert_hits"), delta("expert_misses")
         if expert_hits is not None:
             seen = expert_hits + expert_misses

@@ -697,6 +697,7 @@ class Streamer:
             "expert_misses": experts.misses if experts else None,
             "bytes_read": read,
             "bytes_needed": self.bytes_needed + (experts.bytes_needed if experts else 0),
+            "expert_bytes_needed": experts.bytes_needed if experts else None,
             "bytes_from_cache": self.bytes_from_cache + (experts.bytes_from_cache if experts else 0),
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
