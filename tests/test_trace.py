@@ -446,13 +446,14 @@ def test_belady_is_the_optimum_on_a_known_sequence():
 def test_belady_never_loses_to_lru_or_lfu_on_random_routing():
     import random
 
-    from kimitui.trace.routing import belady_hits, lfu_hits, lru_hits
+    from kimitui.trace.routing import belady_hits, lfu_hits, lru_hits, static_hits
 
     rng = random.Random(7)
     groups = [[(layer, e) for e in rng.sample(range(40), 6)] for _ in range(60) for layer in range(3)]
     for slots in (6, 12, 30, 90):
         best = belady_hits(groups, slots)
         assert best >= lru_hits(groups, slots) and best >= lfu_hits(groups, slots)
+        assert best >= static_hits(groups, slots)
 
 
 def test_a_streamed_moe_trace_judges_the_expert_cache(tmp_path):

@@ -82,6 +82,7 @@ def render_routing(console: Console, r: dict) -> None:
     console.print(f"  optimum      {_pct(r['belady_hit_rate'])} (Belady: offline, evicts the expert used farthest ahead)")
     console.print(f"  LRU          {_pct(r['lru_hit_rate'])}")
     console.print(f"  LFU          {_pct(r['lfu_hit_rate'])} (counts from this trace only)")
+    console.print(f"  best fixed   {_pct(r['static_hit_rate'])} (the experts this trace used most, chosen in hindsight)")
     ratio = r["engine_vs_belady"]
     console.print(f"  engine / optimum: {'—' if ratio is None else f'{ratio:.0%}'} of the optimum's hits")
 

@@ -3,7 +3,8 @@
 A trace's route records are the routing the engine met: for each micro-batch and MoE layer, the
 experts chosen and how many of them were resident. Replaying that sequence through a cache of
 the same number of expert slots gives the offline optimum (Belady: on a miss, evict the expert
-whose next use is farthest away), and LRU and LFU beside it for reference. A layer's experts are
+whose next use is farthest away), and beside it LRU, LFU and the best fixed set in hindsight
+(a frequency oracle). A layer's experts are
 needed together, so none of the group being served is evicted for another of it.
 """
 
@@ -126,6 +127,19 @@ def lfu_hits(groups: list[list[Key]], slots: int) -> int:
     return hits
 
 
+def static_hits(groups: list[list[Key]], slots: int) -> int:
+    """Hits of the best fixed set chosen in hindsight (the experts used most in the whole trace),
+    beside room for the largest group: what a perfect frequency oracle, such as a heatmap of this
+    very routing, could pin. Where the optimum is far above it, the routing's reuse is in its
+    timing, which no policy that cannot see ahead will find."""
+    from collections import Counter
+
+    counts = Counter(key for group in groups for key in group)
+    room = max(0, slots - max(len(group) for group in groups))
+    kept = {key for key, _ in counts.most_common(room)}
+    return sum(1 for group in groups for key in group if key in kept)
+
+
 def report(trace: Trace, slots: int | None = None) -> dict:
     """The engine's expert hit rate beside the optimum's, LRU's and LFU's at the same slots."""
     groups = route_groups(trace)
@@ -147,6 +161,7 @@ def report(trace: Trace, slots: int | None = None) -> dict:
         "belady_hit_rate": best / asked if asked else None,
         "lru_hit_rate": lru_hits(groups, slots) / asked if asked else None,
         "lfu_hit_rate": lfu_hits(groups, slots) / asked if asked else None,
+        "static_hit_rate": static_hits(groups, slots) / asked if asked else None,
         "engine_vs_belady": hits / best if best else None,
         "expert_policies": sorted({str(req.settings.get("expert_policy")) for req in trace.requests}),
     }
