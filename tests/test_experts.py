@@ -277,6 +277,9 @@ def test_prefill_reads_each_routed_expert_once_when_a_layer_fits(moe_model):
         model = load_model_map(moe_model)
         assert max(per_layer.values()) > model.n_expert_used  # many tokens, many experts in a layer...
         assert len(experts) == len(set(experts))  # ...and none of them twice
+        cache = engine.streamer.experts  # what bench reports: prefill reads against the distinct experts
+        assert not cache.prefilling and cache.prefill_seen
+        assert cache.prefill_read_bytes <= len(cache.prefill_seen) * model.bytes_per_expert
     finally:
         engine.close()
 

@@ -132,9 +132,9 @@ class ExpertCache:
         self.bytes_from_cache = 0
         self.bytes_needed = 0  # bytes compute used that were not resident before (read for it)
         self._in_use: set[tuple[int, int]] = set()  # the experts of the layer computing now
-        # Until the first decode token: the distinct experts the prompt used, and the expert
-        # bytes read for it (a prefill reads each of them once at best).
-        self.prefilling = True
+        # From a reply's start to its first token: the distinct experts the prompt used, and the
+        # expert bytes read for it (a prefill reads each of them once at best).
+        self.prefilling = False
         self.prefill_seen: set[tuple[int, int]] = set()
         self.prefill_read_bytes = 0
         # Look-ahead: the experts each layer chose last time, read early for the next token.
@@ -289,6 +289,11 @@ class ExpertCache:
         if unit is not None:
             self._resident_bytes -= unit.length
             self._drop_unit(unit)
+
+    def begin_prefill(self) -> None:
+        self.prefilling = True
+        self.prefill_seen = set()
+        self.prefill_read_bytes = 0
 
     @property
     def resident_bytes(self) -> int:

@@ -931,6 +931,9 @@ class Generation:
             )
             clock = engine.decode_clock
             decoded = clock.seconds
+            experts = engine.streamer.experts if engine.streamer is not None else None
+            if experts is not None:
+                experts.begin_prefill()
             for index, token in enumerate(tokens):
                 now = time.perf_counter()
                 wall = now - last
@@ -939,6 +942,8 @@ class Generation:
                 if index == 0:
                     result.prompt_s = wall
                     metrics.prompt_evaluated(len(prompt_tokens))
+                    if experts is not None:
+                        experts.prefilling = False
                 if llama_cpp.llama_vocab_is_eog(vocab, token):
                     finish = "stop"
                     break
