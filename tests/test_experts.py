@@ -140,7 +140,8 @@ def test_heatmap_pins_hot_experts_next_run(moe_model):
 def test_cache_evicts_by_policy(moe_model):
     model = load_model_map(moe_model)
     layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
-    size = ExpertUnit(layer, 0, tuple(model.expert_ranges(layer, 0))).length
+    # room for two experts in whole pages (what an expert takes in memory), not three
+    size = max(ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e))).footprint for e in range(3))
     counts = [[0] * model.n_expert for _ in model.layers]
     counts[layer][0] = 100  # expert 0 is popular
     dropped: list[int] = []
@@ -166,10 +167,13 @@ def test_lfu_evicts_the_least_used_then_the_least_recent_over_a_long_run(moe_mod
 
     model = load_model_map(moe_model)
     layer = next(i for i, layer in enumerate(model.layers) if layer.is_moe)
-    size = sum(r.length for r in model.expert_ranges(layer, 0))
+    # Room for six experts in whole pages, whichever six (an expert's page count varies by one
+    # a slice with where it starts), never seven.
+    sizes = [ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e))).footprint for e in range(model.n_expert)]
+    assert 7 * min(sizes) > 6 * max(sizes)
     counts = [[0] * model.n_expert for _ in model.layers]
     dropped: list[int] = []
-    cache = ExpertCache(model, 6 * size, [], counts, lambda unit: [], lambda unit: dropped.append(unit.expert), "lfu")
+    cache = ExpertCache(model, 6 * max(sizes), [], counts, lambda unit: [], lambda unit: dropped.append(unit.expert), "lfu")
     rng = random.Random(1)
     uses: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -226,7 +230,10 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
             return real_read_unit(unit)
 
         page = os.sysconf("SC_PAGE_SIZE")
-        routed = [(t.offset - page, t.offset + t.n_bytes) for t in load_model_map(moe_model).tensors if t.role == "routed_experts"]
+        routed = [  # pages wholly inside a routed tensor: its end pages may be a trunk shard's too
+        (-(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page)
+        for t in load_model_map(moe_model).tensors if t.role == "routed_experts"
+    ]
 
         def failing_preadv(fd, buffers, offset):
             if any(lo <= offset < hi for lo, hi in routed):  # an expert's read, direct or not
@@ -326,7 +333,7 @@ def test_an_expert_read_ahead_and_evicted_is_released_only_after_its_read(moe_mo
 
     model = load_model_map(moe_model)
     layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
-    size = model.layers[layer].expert_bytes
+    size = max(ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e))).footprint for e in (3, 5))  # room for one
     counts = [[0] * model.n_expert for _ in range(model.n_layers)]
     gate = threading.Event()
     events: list[str] = []

@@ -145,7 +145,10 @@ def test_moe_working_set_is_one_tokens_experts_not_a_whole_layer(k3_model):
     model = load_model_map(k3_model)
     whole_layer = max(layer.n_bytes for layer in model.layers)
     largest_trunk = max(layer.trunk_bytes if layer.is_moe else layer.n_bytes for layer in model.layers)
-    one_token = model.n_expert_used * model.bytes_per_expert
+    from kimitui.engine.budget import expert_footprint
+
+    one_token = model.n_expert_used * expert_footprint(model)  # its slices in whole pages
+    assert model.bytes_per_expert <= expert_footprint(model) <= model.bytes_per_expert + 6 * 4096
     need = minimum_budget(model)
     assert need == model.nonlayer_bytes + largest_trunk + one_token + 16 * MIB
     assert need < model.nonlayer_bytes + whole_layer + 16 * MIB
@@ -200,8 +203,9 @@ def test_the_default_context_shrinks_to_what_fits(k3_model, monkeypatch):
     budget = minimum_budget(model) + 2 * MIB
     ubatch = plan_memory(model, budget, 2, 512).ubatch
     # Room for the weights and a context of 1024 tokens, not of 2048.
-    room = budget + PROCESS_RESERVE + working_estimate(model, 1024, ubatch) + 4096
-    assert room < budget + PROCESS_RESERVE + working_estimate(model, 2048, ubatch)
+    weights = min(budget, model.tensor_bytes)
+    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch) + 4096
+    assert room < weights + PROCESS_RESERVE + working_estimate(model, 2048, ubatch)
     monkeypatch.setattr(memory, "available_memory", lambda: room)
     engine = Engine(k3_model, n_ctx=65536, budget=budget)
     engine.load()
@@ -220,11 +224,12 @@ def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monke
     model = load_model_map(k3_model)
     budget = minimum_budget(model) + 2 * MIB
     ubatch = plan_memory(model, budget, 2, 512).ubatch
-    monkeypatch.setattr(memory, "available_memory", lambda: budget + PROCESS_RESERVE + working_estimate(model, 1024, ubatch))
+    weights = min(budget, model.tensor_bytes)
+    monkeypatch.setattr(memory, "available_memory", lambda: weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch))
     engine = Engine(k3_model, n_ctx=65536, budget=budget, n_ctx_fixed=True)
     with pytest.raises(EngineError, match=r"^context of 65536 tokens needs .* lower --n-ctx \(to 1024 at most\) or --budget$"):
         engine.load()
-    monkeypatch.setattr(memory, "available_memory", lambda: budget)
+    monkeypatch.setattr(memory, "available_memory", lambda: weights)
     engine = Engine(k3_model, n_ctx=256, budget=budget)
     with pytest.raises(EngineError, match="lower --budget$"):
         engine.load()

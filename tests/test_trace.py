@@ -4,6 +4,7 @@ recorded files, rotation, one-line errors for bad files, and the live TUI views.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -97,7 +98,10 @@ def test_traced_run_adds_up(engine, tmp_path):
     counted = {k: after[k] - before[k] for k in COUNTERS}
     readahead = sum(sh.length for layer in range(DEPTH) for sh in s.layer_shards[layer])
     assert readahead > 0, "prefetch should reach streamed layers across the token boundary"
-    assert counted["bytes_read"] == TOKENS * s.streamed_bytes_per_token + readahead
+    # Direct reads take a shard's end pages whole, and skip one a neighbour already holds.
+    shards_read = TOKENS * sum(len(shards) for shards in s.layer_shards) + sum(len(s.layer_shards[layer]) for layer in range(DEPTH))
+    slack = 2 * os.sysconf("SC_PAGE_SIZE") * shards_read if s.placer is not None else 0
+    assert abs(counted["bytes_read"] - (TOKENS * s.streamed_bytes_per_token + readahead)) <= slack
 
     # The stretches cover the counters exactly once: idle before, tokens, tail, idle after.
     stretches = [request["idle"], *tokens, end["tail"], close["idle"]]

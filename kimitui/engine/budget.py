@@ -22,11 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 from kimitui.model.gguf_map import ModelMap, Shard
 
 # Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
 # cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
 SLACK_BYTES = 16 * 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,18 @@ def trunk_bytes(model: ModelMap, layer: int) -> int:
     return info.trunk_bytes if info.is_moe else info.n_bytes
 
 
+def expert_footprint(model: ModelMap) -> int:
+    """The memory one resident expert takes at most: its slices rounded out to whole pages."""
+    if not model.is_moe:
+        return 0
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    # a slice of n bytes spans at most ceil(n / page) + 1 pages, wherever it starts
+    return sum((-(-r.length // PAGE) + 1) * PAGE for r in model.expert_ranges(layer, 0))
+
+
 def expert_floor(model: ModelMap) -> int:
     """The routed experts one token needs in one layer: the cache can never be smaller."""
-    return model.n_expert_used * model.bytes_per_expert if model.is_moe else 0
+    return model.n_expert_used * expert_footprint(model) if model.is_moe else 0
 
 
 def minimum_budget(model: ModelMap) -> int:
@@ -130,7 +142,7 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
     cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
     ubatch = n_batch
     if model.is_moe and model.bytes_per_expert:
-        cached = cache_floor // model.bytes_per_expert
+        cached = cache_floor // expert_footprint(model)
         if cached < model.n_expert:  # a layer's experts do not all fit: as many tokens as surely fit
             ubatch = max(1, min(n_batch, cached // model.n_expert_used))
     return MemoryPlan(
@@ -223,7 +235,7 @@ def plan_reads(model: ModelMap, plan: MemoryPlan) -> dict:
         trunk += shard.length
     moe_layers = [layer for layer in model.layers if layer.is_moe]
     total_experts = sum(layer.n_expert for layer in moe_layers)
-    cached = plan.expert_bytes // model.bytes_per_expert if model.bytes_per_expert else 0
+    cached = plan.expert_bytes // expert_footprint(model) if model.bytes_per_expert else 0
     hit = min(1.0, cached / total_experts) if total_experts else 0.0
     experts = sum(model.n_expert_used * layer.expert_bytes for layer in moe_layers) * (1 - hit)
     return {

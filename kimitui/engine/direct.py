@@ -305,6 +305,38 @@ class DirectPlacer:
                 self._placed[(file, part_offset)] = (0, 0, part_length, False)
         return length
 
+    def copy_in(self, file: int, offset: int, length: int) -> int | None:
+        """Read the whole pages [offset, offset+length) with O_DIRECT into memory of their own, then
+        move them over their place in the mapping in one step: the range never reads as zeros,
+        for pages that a computing neighbour may share (a shard's end pages). Given back with
+        ``release_in_place``. None where O_DIRECT is refused."""
+        if self._disabled:
+            return None
+        c = self._libc
+        buf = c.check(c.mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
+        try:
+            view = (ctypes.c_char * length).from_address(buf)
+            got = os.preadv(self._direct_fds[file], [memoryview(view).cast("B")], offset)
+        except OSError as exc:
+            c.munmap(buf, length)
+            if exc.errno == errno.EINVAL:
+                self._disabled = True
+                return None
+            raise
+        if got != length:
+            c.munmap(buf, length)
+            return got
+        target = self.addresses[file] + offset
+        if c.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, target) != target:
+            err = ctypes.get_errno()
+            c.munmap(buf, length)
+            # The kernel may have unmapped the target before it failed: map the file there again.
+            self._map_file(file, offset, length)
+            raise OSError(err, f"mremap: {os.strerror(err)}")
+        with self._lock:
+            self._placed[(file, offset)] = (0, 0, length, False)
+        return length
+
     def holds(self, file: int, offset: int) -> bool:
         with self._lock:
             return (file, offset) in self._placed

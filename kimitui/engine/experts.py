@@ -12,6 +12,7 @@ dir so the next run pins the hot experts from the start.
 from __future__ import annotations
 
 import hashlib
+import os
 import heapq
 import json
 import time
@@ -25,6 +26,7 @@ from kimitui.config import replace_file
 from kimitui.model.gguf_map import ModelMap
 
 EXPERT_POLICIES = ("lru", "lfu")
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,12 @@ class ExpertUnit:
     @property
     def length(self) -> int:
         return sum(r.length for r in self.ranges)
+
+    @property
+    def footprint(self) -> int:
+        """The memory it takes once resident: its slices rounded out to whole pages (the end
+        pages are read or locked whole), which for small experts is much more than ``length``."""
+        return sum(-(-r.end // PAGE) * PAGE - r.offset // PAGE * PAGE for r in self.ranges)
 
     # The attributes a trace's read record uses, as on a Shard.
     @property
@@ -84,10 +92,10 @@ def hot_experts(model: ModelMap, counts: list[list[int]], byte_budget: int) -> l
     chosen, left = [], byte_budget
     for _count, layer, e in ranked:
         unit = ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e)))
-        if unit.length > left:
+        if unit.footprint > left:
             break
         chosen.append(unit)
-        left -= unit.length
+        left -= unit.footprint
     return chosen
 
 
@@ -192,7 +200,7 @@ class ExpertCache:
                 self.prefetch_wasted += 1
                 self.prefetch_wasted_bytes += evicted.length
             self._drop_unit(evicted)
-            self._resident_bytes -= evicted.length
+            self._resident_bytes -= evicted.footprint
         return self._resident_bytes + length <= self.capacity
 
     @staticmethod
@@ -215,11 +223,11 @@ class ExpertCache:
             unit = self._unit(*key)
             # The layer computing now (the last ensure) keeps its experts: evicting them here
             # would leave its matmuls to fault them back in through the mapping.
-            if not self._make_room(unit.length, keys | set(self._inflight) | self._in_use):
+            if not self._make_room(unit.footprint, keys | set(self._inflight) | self._in_use):
                 return
             self._inflight[key] = self._read_ahead(unit)
             self._touch(key, unit)
-            self._resident_bytes += unit.length
+            self._resident_bytes += unit.footprint
             self._prefetched.add(key)
             self.prefetch_issued += 1
 
@@ -264,10 +272,10 @@ class ExpertCache:
             self.bytes_needed += unit.length
             if self.prefilling:
                 self.prefill_read_bytes += unit.length
-            self._make_room(unit.length, needed)
+            self._make_room(unit.footprint, needed)
             pending.append((unit, self._read_unit(unit)))
             self._touch(key, unit)
-            self._resident_bytes += unit.length
+            self._resident_bytes += unit.footprint
         started = time.perf_counter()
         try:
             for _unit, futures in pending:
@@ -287,7 +295,7 @@ class ExpertCache:
         self._settle(self._inflight.pop(key, None))
         self._prefetched.discard(key)
         if unit is not None:
-            self._resident_bytes -= unit.length
+            self._resident_bytes -= unit.footprint
             self._drop_unit(unit)
 
     def begin_prefill(self) -> None:

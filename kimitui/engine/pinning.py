@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+from kimitui.engine.platform import MADV_DONTNEED
 from kimitui.model.gguf_map import ByteRange, ModelMap, Shard, merge_ranges
 
 CHUNK_BYTES = 4 * 2**20
@@ -144,6 +146,7 @@ def _libc() -> ctypes.CDLL:
     lib = ctypes.CDLL("libc.so.6" if sys.platform.startswith("linux") else None, use_errno=True)
     lib.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     lib.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return lib
 
 
@@ -168,3 +171,50 @@ def unlock_ranges(addresses: dict[int, int], ranges: Sequence[ByteRange]) -> Non
         address = addresses[r.file]
         start = (address + r.offset) & ~(page - 1)
         libc.munlock(start, address + r.end - start)
+
+
+def drop_outside(addresses: dict[int, int], paths: dict[int, str], ranges: Sequence[ByteRange]) -> None:
+    """Unmap from this process every page of the model's mappings outside the pinned ranges.
+
+    Locking faults the pinned pages in, and each fault also maps the page cache's neighbours of
+    the faulted page (fault-around, 64 KiB): with the model file cached (written just now, or
+    read by an earlier run) that mapped the neighbours of every small pinned expert too, counted
+    nowhere. Called before anything is streamed, when every page of the model's mappings outside
+    the pinned set is file-backed, so the drop only unmaps: the data stays in the file and the
+    page cache. Only areas that map the model's own files are touched (/proc/self/maps): llama.cpp
+    unmaps the unused head and tail of a mapping after the load, and the allocator may have
+    taken that room since. Linux only (Darwin's MADV_DONTNEED does not unmap)."""
+    if not sys.platform.startswith("linux"):
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = _libc()
+    areas = _file_areas({os.path.realpath(p) for p in paths.values()})
+    by_file: dict[int, list[ByteRange]] = {}
+    for r in merge_ranges(ranges):
+        by_file.setdefault(r.file, []).append(r)
+    for file, address in addresses.items():
+        real = os.path.realpath(paths[file])
+        cursor = 0
+        for r in by_file.get(file, []) + [ByteRange(file, 1 << 62, 0)]:
+            start = address + -(-cursor // page) * page  # whole pages between the pinned ranges only:
+            end = address + r.offset // page * page  # the pinned ones at either end stay locked
+            for lo, hi, path in areas:
+                lo, hi = max(lo, start), min(hi, end)
+                if path == real and hi > lo:
+                    libc.madvise(lo, hi - lo, MADV_DONTNEED)
+            cursor = max(cursor, r.end)
+
+
+def _file_areas(paths: set[str]) -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings of ``paths``."""
+    out = []
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in paths:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi, fields[5]))
+    return out

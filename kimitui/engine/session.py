@@ -513,7 +513,7 @@ class Engine:
             self._pin_listener = on_progress  # a later re-pin (live tuning) reports to it too
         if not self.mappings:
             return
-        from kimitui.engine.pinning import ParallelReader, lock_ranges, plan_pinned, shard_ranges
+        from kimitui.engine.pinning import ParallelReader, drop_outside, lock_ranges, plan_pinned, shard_ranges
 
         model = self._model_map()
         streaming = self._callbacks is not None
@@ -545,9 +545,11 @@ class Engine:
             return
         addresses = {i: m.address for i, m in self.mappings.items()}
         self.pin_note = lock_ranges(addresses, ranges)
+        if streaming:
+            drop_outside(addresses, {i: str(path) for i, path in enumerate(model.files)}, ranges)
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
-        self.hot_expert_bytes = sum(unit.length for unit in hot)
+        self.hot_expert_bytes = sum(unit.footprint for unit in hot)
         if streaming:
             from kimitui.engine.streaming import Streamer
 
@@ -631,10 +633,12 @@ class Engine:
         }
 
     def _expert_slots(self) -> int | None:
+        from kimitui.engine.budget import expert_footprint
+
         experts = self.streamer.experts if self.streamer is not None else None
         if experts is None or not self._model_map().bytes_per_expert:
             return None
-        return len(experts.pinned) + experts.capacity // self._model_map().bytes_per_expert
+        return len(experts.pinned) + experts.capacity // expert_footprint(self._model_map())
 
     def retune(self, *, budget: int | None = None, shard_size: int | None = None, **stream) -> str:
         """Live tuning, applied from the next token. Budget and shard size change the pinned

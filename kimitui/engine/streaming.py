@@ -36,6 +36,7 @@ from kimitui.engine.settings import POLICIES, StreamSettings
 from kimitui.model.gguf_map import ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
+COPY_IN = "copy in"  # a piece read into memory of its own and moved into place in one step
 
 
 class Residency(enum.Enum):
@@ -197,6 +198,11 @@ class Streamer:
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
         self._dropper = Dropper(self._release, self.fail)
         self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
+        if self.placer is not None:
+            # Pinned pages are locked in place, file-backed: a neighbour never reads over them.
+            for shard in model.shards:
+                if shard.index in pinned:
+                    self._take_edges(shard.range)
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
@@ -268,7 +274,9 @@ class Streamer:
             if offset + length > size:
                 got = max(0, size - offset)
             elif placed and (
-                got := self.placer.place_in_place(file, offset, length, placed)
+                got := self.placer.copy_in(file, offset, length)
+                if placed == COPY_IN
+                else self.placer.place_in_place(file, offset, length, placed)
                 if expert
                 else self.placer.place(file, offset, length)
             ) is not None:
@@ -322,13 +330,21 @@ class Streamer:
     def _what(unit) -> str:
         return f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
 
-    def _read_ranges(self, unit, ranges, pool: ThreadPoolExecutor | None = None) -> list[Future]:
+    def _read_ranges(self, unit, ranges, pool: ThreadPoolExecutor | None = None, hold: bool = True) -> list[Future]:
+        """``hold``: count the ranges' shared end pages as held (not when a cancelled release
+        left them held already)."""
         expert = isinstance(unit, ExpertUnit)
         if self.placer is not None and expert:
             pieces = [piece for r in ranges for piece in self._expert_pieces(r)]
         elif self.placer is not None:
             page = self.placer.page
-            pieces = [(r.file, *piece) for r in ranges for piece in split_pieces(r.offset, r.end, page)]
+            pieces = []
+            for r in ranges:
+                for start, length, whole_pages in split_pieces(r.offset, r.end, page):
+                    if whole_pages:
+                        pieces.append((r.file, start, length, True))
+                for edge in self._take_edges(r) if hold else ():
+                    pieces.append((r.file, edge, page, COPY_IN))
         else:
             pieces = [
                 (r.file, start, min(CHUNK_BYTES, r.end - start), False)
@@ -350,11 +366,14 @@ class Streamer:
             self.error = message
 
     def _release(self, r) -> None:
-        """The dropper's work for one range: placed pages go back to the file first, so the
-        drop below only ever meets file-backed memory."""
+        """The dropper's work for one shard's range: placed pages go back to the file first, so the
+        drop below only ever meets file-backed memory; then its end pages that no one holds."""
         if self.placer is not None:
             self.placer.release(r.file, r.offset, r.length)
         self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
+        if self.placer is not None:
+            for offset, length in self._give_back_edges(r):
+                self._give_back(r.file, offset, length)
 
     # -- expert slices in place ------------------------------------------------------------
     #
@@ -376,26 +395,48 @@ class Streamer:
             shared.append(hi - page)
         return lo, hi, shared
 
-    def _hold_edges(self, r) -> None:
+    def _take_edges(self, r) -> list[int]:
+        """Count ``r``'s shared end pages as held; the ones no one held before, to be read."""
+        lo, hi, shared = self._slice_pages(r)
+        with self._lock:
+            fresh = [edge for edge in shared if self._edge_refs.get((r.file, edge), 0) == 0]
+            for edge in shared:
+                self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
+        return fresh
+
+    def _give_back_edges(self, r) -> list[tuple[int, int]]:
+        """Stop holding ``r``'s shared end pages; the ones no one holds any more, to be given back."""
+        page = self.io.page
+        out = []
         with self._lock:
             for edge in self._slice_pages(r)[2]:
-                self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
+                left = self._edge_refs.get((r.file, edge), 0) - 1
+                if left > 0:
+                    self._edge_refs[(r.file, edge)] = left
+                else:
+                    self._edge_refs.pop((r.file, edge), None)
+                    out.append((edge, page))
+        return out
+
+    def _give_back(self, file: int, offset: int, length: int) -> None:
+        if self.placer is not None and self.placer.holds(file, offset):
+            self.placer.release_in_place(file, offset)
+        else:  # read through the page cache (O_DIRECT refused): out of our tables and the cache
+            self.io.drop(self.fds[file], self.addresses[file], offset, length)
 
     def _expert_pieces(self, r) -> list[tuple]:
         """The slice's pages not already in place, as one in-place read, with its parts."""
         page = self.io.page
         lo, hi, shared = self._slice_pages(r)
-        with self._lock:
-            held = {edge for edge in shared if self._edge_refs.get((r.file, edge), 0) > 0}
-            for edge in shared:
-                self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
+        fresh = set(self._take_edges(r))
+        held = set(shared) - fresh
         start = lo + page if lo in held else lo
         end = hi - page if hi - page in held else hi
         if end <= start:
             return []
         inner_start = lo + page if lo in shared else lo
         inner_end = hi - page if hi - page in shared else hi
-        parts = [(edge, page) for edge in shared if edge not in held]
+        parts = [(edge, page) for edge in sorted(fresh)]
         if inner_end > inner_start:
             parts.append((inner_start, inner_end - inner_start))
         return [(r.file, start, end - start, sorted(parts))]
@@ -404,30 +445,17 @@ class Streamer:
         """Give a slice back: its own pages, and each shared end page no resident slice holds."""
         page = self.io.page
         lo, hi, shared = self._slice_pages(r)
-        give_back = []
         inner_start = lo + page if lo in shared else lo
         inner_end = hi - page if hi - page in shared else hi
-        if inner_end > inner_start:
-            give_back.append((inner_start, inner_end - inner_start))
-        with self._lock:
-            for edge in shared:
-                left = self._edge_refs.get((r.file, edge), 0) - 1
-                if left > 0:
-                    self._edge_refs[(r.file, edge)] = left
-                else:
-                    self._edge_refs.pop((r.file, edge), None)
-                    give_back.append((edge, page))
-        for offset, length in give_back:
-            if self.placer is not None and self.placer.holds(r.file, offset):
-                self.placer.release_in_place(r.file, offset)
-            else:  # read through the page cache (O_DIRECT refused): out of our tables and the cache
-                self.io.drop(self.fds[r.file], self.addresses[r.file], offset, length)
+        give_back = [(inner_start, inner_end - inner_start)] if inner_end > inner_start else []
+        for offset, length in give_back + self._give_back_edges(r):
+            self._give_back(r.file, offset, length)
 
     def _submit(self, shard: Shard) -> None:
         """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
-        self._dropper.keep(("shard", shard.index))
+        kept = self._dropper.keep(("shard", shard.index))  # its end pages are still held then
         self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
-        self._futures[shard.index] = self._read_ranges(shard, [shard.range])
+        self._futures[shard.index] = self._read_ranges(shard, [shard.range], hold=not kept)
         self.state[shard.index] = Residency.INFLIGHT
         self._resident_bytes += shard.length
 
@@ -575,7 +603,7 @@ class Streamer:
 
         for unit in pinned:  # locked, file-backed: never read in place, never given back
             for r in unit.ranges:
-                self._hold_edges(r)
+                self._take_edges(r)
 
         def read_unit(unit: ExpertUnit, pool: ThreadPoolExecutor | None = None) -> list[Future]:
             if self._dropper.keep(("expert", unit.layer, unit.expert)) and self.placer is not None:
