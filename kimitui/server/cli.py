@@ -83,11 +83,13 @@ def run(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             engine.load()
-            if engine.fast_load_note:
-                print(f"kimitui: {engine.fast_load_note}", file=sys.stderr, flush=True)
+            for note in (engine.fast_load_note, engine.fit_note):
+                if note:
+                    print(f"kimitui: {note}", file=sys.stderr, flush=True)
             engine.pin(pinning)
-            if engine.pin_note:
-                print(f"kimitui: {engine.pin_note}", file=sys.stderr, flush=True)
+            for note in (engine.pin_note, engine.plan_note):
+                if note:
+                    print(f"kimitui: {note}", file=sys.stderr, flush=True)
         except EngineError as exc:
             if not server.should_exit:  # else: stopped while loading, nothing to report
                 failure.append(str(exc))

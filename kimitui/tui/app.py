@@ -252,6 +252,8 @@ class KimituiApp(App[int]):
         elif isinstance(self.engine, Engine):
             if self.engine.fast_load_note:
                 self.notify(self.engine.fast_load_note, severity="warning", timeout=15)
+            if self.engine.fit_note:
+                self.notify(self.engine.fit_note, severity="warning", timeout=15)
             self.pin_model()
 
     @work(thread=True, group="pin", exit_on_error=False)
