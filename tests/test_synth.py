@@ -251,6 +251,9 @@ def test_progress_line_only_on_a_terminal(monkeypatch):
         ([], "--size is required"),
         (["--size", "10MiB"], "cannot shape"),
         (["--size", "lots"], "--size"),
+        (["--layers", "4"], "--layers and --experts cut a --like model"),
+        (["--like", "kimi-k3", "--experts", "900"], "--experts must be in 1..896"),
+        (["--like", "kimi-k2", "--layers", "1"], "--layers must be in 2..61"),
     ],
 )
 def test_cli_mistakes_are_one_line_exit_2(tmp_path, capsys, argv, message):
@@ -267,3 +270,12 @@ def test_cli_dry_run_and_write(tmp_path, capsys):
     assert main(["synth", str(out), "--size", "100MiB", "--seed", "3"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert abs(out.stat().st_size - 100 * MIB) < MIB
+
+
+def test_a_kimi_k2_slice_keeps_its_real_widths(tok):
+    """--layers/--experts cut K2 as they cut K3: fewer layers and experts, an expert at its real size."""
+    spec = synth.plan_like("kimi-k2", None, 1.0, "q4_1", tok, synth.Cut(layers=3, experts=16))
+    assert spec.kv_value("deepseek2.block_count") == 3 and spec.kv_value("deepseek2.expert_count") == 16
+    assert spec.kv_value("deepseek2.expert_used_count") == 8 and spec.kv_value("deepseek2.embedding_length") == 7168
+    experts = [t for t in spec.tensors if t.name.startswith("blk.1.") and "_exps." in t.name]
+    assert sum(t.n_bytes for t in experts) // 16 == 3 * 7168 * 2048 // 32 * 20  # Q4_1: 20 bytes per 32 weights
