@@ -294,3 +294,22 @@ def test_k3_routers_are_read_for_look_ahead(k3_model):
         assert math.isfinite(float(weight.sum()))
     finally:
         engine.close()
+
+
+def test_a_split_set_whose_files_end_inside_a_page_streams(tmp_path):
+    """Files of a split set end where their last tensor does (padded to 32 bytes, not to a page):
+    expert and shard reads rounded out to whole pages stop at the end, with the stock tokens."""
+    spec = synth.plan_like("kimi-k3", None, 0.06, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))
+    paths = synth.write_model(spec, tmp_path / "k3s.gguf", seed=9, split_size=40 * MIB, progress=False).paths
+    model = load_model_map(paths[0])
+    ends_in_routed = [
+        i for i, size in enumerate(model.file_sizes)
+        if size % 4096 and any(t.file == i and t.role == "routed_experts" and t.offset + t.n_bytes == size for t in model.tensors)
+    ]
+    assert ends_in_routed, "the cut should leave a file ending inside a page with routed experts"
+    expected = stock_reply(paths[0], tokens=8)
+    engine = streamed_engine(paths[0], minimum_budget(model) + 2 * MIB)
+    try:
+        assert reply_tokens(engine, tokens=8) == expected
+    finally:
+        engine.close()

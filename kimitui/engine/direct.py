@@ -286,7 +286,11 @@ class DirectPlacer:
             return None
         c = self._libc
         target = self.addresses[file] + offset
-        c.check(c.mmap(target, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0), "mmap")
+        if c.mmap(target, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
+            # Out of kernel mappings or memory: the target may be gone; the file goes back there
+            # (or OSError), and the caller reads through the page cache.
+            self._map_file(file, offset, length)
+            return None
         c.madvise(target, length, MADV_HUGEPAGE)
         try:
             view = (ctypes.c_char * length).from_address(target)
@@ -297,7 +301,7 @@ class DirectPlacer:
                 self._disabled = True
                 return None
             raise
-        if got != length:
+        if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
             self._map_file(file, offset, length)
             return got
         with self._lock:
@@ -323,7 +327,7 @@ class DirectPlacer:
                 self._disabled = True
                 return None
             raise
-        if got != length:
+        if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
             c.munmap(buf, length)
             return got
         target = self.addresses[file] + offset

@@ -173,7 +173,9 @@ def unlock_ranges(addresses: dict[int, int], ranges: Sequence[ByteRange]) -> Non
         libc.munlock(start, address + r.end - start)
 
 
-def drop_outside(addresses: dict[int, int], paths: dict[int, str], ranges: Sequence[ByteRange]) -> None:
+def drop_outside(
+    addresses: dict[int, int], lengths: dict[int, int], paths: dict[int, str], ranges: Sequence[ByteRange]
+) -> None:
     """Unmap from this process every page of the model's mappings outside the pinned ranges.
 
     Locking faults the pinned pages in, and each fault also maps the page cache's neighbours of
@@ -195,7 +197,7 @@ def drop_outside(addresses: dict[int, int], paths: dict[int, str], ranges: Seque
     for file, address in addresses.items():
         real = os.path.realpath(paths[file])
         cursor = 0
-        for r in by_file.get(file, []) + [ByteRange(file, 1 << 62, 0)]:
+        for r in by_file.get(file, []) + [ByteRange(file, lengths[file], 0)]:
             start = address + -(-cursor // page) * page  # whole pages between the pinned ranges only:
             end = address + r.offset // page * page  # the pinned ones at either end stay locked
             for lo, hi, path in areas:

@@ -546,7 +546,8 @@ class Engine:
         addresses = {i: m.address for i, m in self.mappings.items()}
         self.pin_note = lock_ranges(addresses, ranges)
         if streaming:
-            drop_outside(addresses, {i: str(path) for i, path in enumerate(model.files)}, ranges)
+            lengths = {i: m.length for i, m in self.mappings.items()}
+            drop_outside(addresses, lengths, {i: str(path) for i, path in enumerate(model.files)}, ranges)
         self.pinned_ranges = ranges
         self.pinned_bytes = sum(r.length for r in ranges)
         self.hot_expert_bytes = sum(unit.footprint for unit in hot)
@@ -674,6 +675,11 @@ class Engine:
             # only takes when it is created: the next reply starts on a fresh one.
             self._rebuild_pending = self._repin_pending = True
             return "applies from the next reply: streaming starts on a fresh llama.cpp context"
+        if self._model_map().is_moe and min(self.n_batch, self._memory_plan(self._model_map()).ubatch) != self.n_ubatch:
+            # The expert cache changes size: prefill micro-batches must follow, which llama.cpp
+            # takes only with a fresh context (the conversation is prefilled again).
+            self._rebuild_pending = self._repin_pending = True
+            return "applies from the next reply, on a fresh llama.cpp context sized for the new expert cache"
         self._repin_pending = True
         return "applies from the next token, after the pinned set is re-read"
 
@@ -688,6 +694,9 @@ class Engine:
         llm = self._llm
         params = llm.context_params
         params.cb_eval, params.abort_callback = self._stream_callbacks()
+        # The prefill micro-batch the new budget's expert cache holds (see budget.py).
+        self.n_ubatch = min(self.n_batch, self._memory_plan(self._model_map()).ubatch)
+        params.n_ubatch = self.n_ubatch
         llm._ctx.close()
         try:
             llm._ctx = internals.LlamaContext(model=llm._model, params=params, verbose=False)

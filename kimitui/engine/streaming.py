@@ -147,7 +147,7 @@ class Dropper:
                     for r in ranges:
                         try:
                             release(r)
-                        except OSError as exc:  # the thread lives on: flush() and close() must return
+                        except Exception as exc:  # noqa: BLE001 - the thread lives on: reads wait for it
                             self._on_error(f"cannot give streamed bytes back to the model file: {exc}")
                     self._released.notify_all()
             if self._closing:
@@ -271,7 +271,10 @@ class Streamer:
         expert = isinstance(unit, ExpertUnit)
         try:
             size = os.fstat(self.fds[file]).st_size
-            if offset + length > size:
+            # A read rounded out to whole pages may pass the end of the file by less than a page
+            # (tensors are padded to 32 bytes, not to pages): the bytes up to the end are all.
+            expected = size - offset if placed and 0 < offset + length - size < self.io.page else length
+            if offset + expected > size:
                 got = max(0, size - offset)
             elif placed and (
                 got := self.placer.copy_in(file, offset, length)
@@ -299,14 +302,14 @@ class Streamer:
                 f"cannot read {self._what(unit)} of layer {unit.layer} from model file "
                 f"{os.path.basename(self.model.files[file])} at byte {offset}: {exc.strerror or exc} (drive removed or failing?)"
             ) from None
-        if got != length:
+        if got < expected:
             raise StreamAbort(
                 f"model file {os.path.basename(self.model.files[file])} ended at byte {offset + got}; "
-                f"{self._what(unit)} of layer {unit.layer} needs bytes up to {offset + length} "
+                f"{self._what(unit)} of layer {unit.layer} needs bytes up to {offset + expected} "
                 "(file truncated or drive removed?)"
             )
         with self._lock:
-            self.bytes_read += length
+            self.bytes_read += expected
         on_read = self.on_read
         if on_read is not None:
             ended = time.perf_counter()
@@ -368,12 +371,14 @@ class Streamer:
     def _release(self, r) -> None:
         """The dropper's work for one shard's range: placed pages go back to the file first, so the
         drop below only ever meets file-backed memory; then its end pages that no one holds."""
-        if self.placer is not None:
-            self.placer.release(r.file, r.offset, r.length)
-        self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
-        if self.placer is not None:
-            for offset, length in self._give_back_edges(r):
-                self._give_back(r.file, offset, length)
+        try:
+            if self.placer is not None:
+                self.placer.release(r.file, r.offset, r.length)
+            self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
+        finally:
+            if self.placer is not None:
+                for offset, length in self._give_back_edges(r):
+                    self._give_back(r.file, offset, length)
 
     # -- expert slices in place ------------------------------------------------------------
     #
@@ -425,21 +430,19 @@ class Streamer:
             self.io.drop(self.fds[file], self.addresses[file], offset, length)
 
     def _expert_pieces(self, r) -> list[tuple]:
-        """The slice's pages not already in place, as one in-place read, with its parts."""
+        """The slice's own whole pages as one read into place, and each shared end page no one
+        holds yet copied in: a shared page must never read as zeros, since a neighbour's read
+        that found it held does not wait for this one (it reads the file's page meanwhile)."""
         page = self.io.page
         lo, hi, shared = self._slice_pages(r)
-        fresh = set(self._take_edges(r))
-        held = set(shared) - fresh
-        start = lo + page if lo in held else lo
-        end = hi - page if hi - page in held else hi
-        if end <= start:
-            return []
+        fresh = self._take_edges(r)
         inner_start = lo + page if lo in shared else lo
         inner_end = hi - page if hi - page in shared else hi
-        parts = [(edge, page) for edge in sorted(fresh)]
+        pieces = []
         if inner_end > inner_start:
-            parts.append((inner_start, inner_end - inner_start))
-        return [(r.file, start, end - start, sorted(parts))]
+            pieces.append((r.file, inner_start, inner_end - inner_start, [(inner_start, inner_end - inner_start)]))
+        pieces += [(r.file, edge, page, COPY_IN) for edge in fresh]
+        return pieces
 
     def _release_expert(self, r) -> None:
         """Give a slice back: its own pages, and each shared end page no resident slice holds."""
@@ -606,8 +609,8 @@ class Streamer:
                 self._take_edges(r)
 
         def read_unit(unit: ExpertUnit, pool: ThreadPoolExecutor | None = None) -> list[Future]:
-            if self._dropper.keep(("expert", unit.layer, unit.expert)) and self.placer is not None:
-                return []  # its release had not run: its pages are still in place, its end pages still counted
+            # A release still queued for it runs first (the new read waits for it), so what
+            # counts as resident is always what this read put there.
             return self._read_ranges(unit, unit.ranges, pool)
 
         def drop_unit(unit: ExpertUnit) -> None:

@@ -815,8 +815,8 @@ def write_model(
     renamed into place only once every byte is on disk. `sparse`: the weight matrices are file
     holes (they read back as zeros and take no disk); headers, norms, routers and their biases
     hold data, so the file has the real model's shape and size at the cost of its small tensors."""
-    total = sum(t.n_bytes for t in spec.tensors if not (sparse and t.fill in HOLE_FILLS))
-    splitting = split_size is not None and total > split_size
+    total = sum(t.n_bytes for t in spec.tensors if not (sparse and t.fill in HOLE_FILLS))  # bytes written
+    splitting = split_size is not None and sum(t.n_bytes for t in spec.tensors) > split_size
     writer = GGUFWriter(None, spec.arch, split_max_size=split_size if splitting else 0)
     for key, value, vtype in spec.kv:
         if key != "general.architecture":  # GGUFWriter writes that one itself
