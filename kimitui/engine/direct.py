@@ -16,12 +16,14 @@ back with MAP_FIXED over what remains, so no address in the mapping is ever a ho
 mmap could be given. The partial pages at a shard's two ends share a page with its neighbours
 and stay file-backed (the caller faults them in the ordinary way).
 
-Routed experts take a shorter way (``place_in_place``): their slices (~5.85 MB at Kimi K3's size)
+Routed experts take a shorter way (``place_slice``): their slices (~5.85 MB at Kimi K3's size)
 start anywhere in a 4 MiB block, so a pool buffer would hold the rest of its pages for nothing.
 The whole pages of a slice become anonymous memory in place (mmap MAP_FIXED over the mapping,
 huge pages asked for) and the O_DIRECT read lands there: resident memory is exactly the bytes
 read. The range reads as zeros only while its own read runs, and the engine never lets compute
-at a slice before its read is done. Releasing maps the file there again.
+at a slice before its read is done. Its end pages, shared with the neighbouring slices, come in
+the same read into memory of their own and are moved into place after it, so a page a
+neighbour may be using never reads as zeros. Releasing maps the file there again.
 
 Darwin/iOS has neither O_DIRECT nor mremap: the engine reads through the unified buffer cache
 there, and no placer is made.
@@ -276,37 +278,64 @@ class DirectPlacer:
             self._placed[(file, offset)] = (buf, at, length, whole)
         return length
 
-    def place_in_place(self, file: int, offset: int, length: int, parts: list[tuple[int, int]]) -> int | None:
-        """Read the whole pages [offset, offset+length) with O_DIRECT straight into fresh anonymous
-        memory at their place in the mapping, as one read; ``parts`` (offset, length) split the
-        range into what is given back apart (``release_in_place``). Returns the bytes read, or
-        None where the caller must read through the page cache instead (O_DIRECT refused).
-        Raises OSError for a failed read, after mapping the file back (never left as zeros)."""
+    def place_slice(self, file: int, offset: int, length: int, inner: tuple[int, int] | None, edges: list[int]) -> int | None:
+        """One O_DIRECT read of [offset, offset+length): the slice's own whole pages ``inner``
+        straight into fresh anonymous memory at their place (huge pages asked for; they read as
+        zeros only while this read runs, and no one computes with them before it is done), its
+        shared end pages ``edges`` into memory of their own, moved into place after the read in
+        one step each (as ``copy_in``), so a shared page never reads as zeros. One request instead of three. Returns the bytes read,
+        or None where the caller must read through the page cache (O_DIRECT refused, no mapping
+        to be had)."""
         if self._disabled:
             return None
-        c = self._libc
-        target = self.addresses[file] + offset
-        if c.mmap(target, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
-            # Out of kernel mappings or memory: the target may be gone; the file goes back there
-            # (or OSError), and the caller reads through the page cache.
-            self._map_file(file, offset, length)
-            return None
-        c.madvise(target, length, MADV_HUGEPAGE)
+        c, page = self._libc, self.page
+        base = self.addresses[file]
+        if inner is not None:
+            if c.mmap(base + inner[0], inner[1], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
+                self._map_file(file, *inner)
+                return None
+            c.madvise(base + inner[0], inner[1], MADV_HUGEPAGE)
+        buffers: dict[int, int] = {}
+        for edge in edges:
+            buf = c.mmap(None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if buf in (None, MAP_FAILED):
+                for b in buffers.values():
+                    c.munmap(b, page)
+                if inner is not None:
+                    self._map_file(file, *inner)
+                return None
+            buffers[edge] = buf
+        pieces = sorted([(edge, buf, page) for edge, buf in buffers.items()] + ([(inner[0], base + inner[0], inner[1])] if inner else []))
+        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
+
+        def undo() -> None:
+            for b in buffers.values():
+                c.munmap(b, page)
+            if inner is not None:
+                self._map_file(file, *inner)
+
         try:
-            view = (ctypes.c_char * length).from_address(target)
-            got = os.preadv(self._direct_fds[file], [memoryview(view).cast("B")], offset)
+            got = os.preadv(self._direct_fds[file], views, offset)
         except OSError as exc:
-            self._map_file(file, offset, length)
+            undo()
             if exc.errno == errno.EINVAL:
                 self._disabled = True
                 return None
             raise
         if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
-            self._map_file(file, offset, length)
+            undo()
             return got
+        for edge, buf in buffers.items():
+            if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
+                err = ctypes.get_errno()
+                c.munmap(buf, page)
+                self._map_file(file, edge, page)  # the kernel may have unmapped the target first
+                raise OSError(err, f"mremap: {os.strerror(err)}")
         with self._lock:
-            for part_offset, part_length in parts:
-                self._placed[(file, part_offset)] = (0, 0, part_length, False)
+            if inner is not None:
+                self._placed[(file, inner[0])] = (0, 0, inner[1], False)
+            for edge in buffers:
+                self._placed[(file, edge)] = (0, 0, page, False)
         return length
 
     def copy_in(self, file: int, offset: int, length: int) -> int | None:

@@ -37,6 +37,7 @@ from kimitui.model.gguf_map import ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
 COPY_IN = "copy in"  # a piece read into memory of its own and moved into place in one step
+SLICE = "slice"  # an expert slice: its own pages read into place, its shared end pages copied in
 
 
 class Residency(enum.Enum):
@@ -279,7 +280,7 @@ class Streamer:
             elif placed and (
                 got := self.placer.copy_in(file, offset, length)
                 if placed == COPY_IN
-                else self.placer.place_in_place(file, offset, length, placed)
+                else self.placer.place_slice(file, offset, length, placed[1], placed[2])
                 if expert
                 else self.placer.place(file, offset, length)
             ) is not None:
@@ -430,19 +431,22 @@ class Streamer:
             self.io.drop(self.fds[file], self.addresses[file], offset, length)
 
     def _expert_pieces(self, r) -> list[tuple]:
-        """The slice's own whole pages as one read into place, and each shared end page no one
-        holds yet copied in: a shared page must never read as zeros, since a neighbour's read
-        that found it held does not wait for this one (it reads the file's page meanwhile)."""
+        """The slice's pages not already held, as one read: its own whole pages into place, each
+        shared end page no one holds yet copied in (a shared page must never read as zeros: a
+        neighbour's read that found it held does not wait for this one, and reads the file's
+        page meanwhile)."""
         page = self.io.page
         lo, hi, shared = self._slice_pages(r)
         fresh = self._take_edges(r)
+        held = set(shared) - set(fresh)
         inner_start = lo + page if lo in shared else lo
         inner_end = hi - page if hi - page in shared else hi
-        pieces = []
-        if inner_end > inner_start:
-            pieces.append((r.file, inner_start, inner_end - inner_start, [(inner_start, inner_end - inner_start)]))
-        pieces += [(r.file, edge, page, COPY_IN) for edge in fresh]
-        return pieces
+        inner = (inner_start, inner_end - inner_start) if inner_end > inner_start else None
+        start = lo + page if lo in held else lo
+        end = hi - page if hi - page in held else hi
+        if end <= start:
+            return []
+        return [(r.file, start, end - start, (SLICE, inner, fresh))]
 
     def _release_expert(self, r) -> None:
         """Give a slice back: its own pages, and each shared end page no resident slice holds."""
