@@ -195,18 +195,26 @@ def test_the_budget_holds_the_models_resident_pages(k3_paged, extra_mib):
         engine.close()
 
 
-def test_the_default_context_shrinks_to_what_fits(k3_model, monkeypatch):
-    import kimitui.engine.memory as memory
+def fitting(k3_model) -> tuple[int, int, int]:
+    """(budget, weights, room for a 1024-token context beside them) of the K3 cut: the budget a
+    little above its minimum, the weights it pins at most, and the memory for those plus llama.cpp's
+    cache and buffers at 1024 tokens, not 2048, at the prefill micro-batch the budget plans."""
     from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
 
     model = load_model_map(k3_model)
     budget = minimum_budget(model) + 2 * MIB
     ubatch = plan_memory(model, budget, 2, 512).ubatch
-    # Room for the weights and a context of 1024 tokens, not of 2048.
     weights = min(budget, model.tensor_bytes)
-    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch) + 4096
-    assert room < weights + PROCESS_RESERVE + working_estimate(model, 2048, ubatch)
-    monkeypatch.setattr(memory, "available_memory", lambda: room)
+    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch)
+    assert room + 4096 < weights + PROCESS_RESERVE + working_estimate(model, 2048, ubatch)
+    return budget, weights, room
+
+
+def test_the_default_context_shrinks_to_what_fits(k3_model, monkeypatch):
+    import kimitui.engine.memory as memory
+
+    budget, _, room = fitting(k3_model)
+    monkeypatch.setattr(memory, "available_memory", lambda: room + 4096)
     engine = Engine(k3_model, n_ctx=65536, budget=budget)
     engine.load()
     try:
@@ -219,13 +227,9 @@ def test_the_default_context_shrinks_to_what_fits(k3_model, monkeypatch):
 
 def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monkeypatch):
     import kimitui.engine.memory as memory
-    from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
 
-    model = load_model_map(k3_model)
-    budget = minimum_budget(model) + 2 * MIB
-    ubatch = plan_memory(model, budget, 2, 512).ubatch
-    weights = min(budget, model.tensor_bytes)
-    monkeypatch.setattr(memory, "available_memory", lambda: weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch))
+    budget, weights, room = fitting(k3_model)
+    monkeypatch.setattr(memory, "available_memory", lambda: room)
     engine = Engine(k3_model, n_ctx=65536, budget=budget, n_ctx_fixed=True)
     with pytest.raises(EngineError, match=r"^context of 65536 tokens needs .* lower --n-ctx \(to 1024 at most\) or --budget$"):
         engine.load()

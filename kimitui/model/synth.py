@@ -197,9 +197,7 @@ def llama_spec(d: LlamaDims, qtype: GGMLQuantizationType, ftype: LlamaFileType, 
             TensorSpec(b + "attn_v.weight", (d.n_embd, kv_width), qtype, WEIGHT),
             TensorSpec(b + "attn_output.weight", (d.n_embd, d.n_embd), qtype, WEIGHT),
             TensorSpec(b + "ffn_norm.weight", (d.n_embd,), F32, ONES),
-            TensorSpec(b + "ffn_gate.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
-            TensorSpec(b + "ffn_up.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
-            TensorSpec(b + "ffn_down.weight", (d.n_ff, d.n_embd), qtype, WEIGHT),
+            *_gated_ffn(b, "", d.n_embd, d.n_ff, qtype),
         ]
     tensors += [
         TensorSpec("output_norm.weight", (d.n_embd,), F32, ONES),
@@ -229,6 +227,29 @@ class Deepseek2Dims:
     qk_nope: int = 128
     qk_rope: int = 64
     v_head: int = 128
+
+
+def _mla_tensors(b: str, n_embd: int, d, qtype: GGMLQuantizationType) -> list[TensorSpec]:
+    """MLA's low-rank q and compressed kv as llama.cpp's converters write them (kv_b split into
+    attn_k_b / attn_v_b): deepseek2 and kimi-k3 alike."""
+    return [
+        TensorSpec(b + "attn_q_a.weight", (n_embd, d.q_lora), qtype, WEIGHT),
+        TensorSpec(b + "attn_q_a_norm.weight", (d.q_lora,), F32, ONES),
+        TensorSpec(b + "attn_q_b.weight", (d.q_lora, d.n_head * (d.qk_nope + d.qk_rope)), qtype, WEIGHT),
+        TensorSpec(b + "attn_kv_a_mqa.weight", (n_embd, d.kv_lora + d.qk_rope), qtype, WEIGHT),
+        TensorSpec(b + "attn_kv_a_norm.weight", (d.kv_lora,), F32, ONES),
+        TensorSpec(b + "attn_k_b.weight", (d.qk_nope, d.kv_lora, d.n_head), qtype, WEIGHT),
+        TensorSpec(b + "attn_v_b.weight", (d.kv_lora, d.v_head, d.n_head), qtype, WEIGHT),
+    ]
+
+
+def _gated_ffn(b: str, suffix: str, n_embd: int, n_ff: int, qtype: GGMLQuantizationType) -> list[TensorSpec]:
+    """ffn_gate/up/down (suffix "" for a dense FFN, "_shexp" for a shared expert)."""
+    return [
+        TensorSpec(b + f"ffn_gate{suffix}.weight", (n_embd, n_ff), qtype, WEIGHT),
+        TensorSpec(b + f"ffn_up{suffix}.weight", (n_embd, n_ff), qtype, WEIGHT),
+        TensorSpec(b + f"ffn_down{suffix}.weight", (n_ff, n_embd), qtype, WEIGHT),
+    ]
 
 
 def deepseek2_spec(d: Deepseek2Dims, qtype: GGMLQuantizationType, ftype: LlamaFileType, tok: Tokenizer) -> ModelSpec:
@@ -270,22 +291,12 @@ def deepseek2_spec(d: Deepseek2Dims, qtype: GGMLQuantizationType, ftype: LlamaFi
         b = f"blk.{i}."
         tensors += [
             TensorSpec(b + "attn_norm.weight", (d.n_embd,), F32, ONES),
-            TensorSpec(b + "attn_q_a.weight", (d.n_embd, d.q_lora), qtype, WEIGHT),
-            TensorSpec(b + "attn_q_a_norm.weight", (d.q_lora,), F32, ONES),
-            TensorSpec(b + "attn_q_b.weight", (d.q_lora, d.n_head * (d.qk_nope + d.qk_rope)), qtype, WEIGHT),
-            TensorSpec(b + "attn_kv_a_mqa.weight", (d.n_embd, d.kv_lora + d.qk_rope), qtype, WEIGHT),
-            TensorSpec(b + "attn_kv_a_norm.weight", (d.kv_lora,), F32, ONES),
-            TensorSpec(b + "attn_k_b.weight", (d.qk_nope, d.kv_lora, d.n_head), qtype, WEIGHT),
-            TensorSpec(b + "attn_v_b.weight", (d.kv_lora, d.v_head, d.n_head), qtype, WEIGHT),
+            *_mla_tensors(b, d.n_embd, d, qtype),
             TensorSpec(b + "attn_output.weight", (d.n_head * d.v_head, d.n_embd), qtype, WEIGHT),
             TensorSpec(b + "ffn_norm.weight", (d.n_embd,), F32, ONES),
         ]
         if i < d.n_dense_lead:
-            tensors += [
-                TensorSpec(b + "ffn_gate.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
-                TensorSpec(b + "ffn_up.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
-                TensorSpec(b + "ffn_down.weight", (d.n_ff, d.n_embd), qtype, WEIGHT),
-            ]
+            tensors += _gated_ffn(b, "", d.n_embd, d.n_ff, qtype)
         else:
             tensors += [
                 TensorSpec(b + "ffn_gate_inp.weight", (d.n_embd, d.n_expert), F32, ROUTER),
@@ -293,9 +304,7 @@ def deepseek2_spec(d: Deepseek2Dims, qtype: GGMLQuantizationType, ftype: LlamaFi
                 TensorSpec(b + "ffn_gate_exps.weight", (d.n_embd, d.n_ff_exp, d.n_expert), qtype, WEIGHT),
                 TensorSpec(b + "ffn_up_exps.weight", (d.n_embd, d.n_ff_exp, d.n_expert), qtype, WEIGHT),
                 TensorSpec(b + "ffn_down_exps.weight", (d.n_ff_exp, d.n_embd, d.n_expert), qtype, WEIGHT),
-                TensorSpec(b + "ffn_gate_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
-                TensorSpec(b + "ffn_up_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
-                TensorSpec(b + "ffn_down_shexp.weight", (n_shexp, d.n_embd), qtype, WEIGHT),
+                *_gated_ffn(b, "_shexp", d.n_embd, n_shexp, qtype),
             ]
     tensors += [
         TensorSpec("output_norm.weight", (d.n_embd,), F32, ONES),
@@ -389,13 +398,7 @@ def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileTyp
         ]
         if d.is_mla(i):
             tensors += [
-                TensorSpec(b + "attn_q_a.weight", (d.n_embd, d.q_lora), qtype, WEIGHT),
-                TensorSpec(b + "attn_q_a_norm.weight", (d.q_lora,), F32, ONES),
-                TensorSpec(b + "attn_q_b.weight", (d.q_lora, d.n_head * (d.qk_nope + d.qk_rope)), qtype, WEIGHT),
-                TensorSpec(b + "attn_kv_a_mqa.weight", (d.n_embd, d.kv_lora + d.qk_rope), qtype, WEIGHT),
-                TensorSpec(b + "attn_kv_a_norm.weight", (d.kv_lora,), F32, ONES),
-                TensorSpec(b + "attn_k_b.weight", (d.qk_nope, d.kv_lora, d.n_head), qtype, WEIGHT),
-                TensorSpec(b + "attn_v_b.weight", (d.kv_lora, d.v_head, d.n_head), qtype, WEIGHT),
+                *_mla_tensors(b, d.n_embd, d, qtype),
                 TensorSpec(b + "attn_gate.weight", (d.n_embd, d.n_head * d.v_head), qtype, WEIGHT),
                 TensorSpec(b + "attn_output.weight", (d.n_head * d.v_head, d.n_embd), qtype, WEIGHT),
             ]
@@ -421,11 +424,7 @@ def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileTyp
             TensorSpec(b + "ffn_res_score.weight", (d.n_embd,), F32, SMALL),
         ]
         if i < d.n_dense_lead:
-            tensors += [
-                TensorSpec(b + "ffn_gate.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
-                TensorSpec(b + "ffn_up.weight", (d.n_embd, d.n_ff), qtype, WEIGHT),
-                TensorSpec(b + "ffn_down.weight", (d.n_ff, d.n_embd), qtype, WEIGHT),
-            ]
+            tensors += _gated_ffn(b, "", d.n_embd, d.n_ff, qtype)
         else:
             tensors += [
                 TensorSpec(b + "ffn_gate_inp.weight", (d.n_embd, d.n_expert), F32, ROUTER),
@@ -436,9 +435,7 @@ def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileTyp
                 TensorSpec(b + "ffn_down_exps.weight", (d.n_ff_exp, d.n_latent, d.n_expert), MXFP4, WEIGHT),
                 TensorSpec(b + "ffn_routed_norm.weight", (d.n_latent,), F32, ONES),
                 TensorSpec(b + "ffn_routed_up.weight", (d.n_latent, d.n_embd), qtype, WEIGHT),
-                TensorSpec(b + "ffn_gate_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
-                TensorSpec(b + "ffn_up_shexp.weight", (d.n_embd, n_shexp), qtype, WEIGHT),
-                TensorSpec(b + "ffn_down_shexp.weight", (n_shexp, d.n_embd), qtype, WEIGHT),
+                *_gated_ffn(b, "_shexp", d.n_embd, n_shexp, qtype),
             ]
     tensors += [
         TensorSpec("output_res_score.weight", (d.n_embd,), F32, SMALL),
