@@ -234,14 +234,10 @@ class Streamer:
         return sum(s.length for shards in self.layer_shards for s in shards)
 
     def _window(self) -> int:
-        if self.settings.window_bytes:
-            wanted = self.settings.window_bytes
-        else:
-            per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
-            wanted = per_layer * (self.settings.prefetch_depth + 1)
+        per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+        wanted = self.settings.window_bytes or per_layer * (self.settings.prefetch_depth + 1)
         # Never less than one layer: the layer computing must be resident.
-        floor = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
-        return wanted if self.window_limit is None else max(floor, min(wanted, self.window_limit))
+        return wanted if self.window_limit is None else max(per_layer, min(wanted, self.window_limit))
 
     def _pool_pieces(self) -> int:
         """Direct-read buffers for a full window: a shard's pieces start on PIECE_BYTES
