@@ -77,6 +77,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "api_key": Key("str", ""),
         "max_body": Key("size", 1 << 20),
         "max_n_predict": Key("int", 2048, 1, 1 << 20),
+        "allowed_hosts": Key("str_list", []),
+        "cors_origins": Key("str_list", []),
     },
 }
 

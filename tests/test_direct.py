@@ -176,3 +176,25 @@ def test_a_failed_release_is_reported_and_the_dropper_lives_on():
         assert len(errors) == 1 and "Cannot allocate memory" in errors[0]
     finally:
         dropper.close()
+
+
+def test_a_hole_a_failed_call_left_is_refilled_and_another_mapping_there_is_never_mapped_over(mapped_file, tmp_path):
+    path, data, address, placer = mapped_file
+    libc = Libc()
+    start = 2 * PIECE_BYTES
+    libc.munmap(address + start, PAGE)  # what a failed mremap onto the range may leave
+    placer._refill(0, start, PAGE, 12)
+    assert ctypes.string_at(address + start, PAGE) == data[start : start + PAGE]  # the file again
+
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\x5a" * PAGE)
+    fd = os.open(other, os.O_RDONLY)
+    libc.munmap(address + start, PAGE)
+    # Someone else's mmap took the hole before the engine could refill it.
+    foreign = libc.mmap(address + start, PAGE, PROT_READ, MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
+    assert foreign == address + start
+    with pytest.raises(OSError, match="lost bytes"):
+        placer._refill(0, start, PAGE, 12)
+    assert ctypes.string_at(address + start, PAGE) == b"\x5a" * PAGE  # theirs, untouched
+    placer._map_file(0, start, PAGE)  # the test's own clean-up: the mapping whole again
+    os.close(fd)

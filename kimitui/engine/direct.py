@@ -13,7 +13,10 @@ pages, one page-table entry each, both for the move and for compute's TLB.
 Releasing a piece moves its pages back to the pool and maps the file there again, so the range
 is ordinary cold file-backed memory. Both moves use MREMAP_DONTUNMAP, and the file is mapped
 back with MAP_FIXED over what remains, so no address in the mapping is ever a hole that another
-mmap could be given. The partial pages at a shard's two ends share a page with its neighbours
+mmap could be given; where a failed call may have left one anyway, the file goes back only with
+MAP_FIXED_NOREPLACE (``_refill``), never over memory that is not ours. Between the two steps of
+a release the range reads as zeros: the streamer releases only ranges no one computes with, and
+a read of the same range waits for the release to finish (streaming.Dropper), so no one sees it. The partial pages at a shard's two ends share a page with its neighbours
 and stay file-backed (the caller faults them in the ordinary way).
 
 Routed experts take a shorter way (``place_slice``): their slices (~5.85 MB at Kimi K3's size)
@@ -43,6 +46,7 @@ from kimitui.engine.loadhooks import (
 MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 MADV_POPULATE_WRITE = 23
+MAP_FIXED_NOREPLACE = 0x100000
 PIECE_BYTES = 4 * 2**20  # one pool buffer; pieces start on multiples of it in the file
 
 
@@ -116,6 +120,8 @@ class DirectPlacer:
         # whose mapping the range then merges back into. Any other open file of it works, but
         # leaves a kernel mapping per range (Linux allows 65,530), ruinous on a terabyte model.
         self._file_fds = file_fds
+        # What each mapping spans: the files' sizes when it was made (a cut file is shorter now).
+        self._mapped_bytes = {i: os.fstat(fd).st_size for i, fd in file_fds.items()}
         self._direct_fds: dict[int, int] = {}
         self._capacity = capacity  # pool buffers at most
         # Buffer addresses, faulted in, ready for a read: huge pages for whole pieces, which
@@ -270,9 +276,8 @@ class DirectPlacer:
             err = ctypes.get_errno()
             self._give_back(buf, whole)
             # ENOMEM, most likely (too many mappings, a memory limit). The kernel may have
-            # unmapped the target before it failed: map the file there again, or stop.
-            if c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
-                raise OSError(err, f"mremap: {os.strerror(err)}")
+            # unmapped the target before it failed: the file goes back there, never over another's.
+            self._refill(file, offset, length, err)
             return None
         with self._lock:
             self._placed[(file, offset)] = (buf, at, length, whole)
@@ -292,7 +297,7 @@ class DirectPlacer:
         base = self.addresses[file]
         if inner is not None:
             if c.mmap(base + inner[0], inner[1], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
-                self._map_file(file, *inner)
+                self._refill(file, *inner, ctypes.get_errno())
                 return None
             c.madvise(base + inner[0], inner[1], MADV_HUGEPAGE)
         buffers: dict[int, int] = {}
@@ -329,7 +334,7 @@ class DirectPlacer:
             if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
                 err = ctypes.get_errno()
                 c.munmap(buf, page)
-                self._map_file(file, edge, page)  # the kernel may have unmapped the target first
+                self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
                 raise OSError(err, f"mremap: {os.strerror(err)}")
         with self._lock:
             if inner is not None:
@@ -364,7 +369,7 @@ class DirectPlacer:
             err = ctypes.get_errno()
             c.munmap(buf, length)
             # The kernel may have unmapped the target before it failed: map the file there again.
-            self._map_file(file, offset, length)
+            self._refill(file, offset, length, err)
             raise OSError(err, f"mremap: {os.strerror(err)}")
         with self._lock:
             self._placed[(file, offset)] = (0, 0, length, False)
@@ -378,7 +383,84 @@ class DirectPlacer:
         """Give one part read in place back to the file (its anonymous pages are freed)."""
         self._unplace(file, offset)
 
+    def blank_file_backed(self) -> list[tuple[int, int, int]]:
+        """Map zeros over every part of the model's mappings that is still the file's (per
+        /proc/self/maps, matched by device and inode): reading there then cannot fault on the
+        file. Returns the (file, offset, length) parts, for ``map_file`` to give back."""
+        c = self._libc
+        ids = {}
+        for file, fd in self._file_fds.items():
+            st = os.fstat(fd)
+            ids[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = file
+        with open("/proc/self/maps") as maps:
+            areas = maps.read().splitlines()
+        blanked = []
+        for line in areas:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[4] == "0":
+                continue
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            file = ids.get((major, minor, int(fields[4])))
+            if file is None or file not in self.addresses:
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            base = self.addresses[file]
+            if lo < base or hi > base + -(-self._mapped_bytes[file] // self.page) * self.page:
+                continue  # some other mapping of the same file, not llama.cpp's
+            if c.mmap(lo, hi - lo, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap: {os.strerror(err)}")
+            blanked.append((file, lo - base, hi - lo))
+        return blanked
+
+    def map_file(self, file: int, offset: int, length: int) -> None:
+        """The file again at [offset, offset+length) of its mapping (after ``blank_file_backed``)."""
+        self._map_file(file, offset, length)
+
+    def _refill(self, file: int, offset: int, length: int, err: int) -> None:
+        """After a failed mmap or mremap onto [offset, offset+length) of the mapping, which may or
+        may not have unmapped it first: the file goes back where there is now a hole, and where
+        there is none (the call failed before it unmapped anything) the range is left as it was.
+        Never MAP_FIXED: a hole in the mapping may have been given to another mmap meanwhile, and
+        mapping over it would corrupt someone else's memory. OSError if the range was lost."""
+        c = self._libc
+        target = self.addresses[file] + offset
+        got = c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED_NOREPLACE, self._file_fds[file], offset)
+        if got == target:
+            return
+        if got not in (None, MAP_FAILED):  # a kernel before 4.17 took the flag as a hint and mapped elsewhere
+            c.munmap(got, length)
+        if not self._mapped(file, target, length):  # else: nothing was unmapped, the range is as it was
+            raise OSError(err, f"the model's mapping lost bytes {offset}..{offset + length} of file {file}: {os.strerror(err)}")
+
+    def _identity(self, file: int) -> tuple[int, int] | None:
+        try:
+            st = os.fstat(self._file_fds[file])
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _mapped(self, file: int, address: int, length: int) -> bool:
+        """Whether [address, address+length) is wholly mapped, by this file or anonymous memory (ours)."""
+        identity = self._identity(file)
+        covered = address
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if hi <= covered or lo > covered:
+                    continue
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                ours = fields[4] == "0" or (os.makedev(major, minor), int(fields[4])) == identity
+                if not ours:
+                    return False
+                covered = hi
+                if covered >= address + length:
+                    return True
+        return False
+
     def _map_file(self, file: int, offset: int, length: int) -> None:
+        """The file over a range of the mapping that is ours (placed or blanked memory)."""
         c = self._libc
         if c.mmap(self.addresses[file] + offset, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
             err = ctypes.get_errno()
@@ -416,12 +498,29 @@ class DirectPlacer:
             raise
         if c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
             err = ctypes.get_errno()
-            # The range would read as zeros: the pages go back where they were, still placed.
+            # A hole the failed mmap left is filled with the file (OSError if another took it).
+            self._refill(file, offset, length, err)
+            if self._file_maps(file, target):
+                self._give_back(buf, whole)
+                return
+            # Still our empty memory (the mmap failed before it unmapped): the pages go back there.
             c.mremap(buf + at, length, length, moves, target)
             with self._lock:
                 self._placed[(file, offset)] = entry
             raise OSError(err, f"mmap: {os.strerror(err)}")
         self._give_back(buf, whole)
+
+    def _file_maps(self, file: int, address: int) -> bool:
+        """Whether the page at ``address`` maps this file (not anonymous memory)."""
+        identity = self._identity(file)
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= address < hi:
+                    major, minor = (int(x, 16) for x in fields[3].split(":"))
+                    return (os.makedev(major, minor), int(fields[4])) == identity
+        return False
 
     @property
     def placed_bytes(self) -> int:

@@ -289,6 +289,11 @@ class ExpertCache:
             raise
         return time.perf_counter() - started if pending else 0.0
 
+    def clear(self) -> None:
+        """Forget every cached expert (the pinned hot ones stay): each is read again when next routed to."""
+        for key in list(self._resident):
+            self._forget(key)
+
     def _forget(self, key: tuple[int, int]) -> None:
         unit = self._resident.pop(key, None)
         self._rank.pop(key, None)

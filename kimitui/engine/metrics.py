@@ -244,6 +244,8 @@ class Sampler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.errors = 0  # samples that failed (see _run)
+        self.last_error: str | None = None
         self.latest: Snapshot | None = None
         self._process.cpu_percent(None)  # first call primes psutil's CPU delta
 
@@ -333,8 +335,14 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             if not self.paused:
-                snap = self.sample()
-                for callback in list(self._subscribers):
-                    callback(snap)
+                # One failed sample (a /proc read racing a teardown, a subscriber's bug) must not
+                # freeze every panel for the rest of the session: it is counted, and the next runs.
+                try:
+                    snap = self.sample()
+                    for callback in list(self._subscribers):
+                        callback(snap)
+                except Exception as exc:  # noqa: BLE001 - the thread lives on
+                    self.errors += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
             self._wake.wait(self.interval)
             self._wake.clear()

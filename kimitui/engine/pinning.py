@@ -4,8 +4,11 @@ After a fast-start load nothing of the model is resident. The engine chooses wha
 within the budget (the trunk every token needs first, then layers in order), reads it
 with a pool of threads doing positional reads of a few MiB each (many requests in flight is
 what an SSD needs to reach its bandwidth; page faults give it one at a time), and locks those
-pages of the model's mapping so memory pressure cannot evict them. Where locking is not
-allowed (RLIMIT_MEMLOCK, iOS) the pages stay in the page cache unlocked, and the engine says so.
+pages of the model's mapping so memory pressure cannot evict them. On Linux the reads go, with
+O_DIRECT, into anonymous memory moved over the pinned ranges of the mapping: the pinned set then
+neither depends on the file staying whole (a cut file would SIGBUS compute in file-backed pages)
+nor sits in the page cache. Where locking is not allowed (RLIMIT_MEMLOCK, iOS) the pages stay
+unlocked, and the engine says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from kimitui.engine.platform import MADV_DONTNEED
 from kimitui.model.gguf_map import ByteRange, ModelMap, Shard, merge_ranges
 
 CHUNK_BYTES = 4 * 2**20
+# Pinned chunks moved into place become a kernel mapping each: larger ones, fewer mappings.
+PLACED_CHUNK_BYTES = 32 * 2**20
 READ_THREADS = 4
 
 
@@ -75,6 +80,12 @@ def shard_ranges(model: ModelMap, shards: Sequence[Shard]) -> list[ByteRange]:
     return merge_ranges([s.range for s in shards], gap=model.alignment)
 
 
+def whole_pages(ranges: Sequence[ByteRange], page: int) -> list[ByteRange]:
+    """``ranges`` rounded out to whole pages and merged where they then touch."""
+    rounded = [ByteRange(r.file, r.offset // page * page, -(-r.end // page) * page - r.offset // page * page) for r in ranges]
+    return merge_ranges(rounded)
+
+
 def _chunks(ranges: Sequence[ByteRange], size: int) -> list[ByteRange]:
     out = []
     for r in ranges:
@@ -103,7 +114,11 @@ class ParallelReader:
         ranges: Sequence[ByteRange],
         on_progress: Callable[[PinProgress], None] | None = None,
         cancel: threading.Event | None = None,
+        placer=None,
     ) -> PinProgress:
+        """``placer`` (a DirectPlacer): each chunk is read into anonymous memory and moved over
+        its place in the model's mapping (``copy_in``) instead of into the page cache; ranges must
+        then be whole pages. A chunk it cannot place is read through the page cache."""
         chunks = _chunks(ranges, self.chunk_bytes)
         total = sum(c.length for c in chunks)
         fds = {index: os.open(files[index], os.O_RDONLY) for index in {c.file for c in chunks}}
@@ -114,10 +129,18 @@ class ParallelReader:
         def read_chunk(chunk: ByteRange) -> None:
             if cancel is not None and cancel.is_set():
                 return
-            view = self._buffer()[: chunk.length]
             fd = fds[chunk.file]
-            got = os.preadv(fd, [view], chunk.offset) if hasattr(os, "preadv") else len(os.pread(fd, chunk.length, chunk.offset))
-            if got != chunk.length:
+            size = os.fstat(fd).st_size
+            if chunk.offset >= size:
+                raise OSError(f"short read at byte {chunk.offset} of {files[chunk.file]}: the file is shorter than its header says")
+            want = min(chunk.length, size - chunk.offset)  # a last whole page may pass the end of the file
+            got = placer.copy_in(chunk.file, chunk.offset, chunk.length) if placer is not None else None
+            if got is not None:
+                got = min(got, want)
+            else:
+                view = self._buffer()[:want]
+                got = os.preadv(fd, [view], chunk.offset) if hasattr(os, "preadv") else len(os.pread(fd, want, chunk.offset))
+            if got != want:
                 raise OSError(f"short read at byte {chunk.offset} of {files[chunk.file]}: the file is shorter than its header says")
             with lock:
                 done[0] += got

@@ -122,13 +122,16 @@ class PlatformIO:
             self.sys.fadvise(fd, offset, length, POSIX_FADV_DONTNEED)
 
     def drop(self, fd: int, mapping_address: int, offset: int, length: int) -> None:
-        """Release a streamed range: out of our page tables and, where possible, the cache."""
+        """Release a streamed range: out of our page tables and, where possible, the cache.
+        OSError when the OS refuses: the bytes would stay resident, counted nowhere."""
         start, size = _inward(mapping_address + offset, length, self.page)
-        if size:
-            self.sys.madvise(start, size, MADV_DONTNEED)
+        if size and self.sys.madvise(start, size, MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_DONTNEED) of {size} bytes: {os.strerror(err)}")
         if self.platform == "darwin":
-            if size:
-                self.sys.msync(start, size, MS_INVALIDATE)
+            if size and self.sys.msync(start, size, MS_INVALIDATE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"msync(MS_INVALIDATE) of {size} bytes: {os.strerror(err)}")
         else:
             file_start, file_size = _inward(offset, length, self.page)
             if file_size:

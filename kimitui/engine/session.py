@@ -7,6 +7,7 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 from __future__ import annotations
 
 import codecs
+import collections
 import contextlib
 import ctypes
 import enum
@@ -71,6 +72,11 @@ class EngineState(enum.Enum):
 
 class EngineError(Exception):
     """A failure while loading or generating; the message is shown to the user as is."""
+
+
+class ChatTemplateError(EngineError):
+    """The model's chat template refused the messages (its ``raise_exception``, or a template
+    that does not render them): the request's fault, not the engine's."""
 
 
 @dataclass
@@ -218,6 +224,53 @@ def _silence_llama_log(llama_cpp) -> None:
     llama_cpp.llama_log_set(_log_sink, None)
 
 
+class LlamaLog:
+    """llama.cpp's warnings and errors, the last few kept: a failure's reason is often only there.
+
+    Installed after a load (llama.cpp logs nothing while it decodes, so this costs nothing),
+    and for the second try of a load that failed (see ``Engine._load``); the load itself logs
+    through ``_silence_llama_log``."""
+
+    WARN, CONT = 3, 5  # ggml_log_level
+
+    def __init__(self) -> None:
+        import llama_cpp
+
+        self.lines: collections.deque[str] = collections.deque(maxlen=32)
+        self._keeping = False
+        self._callback = llama_cpp.llama_log_callback(self._line)
+
+    def _line(self, level: int, text: bytes, _user) -> None:
+        if level == self.CONT and self._keeping and self.lines:
+            self.lines[-1] += (text or b"").decode("utf-8", "replace").rstrip("\n")
+            return
+        self._keeping = level in (self.WARN, self.WARN + 1)
+        if self._keeping:
+            self.lines.append((text or b"").decode("utf-8", "replace").strip())
+
+    def install(self) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_log_set(self._callback, None)
+
+    def reason(self) -> str | None:
+        """The last error line (else warning), without llama.cpp's function-name prefix."""
+        for line in reversed(self.lines):
+            if "error" in line.lower() or "failed" in line.lower():
+                return line.split(": ", 1)[-1] if ": " in line else line
+        return self.lines[-1] if self.lines else None
+
+
+_llama_log: LlamaLog | None = None
+
+
+def llama_log() -> LlamaLog:
+    global _llama_log
+    if _llama_log is None:
+        _llama_log = LlamaLog()
+    return _llama_log
+
+
 class Tracer(Protocol):
     """Receives what a trace records (kimitui.trace implements it); called on the engine's threads."""
 
@@ -270,6 +323,7 @@ class Engine:
         self._repin_pending = False
         self._rebuild_pending = False  # a fresh context with the streaming callbacks is due
         self._pin_listener: Callable | None = None
+        self._pin_placer = None  # holds the pinned set's anonymous pages (see pin)
         self.pinned_bytes = 0
         self.hot_expert_bytes = 0  # of the pinned set: experts earlier runs' heatmap marked hot
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
@@ -287,6 +341,8 @@ class Engine:
         self.turns = TurnQueue()
         self._llm = None
         self._formatter = None
+        self.template_error: str | None = None  # why chat cannot be formatted (see _make_formatter)
+        self.load_error: str | None = None  # why the load failed: what /health and the app say
         self._abort_load = threading.Event()
         self._on_load_progress: Callable[[float], None] | None = None
         self._early_load: threading.Thread | None = None
@@ -340,8 +396,24 @@ class Engine:
             raise self._early_error
 
     def _load(self) -> None:
-        self.inspect()
+        """The load; whatever fails leaves the engine FAILED with one line why (``load_error``),
+        never LOADING for good."""
         self.state = EngineState.LOADING
+        try:
+            self._load_steps()
+        except EngineError as exc:
+            self.state, self.load_error = EngineState.FAILED, str(exc)
+            raise
+        except UserError as exc:  # the file's header: the caller shows it as a user mistake
+            self.state, self.load_error = EngineState.FAILED, str(exc)
+            raise
+        except Exception as exc:  # a broken install (no ggml library), a bug: said, not hung
+            self.state = EngineState.FAILED
+            self.load_error = f"loading {self.model_path.name} failed: {type(exc).__name__}: {exc}"
+            raise EngineError(self.load_error) from None
+
+    def _load_steps(self) -> None:
+        self.inspect()
         started = time.perf_counter()
 
         def progress(value: float) -> bool:
@@ -379,23 +451,43 @@ class Engine:
             # a fraction of a second, so only the stock load, which reads the whole file, has one.
             # The hooks are process-wide once installed: a stock load must not go through them.
             stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
-            with stock, _llama_params(progress if hooks is None else None, self.repack, *callbacks):
-                self._llm = llama_cpp.Llama(
-                    model_path=str(self.model_path),
-                    n_ctx=self.n_ctx,
-                    n_batch=self.n_batch,
-                    n_ubatch=self.n_ubatch,
-                    n_threads=self.n_threads,
-                    n_threads_batch=self.n_threads,
-                    verbose=False,
-                )
+
+            def make():
+                with stock, _llama_params(progress if hooks is None else None, self.repack, *callbacks):
+                    return llama_cpp.Llama(
+                        model_path=str(self.model_path),
+                        n_ctx=self.n_ctx,
+                        n_batch=self.n_batch,
+                        n_ubatch=self.n_ubatch,
+                        n_threads=self.n_threads,
+                        n_threads_batch=self.n_threads,
+                        verbose=False,
+                    )
+
+            try:
+                self._llm = make()
+            except Exception:
+                if self._abort_load.is_set():
+                    raise
+                # llama-cpp-python's exception says only that it failed; llama.cpp logged why,
+                # to the sink. Once more with the log kept (a load that fails, fails early).
+                if hooks is not None:
+                    hooks.close_unclaimed(mark)
+                    mark = hooks.mark()
+                log = llama_log()
+                log.lines.clear()
+                log.install()
+                try:
+                    self._llm = make()
+                except Exception as exc:
+                    raise RuntimeError(log.reason() or str(exc)) from None
         except Exception as exc:
-            self.state = EngineState.FAILED
             if hooks is not None:
                 hooks.close_unclaimed(mark)
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
+        llama_log().install()  # from here on llama.cpp's warnings and errors are kept
         self.decode_clock.attach(self._llm._ctx)
         files = self.info.files or (self.model_path,)
         if hooks is not None:
@@ -419,7 +511,7 @@ class Engine:
         rss_after, vms_after = process.memory_info()[:2]
         mapped = sum(os.path.getsize(f) for f in files)
         self.working_bytes = max(rss_after - rss_before, vms_after - vms_before - mapped)
-        self._formatter = self._make_formatter()
+        self._formatter, self.template_error = self._make_formatter()
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:
             progress(1.0)  # fast start: the one step there was
@@ -506,14 +598,24 @@ class Engine:
     def pin(self, on_progress: Callable | None = None) -> None:
         """Read the pinned set with parallel reads and lock it; call from a worker after load.
 
+        It holds the engine's turn: a reply asked for meanwhile waits in the queue until the
+        pinned set and the streamer are complete, rather than computing on a half-read set.
         With the stock load (no fast start) llama.cpp has already read the whole file, so
         there is nothing left to pin. Raises EngineError if the model file cannot be read.
         """
         if on_progress is not None:
             self._pin_listener = on_progress  # a later re-pin (live tuning) reports to it too
+        with self.turns.turn():
+            self._pin()
+
+    def _pin(self) -> None:
+        on_progress = self._pin_listener
         if not self.mappings:
             return
-        from kimitui.engine.pinning import ParallelReader, drop_outside, lock_ranges, plan_pinned, shard_ranges
+        from kimitui.engine.pinning import (
+            PLACED_CHUNK_BYTES, ParallelReader, drop_outside, lock_ranges, plan_pinned, shard_ranges, whole_pages,
+        )
+        from kimitui.engine.platform import PlatformIO
 
         model = self._model_map()
         streaming = self._callbacks is not None
@@ -537,33 +639,45 @@ class Engine:
         else:  # the whole model fits: pin it all, streaming nothing
             pinned = plan_pinned(model, sum(shard.length for shard in model.shards))
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
+        addresses = {i: m.address for i, m in self.mappings.items()}
+        mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
+        # The pinned set goes into anonymous memory at its place in the mapping, as streamed
+        # shards do: a file cut short (a USB cable bumped) then cannot SIGBUS compute there,
+        # and the set stays whole when the file comes back. Where that cannot be done (no
+        # O_DIRECT or mremap: Darwin, some file systems) it stays in the page cache, locked.
+        placer = PlatformIO().placer(model.files, addresses, mapping_fds, 1)
+        pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
         try:
-            ParallelReader().read(model.files, ranges, on_progress, cancel=self._abort_load)
+            reader = ParallelReader(chunk_bytes=PLACED_CHUNK_BYTES) if placer is not None else ParallelReader()
+            reader.read(model.files, pages if placer is not None else ranges, on_progress, cancel=self._abort_load, placer=placer)
         except OSError as exc:
+            if placer is not None:
+                placer.close()
+            self._repin_pending = True  # the next reply tries again: the drive may be back by then
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
+        self._pin_placer = placer
         if self._abort_load.is_set():
             return
-        addresses = {i: m.address for i, m in self.mappings.items()}
-        self.pin_note = lock_ranges(addresses, ranges)
+        self.pin_note = lock_ranges(addresses, pages)
         if streaming:
             lengths = {i: m.length for i, m in self.mappings.items()}
             drop_outside(addresses, lengths, {i: str(path) for i, path in enumerate(model.files)}, ranges)
-        self.pinned_ranges = ranges
+        self.pinned_ranges = pages
         self.pinned_bytes = sum(r.length for r in ranges)
         self.hot_expert_bytes = sum(unit.footprint for unit in hot)
         if streaming:
             from kimitui.engine.streaming import Streamer
 
-            self.streamer = Streamer(
+            streamer = Streamer(
                 model, addresses, {s.index for s in pinned}, settings, self.metrics,
-                mapping_fds={i: m.fd for i, m in self.mappings.items() if m.fd >= 0},
-                window_limit=plan.window_bytes,
+                mapping_fds=mapping_fds, window_limit=plan.window_bytes,
             )
             if model.is_moe:
-                self.streamer.attach_experts(plan.expert_bytes - self.hot_expert_bytes, hot, counts)
-                experts = self.streamer.experts
+                streamer.attach_experts(plan.expert_bytes - self.hot_expert_bytes, hot, counts)
+                experts = streamer.experts
                 self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
-            self.metrics.residency_source = self.streamer.residency_by_layer
+            self.metrics.residency_source = streamer.residency_by_layer
+            self.streamer = streamer  # complete, experts attached, before the eval callback sees it
             self.set_tracer(self.tracer)
 
     def _memory_plan(self, model):
@@ -719,8 +833,15 @@ class Engine:
             self.streamer = None
         if self.mappings and self.pinned_ranges:
             unlock_ranges({i: m.address for i, m in self.mappings.items()}, self.pinned_ranges)
+        self._release_pinned()
+        self._pin()  # the reply calling this holds the turn already
+
+    def _release_pinned(self) -> None:
+        """The pinned set's anonymous pages go back to the file (the mapping reads the file there again)."""
         self.pinned_ranges, self.pinned_bytes = [], 0
-        self.pin(self._pin_listener)
+        if self._pin_placer is not None:
+            self._pin_placer.close()
+            self._pin_placer = None
 
     def close(self) -> None:
         self.abort_load()
@@ -728,6 +849,7 @@ class Engine:
             if self.streamer is not None:
                 self.streamer.close()
                 self.streamer = None
+            self._release_pinned()
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
@@ -749,17 +871,23 @@ class Engine:
         return self._llm
 
     def _make_formatter(self):
+        """The chat formatter, or None and why: a template that does not compile leaves the
+        model usable for plain completions, and each chat request is told why it cannot be."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         llm = self._llm
         template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
         eos, bos = llm.token_eos(), llm.token_bos()
-        return Jinja2ChatFormatter(
-            template=template,
-            eos_token=self.token_text(eos) if eos >= 0 else "",
-            bos_token=self.token_text(bos) if bos >= 0 else "",
-            stop_token_ids=[eos] if eos >= 0 else None,
-        )
+        try:
+            return Jinja2ChatFormatter(
+                template=template,
+                eos_token=self.token_text(eos) if eos >= 0 else "",
+                bos_token=self.token_text(bos) if bos >= 0 else "",
+                stop_token_ids=[eos] if eos >= 0 else None,
+            ), None
+        except Exception as exc:  # jinja2.TemplateSyntaxError, mostly
+            where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+            return None, f"the chat template of {self.model_path.name} does not compile{where}: {exc}"
 
     # -- tokens --------------------------------------------------------------------------
 
@@ -774,7 +902,12 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         """Token ids of ``messages`` rendered with the model's template, and its stop strings."""
-        rendered = self._formatter(messages=messages)
+        if self._formatter is None:
+            raise ChatTemplateError(self.template_error or "the model is not loaded yet")
+        try:
+            rendered = self._formatter(messages=messages)
+        except Exception as exc:  # jinja2's errors, and the template's raise_exception (ValueError)
+            raise ChatTemplateError(f"the chat template of {self.model_path.name} refused the messages: {exc}") from None
         tokens = self.tokenize(rendered.prompt, add_special=not rendered.added_special)
         stop = rendered.stop
         stops = tuple(s for s in ([stop] if isinstance(stop, str) else (stop or [])) if s)
@@ -904,6 +1037,8 @@ class Generation:
         metrics = engine.metrics
         started = time.perf_counter()
         metrics.request_started()
+        if engine.streamer is not None and engine.streamer.error is not None:
+            engine.streamer.reset_error()  # a failure after the last reply's last token: that reply is over
         try:
             if engine.streamer is None:
                 engine.check_files()

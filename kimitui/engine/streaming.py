@@ -13,8 +13,9 @@ llama.cpp's eval callback tells us when a layer starts (the previous layer's ``l
    the next token's first) go to the I/O pool: parallel positional reads of a few MiB.
 
 A read that fails (file truncated, drive unplugged) stops the token through llama.cpp's abort
-callback before compute touches the missing bytes, so the reply ends with an error instead of
-SIGBUS. The unit of residency is a shard; the MoE work adds (layer, expert) units beside it.
+callback, so the reply ends with an error instead of SIGBUS. ggml sees the abort only after the
+node it is computing, so until the token is over every file-backed page of the model's mapping
+reads as zeros (``_shield``); the next token gets the file back and reads again what it needs. The unit of residency is a shard; the MoE work adds (layer, expert) units beside it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class Dropper:
         self._idle = threading.Event()
         self._idle.set()
         self._closing = False
+        self._open = threading.Event()  # cleared while paused
+        self._open.set()
         self._thread = threading.Thread(target=self._run, name="kimitui-drop", daemon=True)
         self._thread.start()
 
@@ -123,6 +126,13 @@ class Dropper:
         with self._released:
             self._released.wait_for(lambda: not self._pending or next(iter(self._pending.values()))[2] > mark)
 
+    def pause(self) -> None:
+        """Hold every release back (a release maps the file back in) until ``resume``."""
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
     def flush(self) -> None:
         """Wait until every queued release is done."""
         self._wake.set()
@@ -130,6 +140,7 @@ class Dropper:
 
     def close(self) -> None:
         self._closing = True
+        self.resume()
         self.flush()
         self._wake.set()
         self._thread.join()
@@ -139,6 +150,7 @@ class Dropper:
             self._wake.wait()
             self._wake.clear()
             while True:
+                self._open.wait()
                 with self._lock:
                     if not self._pending:
                         self._idle.set()
@@ -199,8 +211,9 @@ class Streamer:
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
         self._dropper = Dropper(self._release, self.fail)
         self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
+        self._blanked: list[tuple[int, int, int]] = []  # (file, offset, length) shielded as zeros, see _shield
         if self.placer is not None:
-            # Pinned pages are locked in place, file-backed: a neighbour never reads over them.
+            # Pinned pages are locked in place (anonymous, see Engine.pin): a neighbour never reads over them.
             for shard in model.shards:
                 if shard.index in pinned:
                     self._take_edges(shard.range)
@@ -361,9 +374,27 @@ class Streamer:
         ]
 
     def fail(self, message: str) -> None:
-        """An error off the compute path: the abort callback stops the token, the reply ends with it."""
+        """Stop the token: the abort callback ends it, the reply ends with ``message``."""
         if self.error is None:
             self.error = message
+            self._shield()
+
+    def _shield(self) -> None:
+        """Until the aborted token is over, no page compute may touch faults on the file.
+
+        ggml checks the abort after each node, so a node or two of the layer whose read failed
+        may still run, on pages that a cut file would SIGBUS. Resident bytes are anonymous
+        memory on the direct-read path (pinned set, shards, experts), so every file-backed page
+        of the mapping is one nobody holds: it is mapped as zeros, and releases (which map the
+        file back) wait, until ``reset_error``. Without direct reads the pages are the page
+        cache's, and the abort is all there is."""
+        if self.placer is None:
+            return
+        self._dropper.pause()
+        try:
+            self._blanked += self.placer.blank_file_backed()
+        except OSError as exc:
+            self.error += f" (and the mapping could not be shielded: {exc})"
 
     def _release(self, r) -> None:
         """The dropper's work for one shard's range: placed pages go back to the file first, so the
@@ -492,9 +523,9 @@ class Streamer:
         try:
             self._layer_start(layer)
         except StreamAbort as exc:
-            self.error = str(exc)
+            self.fail(str(exc))
         except OSError as exc:
-            self.error = f"cannot read the model: {exc}"
+            self.fail(f"cannot read the model: {exc}")
         self._report()
         return self.error is None
 
@@ -518,6 +549,9 @@ class Streamer:
         for shard in self.layer_shards[layer]:
             i = shard.index
             futures = self._futures.get(i, [])
+            if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
+                self._drop(shard)  # a read ahead that failed (a drive hiccup) is tried again now
+                futures = []
             arrived = self.state[i] == Residency.RESIDENT or (
                 self.state[i] == Residency.INFLIGHT and all(f.done() for f in futures)
             )
@@ -534,8 +568,12 @@ class Streamer:
                 for f in self._futures[i]:
                     f.exception()  # waits; the error itself is raised just below
                 waited += time.perf_counter() - t0
-            for f in self._futures.get(i, []):
-                f.result()  # raises StreamAbort for a failed read, before compute touches the bytes
+            try:
+                for f in self._futures.get(i, []):
+                    f.result()  # raises StreamAbort for a failed read, before compute touches the bytes
+            except Exception:
+                self._drop(shard)  # not kept as failed: the next token reads it again
+                raise
             self.state[i] = Residency.RESIDENT
             if i in self._prefetched:
                 self.prefetch_used += 1
@@ -591,10 +629,10 @@ class Streamer:
         first. ``layer`` None checks the non-layer tensors (embeddings, output)."""
         for shard in self.model.layer_shards(layer):
             if os.fstat(self.fds[shard.file]).st_size < shard.offset + shard.length:
-                where = "the output tensors" if layer is None else f"layer {layer}"
+                where = "the output tensors need" if layer is None else f"layer {layer} needs"
                 raise StreamAbort(
                     f"model file {os.path.basename(self.model.files[shard.file])} is shorter than its header says "
-                    f"({where} need byte {shard.offset + shard.length}); file truncated or drive removed?"
+                    f"({where} byte {shard.offset + shard.length}); file truncated or drive removed?"
                 )
 
     # -- routed experts -----------------------------------------------------------------
@@ -604,7 +642,7 @@ class Streamer:
         for layer in range(self.model.n_layers):
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
 
-        for unit in pinned:  # locked, file-backed: never read in place, never given back
+        for unit in pinned:  # locked in anonymous memory by the pin: never read here, never given back
             for r in unit.ranges:
                 self._take_edges(r)
 
@@ -635,7 +673,7 @@ class Streamer:
         try:
             self.experts.prefetch(following, predictor.predict(following, hidden, self.model.n_expert_used))
         except StreamAbort as exc:
-            self.error = str(exc)
+            self.fail(str(exc))
 
     def on_experts(self, layer: int, experts: set[int]) -> None:
         """The router of ``layer`` chose ``experts`` (for every token of the batch)."""
@@ -644,7 +682,7 @@ class Streamer:
         n_expert = self.model.layers[layer].n_expert
         if min(experts) < 0 or max(experts) >= n_expert:
             # ggml's tensor layout moved under us: stop rather than guess which bytes to read.
-            self.error = f"layer {layer}: router ids {sorted(experts)[:8]} are not experts 0..{n_expert - 1} (unsupported llama.cpp build?)"
+            self.fail(f"layer {layer}: router ids {sorted(experts)[:8]} are not experts 0..{n_expert - 1} (unsupported llama.cpp build?)")
             self._report()
             return
         try:
@@ -663,9 +701,9 @@ class Streamer:
             ):
                 self.experts.prefetch(following, self.experts.last_choice[following])
         except StreamAbort as exc:
-            self.error = str(exc)
+            self.fail(str(exc))
         except OSError as exc:
-            self.error = f"cannot read the model: {exc}"
+            self.fail(f"cannot read the model: {exc}")
         self._report()
 
     # -- tuning and views ----------------------------------------------------------------
@@ -741,9 +779,23 @@ class Streamer:
         }
 
     def reset_error(self) -> None:
+        """The aborted token is over: the file goes back under the shielded pages, releases run
+        again, and what the shield may have covered (bytes read through the page cache) is read
+        again when next needed."""
+        if self._blanked:
+            blanked, self._blanked = self._blanked, []
+            for file, offset, length in blanked:
+                self.placer.map_file(file, offset, length)
+            self._dropper.resume()
+            for shard in self.model.shards:
+                self._drop(shard)
+            if self.experts is not None:
+                self.experts.clear()
+        self._dropper.resume()
         self.error = None
 
     def close(self) -> None:
+        self._dropper.resume()  # reads waiting on a release must be able to finish
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._guess_pool.shutdown(wait=True, cancel_futures=True)
         self._dropper.close()

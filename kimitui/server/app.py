@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import threading
@@ -18,13 +19,13 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator, Callable
 
-from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -32,7 +33,7 @@ from starlette.routing import Route
 from kimitui import __version__
 from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
-from kimitui.engine.session import Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
+from kimitui.engine.session import ChatTemplateError, Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
 from kimitui.server import prom
 from kimitui.server.params import ApiError, Fields, Limits, chat_messages, parse_body, prompt_of, sampling_from, token_ids
 
@@ -44,6 +45,36 @@ QUEUE_HEADER = "X-Queue-Position"
 
 
 TOO_LARGE = "request body too large"
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _host_name(header: str) -> str:
+    """The name or address in a Host header, without its port."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    name, colon, port = header.rpartition(":")
+    return (name if colon and port.isdigit() else header).rstrip(".")
+
+
+def host_allowed(header: str, bind_host: str, allowed: frozenset[str]) -> bool:
+    """Whether a request's Host header names this server: its own address, an address of any
+    interface when it listens on all of them, localhost when it listens on loopback, or one of
+    ``allowed`` (server.allowed_hosts). Anything else is a page that rebound its own name here."""
+    name = _host_name(header)
+    if not name or "*" in allowed or name in allowed:
+        return True
+    bind = bind_host.strip("[]").lower()
+    try:
+        bind_ip = ipaddress.ip_address(bind)
+    except ValueError:
+        bind_ip = None
+    loopback = bind == "localhost" or (bind_ip is not None and bind_ip.is_loopback)
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:  # a name: only those the server was given
+        return name == bind or (name == "localhost" and (loopback or bind in WILDCARDS))
+    return bind in WILDCARDS or ip == bind_ip or (loopback and ip.is_loopback)
 
 
 def _content_length(scope) -> int:
@@ -146,11 +177,46 @@ def _engine_error(generation: Generation, exc: EngineError) -> ApiError:
     return ApiError(str(exc), 500, "server_error")
 
 
+class _Origin:
+    """Outermost: what a browser could abuse. A foreign Host header (DNS rebinding) and a
+    request from a web origin not in server.cors_origins get 403 before anything else runs;
+    preflights from allowed origins are answered by Starlette's CORSMiddleware, inside this."""
+
+    def __init__(self, app, bind_host: str, allowed_hosts: frozenset[str], cors_origins: frozenset[str]) -> None:
+        self.app = app
+        self.bind_host = bind_host
+        self.allowed_hosts = allowed_hosts
+        self.cors_origins = cors_origins
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        host, origin = headers.get("host", ""), headers.get("origin")
+        if not host_allowed(host, self.bind_host, self.allowed_hosts):
+            response = error_response(
+                403, "invalid_request_error",
+                f"Host {_host_name(host)!r} is not this server's name: add it to server.allowed_hosts to allow it",
+            )
+        elif origin is not None and origin not in self.cors_origins and "*" not in self.cors_origins:
+            response = error_response(
+                403, "invalid_request_error",
+                f"cross-origin requests from {origin} are refused: add it to server.cors_origins to allow it",
+            )
+        else:
+            await self.app(scope, receive, send)
+            return
+        await response(scope, receive, send)
+
+
 class _Guard:
-    """Outermost app middleware: the API key, the body size limit, the report to ``on_request``.
+    """Inner app middleware: the API key, JSON bodies only, the body size limit, the report
+    to ``on_request``.
 
     The limit is here rather than Starlette's ``max_body_size``, which answers in plain text;
-    clients of this API expect JSON errors.
+    clients of this API expect JSON errors. Only application/json bodies are read: a web page
+    can send text/plain across origins without a preflight, never JSON.
     """
 
     def __init__(self, app, api_key: str | None, max_body: int, on_request: Callable[[dict], None] | None) -> None:
@@ -158,6 +224,13 @@ class _Guard:
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.on_request = on_request
+
+    @staticmethod
+    def _json_body(scope) -> bool:
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return True
+        media = Headers(scope=scope).get("content-type", "").split(";", 1)[0].strip().lower()
+        return media == "application/json"
 
     def _limited(self, receive):
         received = 0
@@ -197,6 +270,11 @@ class _Guard:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send_status)
+            elif not self._json_body(scope):
+                given = Headers(scope=scope).get("content-type") or "none"
+                await error_response(
+                    415, "invalid_request_error", f"Content-Type must be application/json (got {given})"
+                )(scope, receive, send_status)
             elif _content_length(scope) > self.max_body:  # refused before the upload is read
                 await error_response(413, "invalid_request_error", TOO_LARGE)(scope, receive, send_status)
             else:
@@ -249,8 +327,12 @@ class Api:
         if state in (EngineState.READY, EngineState.GENERATING):
             return
         if state is EngineState.FAILED:
-            raise ApiError("the model failed to load", 503, "unavailable_error")
+            raise ApiError(self.failure(), 503, "unavailable_error")
         raise ApiError("the model is still loading", 503, "unavailable_error")
+
+    def failure(self) -> str:
+        reason = getattr(self.engine, "load_error", None)
+        return f"the model failed to load: {reason}" if reason else "the model failed to load"
 
     def queue(self) -> tuple[int, int]:
         """(processing, deferred): the turn holder and those waiting behind it."""
@@ -276,8 +358,8 @@ class Api:
     async def chat_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
         try:
             tokens, stops = await run_in_threadpool(self.engine.chat_prompt, messages)
-        except TemplateError as exc:
-            raise ApiError(f"messages: the model's chat template refused them: {exc}") from None
+        except ChatTemplateError as exc:
+            raise ApiError(f"messages: {exc}") from None
         # Engine.chat would drop old turns to make room; an API client gets told instead.
         if self.engine.n_ctx - len(tokens) < min(max_tokens, 16):
             raise ApiError(f"messages: the prompt is {len(tokens)} tokens; the context holds {self.engine.n_ctx}")
@@ -338,7 +420,7 @@ class Api:
         if state in (EngineState.READY, EngineState.GENERATING):
             return JSONResponse({"status": "ok"})
         status = "error" if state is EngineState.FAILED else "loading model"
-        message = "the model failed to load" if state is EngineState.FAILED else "Loading model"
+        message = self.failure() if state is EngineState.FAILED else "Loading model"
         return JSONResponse(
             {
                 "status": status,
@@ -614,6 +696,7 @@ def create_app(
     """
     api = Api(engine, settings)
     key = settings["server.api_key"] if api_key is None else api_key
+    origins = frozenset(settings["server.cors_origins"])
     post, get = ["POST"], ["GET"]
     routes = [
         Route("/health", api.health, methods=get),
@@ -632,6 +715,17 @@ def create_app(
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"], on_request=on_request)],
+        middleware=[
+            Middleware(
+                _Origin, bind_host=settings["server.host"], allowed_hosts=frozenset(h.lower() for h in settings["server.allowed_hosts"]),
+                cors_origins=origins,
+            ),
+            # Preflights of allowed origins end here, before the key check (browsers send none).
+            Middleware(
+                CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"], expose_headers=[QUEUE_HEADER], max_age=600,
+            ),
+            Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"], on_request=on_request),
+        ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )

@@ -13,6 +13,7 @@ import threading
 import time
 
 from kimitui.config import apply_override
+from kimitui.errors import UserError
 
 API_KEY_ENV = "KIMITUI_API_KEY"
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             for note in (engine.pin_note, engine.plan_note):
                 if note:
                     print(f"kimitui: {note}", file=sys.stderr, flush=True)
-        except EngineError as exc:
+        except (EngineError, UserError) as exc:
             if not server.should_exit:  # else: stopped while loading, nothing to report
                 failure.append(str(exc))
                 server.should_exit = True

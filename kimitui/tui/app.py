@@ -243,17 +243,20 @@ class KimituiApp(App[int]):
     def on_load_finished(self, message: LoadFinished) -> None:
         if not self.query(StatusBar):  # a late message while the app shuts down
             return
-        self.ready = True
         status = self.query_one(StatusBar)
         status.state, status.detail = "idle", f"(loaded in {message.seconds:.1f}s)"
-        if not isinstance(self.engine, Engine) and self.engine.info is not None:
-            status.model_name = f"{self.engine.info.name} @ {self.engine.url}"
-            status.model_bytes = self.engine.info.file_bytes
-        elif isinstance(self.engine, Engine):
+        if not isinstance(self.engine, Engine):
+            if self.engine.info is not None:
+                status.model_name = f"{self.engine.info.name} @ {self.engine.url}"
+                status.model_bytes = self.engine.info.file_bytes
+            self.ready = True
+        else:
             if self.engine.fast_load_note:
                 self.notify(self.engine.fast_load_note, severity="warning", timeout=15)
             if self.engine.fit_note:
                 self.notify(self.engine.fit_note, severity="warning", timeout=15)
+            if self.engine.template_error:
+                self.notify(self.engine.template_error, severity="warning", timeout=15)
             self.pin_model()
 
     @work(thread=True, group="pin", exit_on_error=False)
@@ -286,6 +289,7 @@ class KimituiApp(App[int]):
     def on_pin_finished(self, message: PinFinished) -> None:
         if not self.query(StatusBar):
             return
+        self.ready = True  # the pinned set and the streamer are complete (the engine's turn holds replies till then)
         whole = message.pinned_bytes >= self.engine.inspect().tensor_bytes
         Panel.idle_note = (
             "model fits in memory: nothing streams" if whole
@@ -358,6 +362,9 @@ class KimituiApp(App[int]):
                 self.post_message(TokenReceived(reply.id, event))
         except EngineError as exc:
             self.post_message(ReplyFailed(reply.id, str(exc), generation.result))
+            return
+        except Exception as exc:  # a bug: this reply ends with it, the chat carries on
+            self.post_message(ReplyFailed(reply.id, f"reply failed: {type(exc).__name__}: {exc}", generation.result))
             return
         self.post_message(ReplyFinished(reply.id, generation.result))
 
