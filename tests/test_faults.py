@@ -100,3 +100,338 @@ def test_a_drive_cut_and_restored_mid_reply_ends_that_reply_and_the_next_works(w
         assert "live.gguf" in r["error"] and ("truncated" in r["error"] or "ended at byte" in r["error"]), r["error"]
         assert r["while_cut"] and "live.gguf" in r["while_cut"]
         assert r["after"] == result["reference"]  # not poisoned: the same greedy tokens as before the cut
+
+
+# -- chat templates that refuse ------------------------------------------------------------
+
+REFUSES_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+DOES_NOT_COMPILE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+
+
+def with_template(template: str):
+    """The default model's tokenizer with another chat template."""
+    tok = synth.default_tokenizer()
+    fields, old = [], None
+    for key, value, vtype, sub in tok.fields:
+        if key == "tokenizer.chat_template":
+            old = value
+            value = template
+        fields.append((key, value, vtype, sub))
+    assert old is not None
+    delta = len(template.encode()) - len(old.encode())
+    return synth.Tokenizer(tuple(fields), tok.n_vocab, tok.encoded_bytes + delta)
+
+
+def small_model(out: Path, template: str) -> Path:
+    return synth.write_model(synth.plan_dense(48 * MIB, "q8_0", with_template(template)), out, seed=2, progress=False).paths[0]
+
+
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory) -> Path:
+    return small_model(tmp_path_factory.mktemp("tpl") / "refuse.gguf", REFUSES_SYSTEM)
+
+
+@pytest.fixture(scope="module")
+def uncompiled(tmp_path_factory) -> Path:
+    return small_model(tmp_path_factory.mktemp("tpl") / "broken-template.gguf", DOES_NOT_COMPILE)
+
+
+def serve(model: Path, tmp_path: Path, config: str = ""):
+    from kimitui.config import load_settings
+    from kimitui.engine.session import Engine
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import ServerThread, bind_socket
+
+    path = tmp_path / "config.toml"
+    path.write_text("[model]\nn_ctx = 512\n" + config)
+    settings = load_settings(path, explicit=True)
+    engine = Engine(model, n_ctx=512)
+    engine.load()
+    engine.pin()
+    return engine, settings, ServerThread(create_app(engine, settings), bind_socket("127.0.0.1", 0)).start()
+
+
+def chat(url: str, messages: list[dict], **kw):
+    import httpx
+
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, **kw}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_naming_it_and_the_next_request_works(refusing, tmp_path):
+    engine, _, server = serve(refusing, tmp_path)
+    try:
+        system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        for stream in (False, True):
+            refused = chat(server.url, system, stream=stream)
+            assert refused.status_code == 400, refused.text
+            message = refused.json()["error"]["message"]
+            assert "chat template of refuse.gguf" in message and "System role not supported" in message
+        fine = chat(server.url, system[1:])
+        assert fine.status_code == 200 and fine.json()["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_a_template_that_does_not_compile_leaves_completions_working(uncompiled, tmp_path):
+    import httpx
+
+    engine, _, server = serve(uncompiled, tmp_path)
+    try:
+        assert engine.template_error and "broken-template.gguf" in engine.template_error
+        refused = chat(server.url, [{"role": "user", "content": "Hi"}])
+        assert refused.status_code == 400 and "does not compile" in refused.json()["error"]["message"]
+        plain = httpx.post(server.url + "/completion", json={"prompt": "Hello", "n_predict": 3}, timeout=120)
+        assert plain.status_code == 200 and plain.json()["tokens_predicted"] == 3
+    finally:
+        server.stop()
+        engine.close()
+
+
+async def test_the_app_survives_a_refusing_template_and_chats_once_the_cause_is_gone(refusing, tmp_path, monkeypatch):
+    from kimitui.cli import build_parser, resolve_model, resolve_settings
+    from kimitui.config import data_dir
+    from kimitui.history import HistoryStore
+    from kimitui.tui.app import KimituiApp
+    from kimitui.tui.widgets.chat import MessageView, PromptInput
+
+    config = tmp_path / "app.toml"
+    config.write_text('[sampling]\ntemperature = 0.0\nmax_tokens = 6\nsystem_prompt = "Be brief."\n')
+    monkeypatch.setenv("KIMITUI_CONFIG", str(config))
+    settings = resolve_settings(build_parser().parse_args(["--model", str(refusing)]))
+    app = KimituiApp(settings, resolve_model(settings))
+
+    async def send(pilot, text):
+        waited = 0.0
+        while not app.ready or app.reply is not None:
+            await pilot.pause(0.05)
+            waited += 0.05
+            assert waited < 120
+        app.query_one(PromptInput).focus()
+        await pilot.press(*text)
+        await pilot.press("enter")
+        while app.reply is not None or not app.query(MessageView).last().border_subtitle:
+            await pilot.pause(0.05)
+            waited += 0.05
+            assert waited < 240
+        return app.query(MessageView).last()
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        failed = await send(pilot, "Hi")
+        assert str(failed.border_subtitle).startswith("error:") and "System role not supported" in str(failed.border_subtitle)
+        app.system_prompt = ""  # the cause gone: the user clears the system prompt
+        ok = await send(pilot, "Hello")  # the same chat goes on
+        assert ok.text and not str(ok.border_subtitle).startswith("error:")
+        conv = app.conversation_id
+    msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)
+    assert [(m.role, m.content) for m in msgs] == [("user", "Hi"), ("assistant", ""), ("user", "Hello"), ("assistant", ok.text)]
+
+
+# -- what a web page could do to a keyless loopback server ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def web_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("web")
+    from kimitui.model import default_model_path
+
+    engine, settings, server = serve(
+        default_model_path(), tmp, '[server]\nallowed_hosts = ["kimi.local"]\ncors_origins = ["http://localhost:3000"]\n'
+    )
+    yield engine, server
+    server.stop()
+    engine.close()
+
+
+def test_a_foreign_host_header_is_refused_and_the_servers_own_names_are_not(web_server):
+    import httpx
+
+    engine, server = web_server
+    port = server.url.rsplit(":", 1)[1]
+    for host, status in [("evil.example", 403), (f"attacker.test:{port}", 403), (f"localhost:{port}", 200),
+                         (f"127.0.0.1:{port}", 200), ("kimi.local", 200), ("127.0.0.2", 200)]:
+        got = httpx.get(server.url + "/health", headers={"Host": host}, timeout=30)
+        assert got.status_code == status, (host, got.text)
+        if status == 403:
+            assert "server.allowed_hosts" in got.json()["error"]["message"]
+
+
+def test_only_json_bodies_reach_the_engine(web_server):
+    import httpx
+
+    engine, server = web_server
+    before = engine.metrics.view()["requests_total"]
+    body = '{"prompt": "Hello", "n_predict": 2}'
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": kind} if kind else {}
+        got = httpx.post(server.url + "/completion", content=body, headers=headers, timeout=30)
+        assert got.status_code == 415 and "application/json" in got.json()["error"]["message"], got.text
+    assert engine.metrics.view()["requests_total"] == before  # none reached the engine
+    ok = httpx.post(server.url + "/completion", content=body, headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_cors_preflights_follow_the_configured_origins(web_server):
+    import httpx
+
+    engine, server = web_server
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    allowed = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "http://localhost:3000", **ask}, timeout=30)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    refused = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **ask}, timeout=30)
+    assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+    cross = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 1}, headers={"Origin": "https://evil.example"}, timeout=30)
+    assert cross.status_code == 403 and "server.cors_origins" in cross.json()["error"]["message"]
+    same = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 1}, headers={"Origin": "http://localhost:3000"}, timeout=60)
+    assert same.status_code == 200 and same.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+def test_without_configured_origins_no_preflight_is_granted(tmp_path):
+    import httpx
+
+    from kimitui.model import default_model_path
+
+    engine, _, server = serve(default_model_path(), tmp_path, '[server]\napi_key = "k"\n')
+    try:
+        ask = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
+        got = httpx.options(server.url + "/v1/chat/completions", headers=ask, timeout=30)
+        assert got.status_code == 403 and "access-control-allow-origin" not in got.headers
+    finally:
+        server.stop()
+        engine.close()
+
+
+# -- loads that fail, and a pinned set that is not there yet -----------------------------------
+
+
+def test_a_model_llama_cpp_refuses_fails_the_load_with_llama_cpps_reason(tmp_path):
+    from kimitui.engine.session import Engine, EngineError, EngineState
+
+    model = synth.write_model(synth.plan_dense(48 * MIB, "q8_0", synth.default_tokenizer()), tmp_path / "bad.gguf", progress=False).paths[0]
+    raw = model.read_bytes()
+    assert raw.count(b"output_norm.weight") == 1
+    model.write_bytes(raw.replace(b"output_norm.weight", b"output_xorm.weight"))  # same length: header still parses
+    engine = Engine(model, n_ctx=256)
+    with pytest.raises(EngineError) as failed:
+        engine.load()
+    message = str(failed.value)
+    assert "bad.gguf" in message and "output_norm.weight" in message and "\n" not in message
+    assert engine.state is EngineState.FAILED and engine.load_error == message
+
+
+def test_a_broken_install_after_llama_cpp_ends_the_load_failed_and_health_says_why(tmp_path, monkeypatch):
+    import httpx
+
+    import kimitui.engine.session as session
+    from kimitui.config import load_settings
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import ServerThread, bind_socket
+
+    def missing(_name):
+        raise OSError("libggml-base.so: cannot open shared object file")
+
+    monkeypatch.setattr(session, "_ggml_base", missing)
+    model = synth.write_model(synth.plan_dense(48 * MIB, "q8_0", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
+    engine = session.Engine(model, n_ctx=256, budget=24 * MIB)  # streams: the eval callback needs ggml
+    config = tmp_path / "c.toml"
+    config.write_text("")
+    server = ServerThread(create_app(engine, load_settings(config, explicit=True)), bind_socket("127.0.0.1", 0)).start()
+    try:
+        with pytest.raises(session.EngineError, match="libggml-base.so"):
+            engine.load()
+        assert engine.state is session.EngineState.FAILED
+        health = httpx.get(server.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert "libggml-base.so" in health.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_a_reply_asked_for_while_the_pinned_set_is_read_waits_for_it(dense, monkeypatch):
+    import threading
+
+    from kimitui.engine import pinning
+    from kimitui.engine.session import Engine, Sampling
+    from kimitui.engine.streaming import StreamSettings
+
+    gate = threading.Event()
+    real_read = pinning.ParallelReader.read
+
+    def slow_read(self, *args, **kwargs):
+        gate.wait(60)
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(pinning.ParallelReader, "read", slow_read)
+    engine = Engine(dense, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=1))
+    engine.load()
+    pinner = threading.Thread(target=engine.pin)
+    pinner.start()
+    while engine.turns.waiting == 0:
+        pass
+    gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=4))
+    seen = []
+
+    def consume():
+        for _ in gen:
+            seen.append((engine.streamer is not None, engine.pinned_bytes))
+
+    reply = threading.Thread(target=consume)
+    reply.start()
+    reply.join(1.0)
+    assert not seen and gen.queue_position == 1  # queued behind the pin, not computing on half a set
+    gate.set()
+    pinner.join()
+    reply.join(120)
+    assert seen and all(streaming and pinned > 0 for streaming, pinned in seen)
+    engine.close()
+
+
+def test_a_pin_that_fails_is_tried_again_by_the_next_reply(dense, tmp_path):
+    import os
+
+    from kimitui.engine.session import Engine, EngineError, Sampling
+
+    victim = tmp_path / "pin.gguf"
+    victim.write_bytes(dense.read_bytes())
+    full = victim.stat().st_size
+    engine = Engine(victim, n_ctx=256, budget=150 * MIB)
+    engine.load()
+    with open(victim, "rb") as f:
+        tail = (f.seek(full // 2), f.read())[1]
+    os.truncate(victim, full // 2)
+    with pytest.raises(EngineError, match="pin.gguf"):
+        engine.pin()
+    with open(victim, "r+b") as f:
+        f.seek(full // 2)
+        f.write(tail)
+    gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=4))
+    list(gen)
+    assert gen.result.finish_reason == "length" and engine.streamer is not None and engine.pinned_bytes > 0
+    engine.close()
+
+
+def test_the_metrics_sampler_lives_through_a_failed_sample():
+    import time
+
+    from kimitui.engine.metrics import EngineMetrics, Sampler
+
+    sampler = Sampler(EngineMetrics())
+    sampler.set_interval(0.05)
+    seen = []
+
+    def flaky(snap):
+        seen.append(snap)
+        if len(seen) == 1:
+            raise RuntimeError("a panel's bug")
+
+    sampler.subscribe(flaky)
+    sampler.start()
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sampler.stop()
+    assert len(seen) >= 3 and sampler.errors == 1 and "a panel's bug" in sampler.last_error

@@ -321,6 +321,8 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
     from kimitui.tui.widgets.panels import CachePanel, PrefetchPanel, ResidencyPanel
 
     model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
+    whole = model.read_bytes()
+    half = whole[: len(whole) // 2]
     app = make_app("--model", str(model), "--budget", "150MiB")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.streamer is not None)
@@ -356,6 +358,8 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
     from kimitui.model import synth
 
     model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
+    whole = model.read_bytes()
+    half = whole[: len(whole) // 2]
     app = make_app("--model", str(model), "--budget", "150MiB")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.streamer is not None)
@@ -363,8 +367,8 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
         await pilot.press(*"Tell me a story")
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.reply is not None and app.reply.view.text)
-        # The drive goes away mid-reply. Cut at a layer boundary: a cut landing while a layer
-        # computes can still fault in llama.cpp (see the README's limits), and would kill pytest.
+        # The drive goes away mid-reply, here at a layer start so that the cut surely lands
+        # mid-reply (test_faults.py cuts at any moment, in a child process).
         streamer = app.engine.streamer
         real = streamer.on_layer_start
 
@@ -385,8 +389,17 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
         # The app goes on: typing still works and the chat is saved.
         await pilot.press(*"still here")
         assert app.query_one(PromptInput).text == "still here"
+        # The drive is back (the same file, whole again): the next reply works, no restart.
+        with open(model, "r+b") as f:
+            f.seek(len(half))
+            f.write(whole[len(half):])
+        app.sampling.max_tokens = 8
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
+        again = app.query(MessageView).last()
+        assert again.text and not str(again.border_subtitle).startswith("error:")
     msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)
-    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].content == reply.text
+    assert [m.role for m in msgs] == ["user", "assistant", "user", "assistant"] and msgs[1].content == reply.text
 
 
 async def test_trace_flag_shows_the_live_trace_and_writes_the_file(tmp_path):

@@ -207,6 +207,31 @@ def _llama_params(progress: Callable[[float], bool] | None, repack: bool, eval_c
             C.llama_context_default_params = original_ctx
 
 
+@contextlib.contextmanager
+def _templates_checked_later():
+    """llama-cpp-python compiles the model's chat templates inside ``Llama()``, for chat handlers
+    kimitui never uses, and a template that does not compile fails the whole load. Meanwhile its
+    formatter keeps a template that fails to compile as a handler that is never called; the
+    engine compiles the template itself afterwards and says why chat cannot work (see
+    ``Engine._make_formatter``), while plain completions go on."""
+    import llama_cpp.llama_chat_format as chat_format
+
+    original = chat_format.Jinja2ChatFormatter
+
+    class Tolerant(original):
+        def __init__(self, *args, **kwargs):
+            try:
+                super().__init__(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - reported by the engine's own compile
+                self._env = None
+
+    chat_format.Jinja2ChatFormatter = Tolerant
+    try:
+        yield
+    finally:
+        chat_format.Jinja2ChatFormatter = original
+
+
 _log_sink = None
 
 
@@ -231,22 +256,24 @@ class LlamaLog:
     and for the second try of a load that failed (see ``Engine._load``); the load itself logs
     through ``_silence_llama_log``."""
 
-    WARN, CONT = 3, 5  # ggml_log_level
+    WARN, ERROR, CONT = 3, 4, 5  # ggml_log_level
 
     def __init__(self) -> None:
         import llama_cpp
 
-        self.lines: collections.deque[str] = collections.deque(maxlen=32)
+        self.lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=32)  # (level, text)
         self._keeping = False
         self._callback = llama_cpp.llama_log_callback(self._line)
 
     def _line(self, level: int, text: bytes, _user) -> None:
+        line = (text or b"").decode("utf-8", "replace")
         if level == self.CONT and self._keeping and self.lines:
-            self.lines[-1] += (text or b"").decode("utf-8", "replace").rstrip("\n")
+            kept_level, kept = self.lines[-1]
+            self.lines[-1] = (kept_level, kept + line.rstrip("\n"))
             return
-        self._keeping = level in (self.WARN, self.WARN + 1)
+        self._keeping = level in (self.WARN, self.ERROR)
         if self._keeping:
-            self.lines.append((text or b"").decode("utf-8", "replace").strip())
+            self.lines.append((level, line.strip()))
 
     def install(self) -> None:
         import llama_cpp
@@ -254,11 +281,11 @@ class LlamaLog:
         llama_cpp.llama_log_set(self._callback, None)
 
     def reason(self) -> str | None:
-        """The last error line (else warning), without llama.cpp's function-name prefix."""
-        for line in reversed(self.lines):
-            if "error" in line.lower() or "failed" in line.lower():
-                return line.split(": ", 1)[-1] if ": " in line else line
-        return self.lines[-1] if self.lines else None
+        """The first error line (the cause; later ones are what failed because of it), else the
+        last warning, without llama.cpp's function-name prefix."""
+        errors = [text for level, text in self.lines if level == self.ERROR and text]
+        line = errors[0] if errors else (self.lines[-1][1] if self.lines else None)
+        return line.split(": ", 1)[-1] if line and ": " in line else line
 
 
 _llama_log: LlamaLog | None = None
@@ -453,7 +480,7 @@ class Engine:
             stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
 
             def make():
-                with stock, _llama_params(progress if hooks is None else None, self.repack, *callbacks):
+                with stock, _llama_params(progress if hooks is None else None, self.repack, *callbacks), _templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
                         n_ctx=self.n_ctx,
