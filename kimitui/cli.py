@@ -196,6 +196,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
     "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
     "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),
+    "bench-soak": ("kimitui.benchmarks.soak", "hundreds of mixed API requests and app chats with the drive cut and restored twice"),
     "trace": ("kimitui.trace.cli", "summarize or compare per-token traces (--trace FILE), or time what tracing costs"),
 }
 

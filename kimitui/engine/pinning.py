@@ -143,7 +143,7 @@ class ParallelReader:
             if got != want:
                 raise OSError(f"short read at byte {chunk.offset} of {files[chunk.file]}: the file is shorter than its header says")
             with lock:
-                done[0] += got
+                done[0] += chunk.length  # a last page past the end of the file counts whole, as in total
                 progress = PinProgress(done[0], total, time.perf_counter() - started)
             if on_progress is not None:
                 on_progress(progress)

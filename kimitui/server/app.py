@@ -688,11 +688,13 @@ def create_app(
     *,
     api_key: str | None = None,
     on_request: Callable[[dict], None] | None = None,
+    bind_host: str | None = None,
 ) -> Starlette:
     """The API over ``engine``. ``api_key`` None means the configured server.api_key ("" = none).
 
     ``on_request(record)`` is called on the event loop's thread after every request with
     method, path, status, client, prompt_tokens, tokens, queue_position and duration_s.
+    ``bind_host``: the address it listens on (default server.host), for the Host header check.
     """
     api = Api(engine, settings)
     key = settings["server.api_key"] if api_key is None else api_key
@@ -717,7 +719,7 @@ def create_app(
         routes=routes,
         middleware=[
             Middleware(
-                _Origin, bind_host=settings["server.host"], allowed_hosts=frozenset(h.lower() for h in settings["server.allowed_hosts"]),
+                _Origin, bind_host=settings["server.host"] if bind_host is None else bind_host, allowed_hosts=frozenset(h.lower() for h in settings["server.allowed_hosts"]),
                 cors_origins=origins,
             ),
             # Preflights of allowed origins end here, before the key check (browsers send none).

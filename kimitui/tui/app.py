@@ -190,7 +190,9 @@ class KimituiApp(App[int]):
         def on_request(record: dict) -> None:  # runs on the server's event-loop thread
             self.call_from_thread(panel.add_request, record)
 
-        app = create_app(self.engine, self.settings, api_key=self.api_key, on_request=on_request)
+        app = create_app(
+            self.engine, self.settings, api_key=self.api_key, on_request=on_request, bind_host=self.api_socket.getsockname()[0]
+        )
         self.api_server = ServerThread(app, self.api_socket, quiet=True).start()
         panel.url = f"serving {self.api_server.url}"
         panel.show_requests()
