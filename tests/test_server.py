@@ -386,7 +386,10 @@ def test_unknown_route_wrong_method_and_large_body(served):
     assert huge.status_code == 413
     assert huge.json()["error"]["message"] == "request body too large"
     # Chunked upload without Content-Length: counted as it arrives.
-    chunked = httpx.post(served.url + "/completion", content=iter([b'{"prompt": "', b"x" * 20_000, b'"}']), timeout=TIMEOUT)
+    chunked = httpx.post(
+        served.url + "/completion", content=iter([b'{"prompt": "', b"x" * 20_000, b'"}']),
+        headers={"Content-Type": "application/json"}, timeout=TIMEOUT,
+    )
     assert chunked.status_code == 413
 
 

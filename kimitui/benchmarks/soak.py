@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import shutil
@@ -249,6 +250,18 @@ async def _soak(app, args, drive: Drive) -> dict:
     return figures
 
 
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f": {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        self.lines.append(text)
+
+
 def run(args: argparse.Namespace) -> int:
     from kimitui.cli import build_app, build_parser
 
@@ -267,9 +280,15 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(build_parser().parse_args(
             ["--model", str(copy), "--budget", args.budget, "--serve", "127.0.0.1:0", "--config", str(config)]
         ))
+        # The server inside the app is quiet (log lines would tear the screen): what it would
+        # have logged (a request that failed inside uvicorn) is collected for the report.
+        caught = _Collect()
+        for name in ("uvicorn.error", "kimitui.server"):
+            logging.getLogger(name).addHandler(caught)
         started = time.perf_counter()
         figures = asyncio.run(_soak(app, args, drive))
         figures["seconds"] = time.perf_counter() - started
+        figures["server_log"] = caught.lines
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
@@ -303,6 +322,8 @@ def _report(args, f: dict) -> int:
           f"{history['saved_replies']} replies saved; lost: {lost or 'none'}")
     for u in f["unexpected"][:10]:
         print(f"UNEXPECTED: {u}")
+    for line in f["server_log"][:10]:
+        print(f"server log: {line}")
     if args.json:
         write_json(args.json, {**f, "requests": dict(f["requests"]), "statuses": dict(f["statuses"]),
                                "errors_while_cut": dict(f.get("errors_while_cut") or {})})
