@@ -435,3 +435,32 @@ def test_the_metrics_sampler_lives_through_a_failed_sample():
         time.sleep(0.02)
     sampler.stop()
     assert len(seen) >= 3 and sampler.errors == 1 and "a panel's bug" in sampler.last_error
+
+
+def test_a_release_that_fails_stops_the_token_without_hanging_the_dropper(dense):
+    import threading
+
+    from kimitui.engine.session import Engine, EngineError, Sampling
+    from kimitui.engine.streaming import StreamSettings
+
+    engine = Engine(dense, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=1))
+    engine.load()
+    engine.pin()
+    streamer = engine.streamer
+    real = streamer.io.drop
+    failed = threading.Event()
+
+    def refusing_drop(*args):
+        if not failed.is_set():
+            failed.set()
+            raise OSError(22, "madvise(MADV_DONTNEED) of 4096 bytes: Invalid argument")
+        return real(*args)
+
+    streamer.io.drop = refusing_drop
+    gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=40))
+    with pytest.raises(EngineError, match="cannot give streamed bytes back"):
+        list(gen)
+    again = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=4))
+    list(again)  # the dropper lives on: the next reply streams
+    assert again.result.finish_reason == "length"
+    engine.close()

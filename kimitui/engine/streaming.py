@@ -127,8 +127,12 @@ class Dropper:
             self._released.wait_for(lambda: not self._pending or next(iter(self._pending.values()))[2] > mark)
 
     def pause(self) -> None:
-        """Hold every release back (a release maps the file back in) until ``resume``."""
+        """Hold every release back (a release maps the file back in) until ``resume``; returns
+        once none is under way."""
         self._open.clear()
+        if threading.current_thread() is not self._thread:  # (the dropper's own failure holds the lock)
+            with self._lock:  # a release runs under the lock, and none starts while paused
+                pass
 
     def resume(self) -> None:
         self._open.set()
@@ -152,6 +156,8 @@ class Dropper:
             while True:
                 self._open.wait()
                 with self._lock:
+                    if not self._open.is_set():
+                        continue  # paused after the wait above: wait again
                     if not self._pending:
                         self._idle.set()
                         break
