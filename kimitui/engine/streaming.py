@@ -788,16 +788,19 @@ class Streamer:
         """The aborted token is over: the file goes back under the shielded pages, releases run
         again, and what the shield may have covered (bytes read through the page cache) is read
         again when next needed."""
+        self._dropper.resume()
         if self._blanked:
-            blanked, self._blanked = self._blanked, []
-            for file, offset, length in blanked:
-                self.placer.map_file(file, offset, length)
-            self._dropper.resume()
+            # Reads under way when the shield went up may have placed pages inside it since:
+            # everything streamed is given back first (reads waited for, releases done), so
+            # that mapping the file over the shielded ranges replaces only zeros and file pages.
             for shard in self.model.shards:
                 self._drop(shard)
             if self.experts is not None:
                 self.experts.clear()
-        self._dropper.resume()
+            self._dropper.flush()
+            blanked, self._blanked = self._blanked, []
+            for file, offset, length in blanked:
+                self.placer.map_file(file, offset, length)
         self.error = None
 
     def close(self) -> None:
