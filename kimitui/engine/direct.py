@@ -84,6 +84,20 @@ def huge_buffer(libc: Libc, size: int) -> int:
     return start
 
 
+def mapped_areas() -> list[tuple[int, int, tuple[int, int] | None]]:
+    """This process's mappings from /proc/self/maps: (start, end, (st_dev, st_ino) of the file
+    mapped, None for anonymous memory)."""
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            inode = int(fields[4])
+            out.append((lo, hi, (os.makedev(major, minor), inode) if inode else None))
+    return out
+
+
 def split_pieces(offset: int, end: int, page: int) -> list[tuple[int, int, bool]]:
     """[offset, end) as (start, length, placed): whole pages in pieces of at most PIECE_BYTES
     that start on multiples of it (placed), and the partial pages at either end (not placed)."""
@@ -133,6 +147,10 @@ class DirectPlacer:
         self._placed: dict[tuple[int, int], tuple[int, int, int, bool]] = {}
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
+        # Held across each move into the mapping and its record, and across blank_file_backed:
+        # a blank that read /proc/self/maps just before a move would map zeros over the pages
+        # just moved there, and their release would take the zeros' read-only memory into the pool.
+        self._moves = threading.Lock()
         self._disabled = False  # the file system took O_DIRECT at open but refuses the reads
         try:
             for i, path in enumerate(paths):
@@ -272,15 +290,19 @@ class DirectPlacer:
             return got
         target = self.addresses[file] + offset
         c = self._libc
-        if c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
+        with self._moves:
+            moved = c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) == target
             err = ctypes.get_errno()
+            if moved:
+                with self._lock:
+                    self._placed[(file, offset)] = (buf, at, length, whole)
+            else:
+                # ENOMEM, most likely (too many mappings, a memory limit). The kernel may have
+                # unmapped the target before it failed: the file goes back there, never over another's.
+                self._refill(file, offset, length, err)
+        if not moved:
             self._give_back(buf, whole)
-            # ENOMEM, most likely (too many mappings, a memory limit). The kernel may have
-            # unmapped the target before it failed: the file goes back there, never over another's.
-            self._refill(file, offset, length, err)
             return None
-        with self._lock:
-            self._placed[(file, offset)] = (buf, at, length, whole)
         return length
 
     def place_slice(self, file: int, offset: int, length: int, inner: tuple[int, int] | None, edges: list[int]) -> int | None:
@@ -330,17 +352,18 @@ class DirectPlacer:
         if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
             undo()
             return got
-        for edge, buf in buffers.items():
-            if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
-                err = ctypes.get_errno()
-                c.munmap(buf, page)
-                self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
-                raise OSError(err, f"mremap: {os.strerror(err)}")
-        with self._lock:
-            if inner is not None:
-                self._placed[(file, inner[0])] = (0, 0, inner[1], False)
-            for edge in buffers:
-                self._placed[(file, edge)] = (0, 0, page, False)
+        with self._moves:
+            for edge, buf in buffers.items():
+                if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
+                    err = ctypes.get_errno()
+                    c.munmap(buf, page)
+                    self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
+                    raise OSError(err, f"mremap: {os.strerror(err)}")
+            with self._lock:
+                if inner is not None:
+                    self._placed[(file, inner[0])] = (0, 0, inner[1], False)
+                for edge in buffers:
+                    self._placed[(file, edge)] = (0, 0, page, False)
         return length
 
     def copy_in(self, file: int, offset: int, length: int) -> int | None:
@@ -365,14 +388,15 @@ class DirectPlacer:
             c.munmap(buf, length)
             return got
         target = self.addresses[file] + offset
-        if c.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, target) != target:
-            err = ctypes.get_errno()
-            c.munmap(buf, length)
-            # The kernel may have unmapped the target before it failed: map the file there again.
-            self._refill(file, offset, length, err)
-            raise OSError(err, f"mremap: {os.strerror(err)}")
-        with self._lock:
-            self._placed[(file, offset)] = (0, 0, length, False)
+        with self._moves:
+            if c.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, target) != target:
+                err = ctypes.get_errno()
+                c.munmap(buf, length)
+                # The kernel may have unmapped the target before it failed: map the file there again.
+                self._refill(file, offset, length, err)
+                raise OSError(err, f"mremap: {os.strerror(err)}")
+            with self._lock:
+                self._placed[(file, offset)] = (0, 0, length, False)
         return length
 
     def holds(self, file: int, offset: int) -> bool:
@@ -387,23 +411,17 @@ class DirectPlacer:
         """Map zeros over every part of the model's mappings that is still the file's (per
         /proc/self/maps, matched by device and inode): reading there then cannot fault on the
         file. Returns the (file, offset, length) parts, for ``map_file`` to give back."""
+        with self._moves:
+            return self._blank_file_backed()
+
+    def _blank_file_backed(self) -> list[tuple[int, int, int]]:
         c = self._libc
-        ids = {}
-        for file, fd in self._file_fds.items():
-            st = os.fstat(fd)
-            ids[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = file
-        with open("/proc/self/maps") as maps:
-            areas = maps.read().splitlines()
+        ids = {self._identity(file): file for file in self._file_fds}
         blanked = []
-        for line in areas:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 5 or fields[4] == "0":
-                continue
-            major, minor = (int(x, 16) for x in fields[3].split(":"))
-            file = ids.get((major, minor, int(fields[4])))
+        for lo, hi, identity in mapped_areas():
+            file = ids.get(identity) if identity is not None else None
             if file is None or file not in self.addresses:
                 continue
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
             base = self.addresses[file]
             if lo < base or hi > base + -(-self._mapped_bytes[file] // self.page) * self.page:
                 continue  # some other mapping of the same file, not llama.cpp's
@@ -442,21 +460,16 @@ class DirectPlacer:
 
     def _mapped(self, file: int, address: int, length: int) -> bool:
         """Whether [address, address+length) is wholly mapped, by this file or anonymous memory (ours)."""
-        identity = self._identity(file)
+        ours = self._identity(file)
         covered = address
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if hi <= covered or lo > covered:
-                    continue
-                major, minor = (int(x, 16) for x in fields[3].split(":"))
-                ours = fields[4] == "0" or (os.makedev(major, minor), int(fields[4])) == identity
-                if not ours:
-                    return False
-                covered = hi
-                if covered >= address + length:
-                    return True
+        for lo, hi, identity in mapped_areas():
+            if hi <= covered or lo > covered:
+                continue
+            if identity is not None and identity != ours:
+                return False
+            covered = hi
+            if covered >= address + length:
+                return True
         return False
 
     def _map_file(self, file: int, offset: int, length: int) -> None:
@@ -512,15 +525,8 @@ class DirectPlacer:
 
     def _file_maps(self, file: int, address: int) -> bool:
         """Whether the page at ``address`` maps this file (not anonymous memory)."""
-        identity = self._identity(file)
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if lo <= address < hi:
-                    major, minor = (int(x, 16) for x in fields[3].split(":"))
-                    return (os.makedev(major, minor), int(fields[4])) == identity
-        return False
+        ours = self._identity(file)
+        return any(lo <= address < hi and identity is not None and identity == ours for lo, hi, identity in mapped_areas())
 
     @property
     def placed_bytes(self) -> int:
