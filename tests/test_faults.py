@@ -464,3 +464,17 @@ def test_a_release_that_fails_stops_the_token_without_hanging_the_dropper(dense)
     list(again)  # the dropper lives on: the next reply streams
     assert again.result.finish_reason == "length"
     engine.close()
+
+
+def test_host_rules_for_wildcard_named_and_ipv6_binds():
+    from kimitui.server.app import host_allowed
+
+    none = frozenset()
+    assert host_allowed("192.168.1.20:8080", "0.0.0.0", none)  # an address of some interface: not rebindable
+    assert host_allowed("localhost:8080", "0.0.0.0", none)
+    assert not host_allowed("evil.example", "0.0.0.0", none)
+    assert host_allowed("[::1]:8080", "::1", none) and host_allowed("127.0.0.1", "::1", none)
+    assert not host_allowed("192.168.1.20", "127.0.0.1", none)
+    assert host_allowed("phone.local:8080", "phone.local", none)
+    assert not host_allowed("localhost", "192.168.1.20", none)
+    assert host_allowed("anything.example", "127.0.0.1", frozenset({"*"}))

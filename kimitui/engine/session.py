@@ -428,10 +428,7 @@ class Engine:
         self.state = EngineState.LOADING
         try:
             self._load_steps()
-        except EngineError as exc:
-            self.state, self.load_error = EngineState.FAILED, str(exc)
-            raise
-        except UserError as exc:  # the file's header: the caller shows it as a user mistake
+        except (EngineError, UserError) as exc:  # UserError: the file's header, shown as a user mistake
             self.state, self.load_error = EngineState.FAILED, str(exc)
             raise
         except Exception as exc:  # a broken install (no ggml library), a bug: said, not hung
@@ -514,7 +511,7 @@ class Engine:
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
-        llama_log().install()  # from here on llama.cpp's warnings and errors are kept
+        llama_log().install()  # from here on llama.cpp's warnings and errors are kept: a failed reply says them
         self.decode_clock.attach(self._llm._ctx)
         files = self.info.files or (self.model_path,)
         if hooks is not None:
@@ -676,7 +673,7 @@ class Engine:
         pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
         try:
             reader = ParallelReader(chunk_bytes=PLACED_CHUNK_BYTES) if placer is not None else ParallelReader()
-            reader.read(model.files, pages if placer is not None else ranges, on_progress, cancel=self._abort_load, placer=placer)
+            reader.read(model.files, pages, on_progress, cancel=self._abort_load, placer=placer)
         except OSError as exc:
             if placer is not None:
                 placer.close()
@@ -1088,6 +1085,8 @@ class Generation:
             return engine.streamer.counters() if engine.streamer is not None else None
 
         before = counters()
+        log = llama_log()
+        log.lines.clear()
         if tracer is not None:
             tracer.request_started(self.id, engine.model_path.name, engine.tuning())
         text, emitted, cut = "", 0, -1
@@ -1173,7 +1172,8 @@ class Generation:
                 result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
                 streamer.reset_error()
             else:
-                result.error = f"generation failed: {exc}"
+                reason = log.reason()  # what llama.cpp said while this reply ran, if anything
+                result.error = f"generation failed: {exc}" + (f" (llama.cpp: {reason})" if reason else "")
             raise EngineError(result.error) from None
         finally:
             result.text = text

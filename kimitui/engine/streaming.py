@@ -15,7 +15,8 @@ llama.cpp's eval callback tells us when a layer starts (the previous layer's ``l
 A read that fails (file truncated, drive unplugged) stops the token through llama.cpp's abort
 callback, so the reply ends with an error instead of SIGBUS. ggml sees the abort only after the
 node it is computing, so until the token is over every file-backed page of the model's mapping
-reads as zeros (``_shield``); the next token gets the file back and reads again what it needs. The unit of residency is a shard; the MoE work adds (layer, expert) units beside it.
+reads as zeros (``_shield``); the next token gets the file back and reads again what it needs.
+The unit of residency is a shard; the MoE work adds (layer, expert) units beside it.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
 from kimitui.engine.session import ChatTemplateError, Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
 from kimitui.server import prom
+from kimitui.server.runner import is_loopback
 from kimitui.server.params import ApiError, Fields, Limits, chat_messages, parse_body, prompt_of, sampling_from, token_ids
 
 log = logging.getLogger("kimitui.server")
@@ -69,7 +70,7 @@ def host_allowed(header: str, bind_host: str, allowed: frozenset[str]) -> bool:
         bind_ip = ipaddress.ip_address(bind)
     except ValueError:
         bind_ip = None
-    loopback = bind == "localhost" or (bind_ip is not None and bind_ip.is_loopback)
+    loopback = is_loopback(bind)
     try:
         ip = ipaddress.ip_address(name)
     except ValueError:  # a name: only those the server was given
