@@ -478,3 +478,14 @@ def test_host_rules_for_wildcard_named_and_ipv6_binds():
     assert host_allowed("phone.local:8080", "phone.local", none)
     assert not host_allowed("localhost", "192.168.1.20", none)
     assert host_allowed("anything.example", "127.0.0.1", frozenset({"*"}))
+
+
+def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
+    import platform
+
+    from kimitui.engine.memory import cap_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert cap_malloc_arenas() is False  # the user's choice stands
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    assert cap_malloc_arenas() is (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")

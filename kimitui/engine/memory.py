@@ -6,7 +6,9 @@ process OOM-killed; both cgroup v1 and v2 files are read where present.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from pathlib import Path
 
 import psutil
@@ -109,3 +111,27 @@ def mapped_resident_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/pr
         elif inside and head == "Rss:":
             total += int(line.split()[1]) * 1024
     return total
+
+
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def cap_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas (one per thread that allocates at once, up to eight per core).
+
+    Every API request decodes on a thread of its own, and each new thread may get an arena of
+    its own whose freed memory glibc keeps: in `kimitui bench-soak` the process outside the
+    model's pages grew 50 MiB over 1,080 requests and was still growing, against 17 MiB, flat
+    after the first 180, with two arenas. Compute allocates little (llama.cpp's buffers are made
+    at load), so fewer arenas cost nothing measurable. A MALLOC_ARENA_MAX the user set wins.
+    True where the cap was set (glibc)."""
+    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt, no per-thread arenas to cap
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return mallopt(_M_ARENA_MAX, arenas) == 1

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import psutil
 
+from kimitui.engine.memory import cap_malloc_arenas
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.settings import StreamSettings
 from kimitui.engine.turns import TurnQueue
@@ -366,6 +367,7 @@ class Engine:
         self.info: ModelInfo | None = None
         self._map = None  # the GGUF map at the current shard size, once pinning needs it
         self.turns = TurnQueue()
+        cap_malloc_arenas()  # before the engine's threads start: see memory.py
         self._llm = None
         self._formatter = None
         self.template_error: str | None = None  # why chat cannot be formatted (see _make_formatter)
