@@ -139,7 +139,7 @@ def uncompiled(tmp_path_factory) -> Path:
     return small_model(tmp_path_factory.mktemp("tpl") / "broken-template.gguf", DOES_NOT_COMPILE)
 
 
-def serve(model: Path, tmp_path: Path, config: str = ""):
+def serve(model: Path, tmp_path: Path, config: str = "", budget: int | None = None):
     from kimitui.config import load_settings
     from kimitui.engine.session import Engine
     from kimitui.server.app import create_app
@@ -148,7 +148,7 @@ def serve(model: Path, tmp_path: Path, config: str = ""):
     path = tmp_path / "config.toml"
     path.write_text("[model]\nn_ctx = 512\n" + config)
     settings = load_settings(path, explicit=True)
-    engine = Engine(model, n_ctx=512)
+    engine = Engine(model, n_ctx=512, budget=budget)
     engine.load()
     engine.pin()
     return engine, settings, ServerThread(create_app(engine, settings), bind_socket("127.0.0.1", 0)).start()
@@ -489,3 +489,63 @@ def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
     assert cap_malloc_arenas() is False  # the user's choice stands
     monkeypatch.delenv("MALLOC_ARENA_MAX")
     assert cap_malloc_arenas() is (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
+
+
+def test_an_unexpected_error_inside_the_eval_callback_stops_the_token_not_the_logits(dense):
+    from kimitui.engine.session import Engine, EngineError, Sampling
+    from kimitui.engine.streaming import StreamSettings
+
+    engine = Engine(dense, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=1))
+    engine.load()
+    engine.pin()
+    reference = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=6))
+    list(reference)
+    streamer = engine.streamer
+    real = streamer.on_layer_start
+
+    def broken(layer):
+        if layer == 3:
+            raise RuntimeError("a bug in the streamer")
+        return real(layer)
+
+    streamer.on_layer_start = broken
+    gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=6))
+    with pytest.raises(EngineError, match=r"streaming failed at graph node l_out-2: RuntimeError: a bug in the streamer"):
+        list(gen)
+    streamer.on_layer_start = real
+    again = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=6))
+    list(again)
+    assert again.result.text == reference.result.text  # no token was computed on skipped nodes
+    engine.close()
+
+
+def test_over_http_a_cut_file_is_a_500_naming_it_and_once_whole_the_same_reply_again(dense, tmp_path):
+    import os
+
+    import httpx
+
+    victim = tmp_path / "served.gguf"
+    victim.write_bytes(dense.read_bytes())
+    full = victim.stat().st_size
+    with open(victim, "rb") as f:
+        f.seek(full // 2)
+        tail = f.read()
+    engine, _, server = serve(victim, tmp_path, budget=150 * MIB)
+    assert engine.streamer is not None
+    try:
+        body = {"prompt": "Once upon a time", "n_predict": 6, "temperature": 0}
+        before = httpx.post(server.url + "/completion", json=body, timeout=120)
+        assert before.status_code == 200
+        os.truncate(victim, full // 2)
+        cut = httpx.post(server.url + "/completion", json=body, timeout=120)
+        assert cut.status_code == 500 and "served.gguf" in cut.json()["error"]["message"], cut.text
+        health = httpx.get(server.url + "/health", timeout=30)
+        assert health.status_code == 200  # the engine is fine; its drive is not
+        with open(victim, "r+b") as f:
+            f.seek(full // 2)
+            f.write(tail)
+        after = httpx.post(server.url + "/completion", json=body, timeout=120)
+        assert after.status_code == 200 and after.json()["content"] == before.json()["content"]
+    finally:
+        server.stop()
+        engine.close()
