@@ -597,3 +597,9 @@ def test_serve_headless_process(clean_env, tmp_path):
     assert "Traceback" not in log.read_text()
     (request,) = read_trace([trace]).requests
     assert len(request.tokens) == 3 and request.end["type"] == "end"
+
+
+def test_requests_refused_at_the_door_are_reported_too(served):
+    refused = httpx.get(served.url + "/props", headers={"Host": "rebound.example"}, timeout=TIMEOUT)
+    assert refused.status_code == 403
+    wait_for(lambda: any(r["path"] == "/props" and r["status"] == 403 for r in served.records), "the 403 in on_request")

@@ -179,20 +179,41 @@ def _engine_error(generation: Generation, exc: EngineError) -> ApiError:
 
 
 class _Origin:
-    """Outermost: what a browser could abuse. A foreign Host header (DNS rebinding) and a
-    request from a web origin not in server.cors_origins get 403 before anything else runs;
-    preflights from allowed origins are answered by Starlette's CORSMiddleware, inside this."""
+    """Outermost: the report to ``on_request``, and what a browser could abuse. A foreign Host
+    header (DNS rebinding) and a request from a web origin not in server.cors_origins get 403
+    before anything else runs; preflights from allowed origins are answered by Starlette's
+    CORSMiddleware, inside this."""
 
-    def __init__(self, app, bind_host: str, allowed_hosts: frozenset[str], cors_origins: frozenset[str]) -> None:
+    def __init__(
+        self, app, bind_host: str, allowed_hosts: frozenset[str], cors_origins: frozenset[str],
+        on_request: Callable[[dict], None] | None,
+    ) -> None:
         self.app = app
         self.bind_host = bind_host
         self.allowed_hosts = allowed_hosts
         self.cors_origins = cors_origins
+        self.on_request = on_request
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
+        status = 500  # if the app fails before answering, ServerErrorMiddleware sends a 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._checked(scope, receive, send_status)
+        finally:
+            if self.on_request is not None:
+                self._report(scope, status, time.perf_counter() - started)
+
+    async def _checked(self, scope, receive, send) -> None:
         headers = Headers(scope=scope)
         host, origin = headers.get("host", ""), headers.get("origin")
         if not host_allowed(host, self.bind_host, self.allowed_hosts):
@@ -210,21 +231,37 @@ class _Origin:
             return
         await response(scope, receive, send)
 
+    def _report(self, scope, status: int, duration_s: float) -> None:
+        state = scope.get("state") or {}
+        client = scope.get("client")
+        record = {
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "client": f"{client[0]}:{client[1]}" if client else None,
+            "prompt_tokens": state.get("prompt_tokens"),
+            "tokens": state.get("tokens"),
+            "queue_position": state.get("queue_position"),
+            "duration_s": duration_s,
+        }
+        try:
+            self.on_request(record)
+        except Exception:  # a display callback must never break the API
+            log.exception("on_request callback failed")
+
 
 class _Guard:
-    """Inner app middleware: the API key, JSON bodies only, the body size limit, the report
-    to ``on_request``.
+    """Inner app middleware: the API key, JSON bodies only, the body size limit.
 
     The limit is here rather than Starlette's ``max_body_size``, which answers in plain text;
     clients of this API expect JSON errors. Only application/json bodies are read: a web page
     can send text/plain across origins without a preflight, never JSON.
     """
 
-    def __init__(self, app, api_key: str | None, max_body: int, on_request: Callable[[dict], None] | None) -> None:
+    def __init__(self, app, api_key: str | None, max_body: int) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
-        self.on_request = on_request
 
     @staticmethod
     def _json_body(scope) -> bool:
@@ -254,53 +291,19 @@ class _Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500  # if the app fails before answering, ServerErrorMiddleware sends a 500
-
-        async def send_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-                response = error_response(
-                    401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send_status)
-            elif not self._json_body(scope):
-                given = Headers(scope=scope).get("content-type") or "none"
-                await error_response(
-                    415, "invalid_request_error", f"Content-Type must be application/json (got {given})"
-                )(scope, receive, send_status)
-            elif _content_length(scope) > self.max_body:  # refused before the upload is read
-                await error_response(413, "invalid_request_error", TOO_LARGE)(scope, receive, send_status)
-            else:
-                await self.app(scope, self._limited(receive), send_status)
-        finally:
-            if self.on_request is not None:
-                self._report(scope, status, time.perf_counter() - started)
-
-    def _report(self, scope, status: int, duration_s: float) -> None:
-        state = scope.get("state") or {}
-        client = scope.get("client")
-        record = {
-            "method": scope["method"],
-            "path": scope["path"],
-            "status": status,
-            "client": f"{client[0]}:{client[1]}" if client else None,
-            "prompt_tokens": state.get("prompt_tokens"),
-            "tokens": state.get("tokens"),
-            "queue_position": state.get("queue_position"),
-            "duration_s": duration_s,
-        }
-        try:
-            self.on_request(record)
-        except Exception:  # a display callback must never break the API
-            log.exception("on_request callback failed")
+        elif self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            response = error_response(
+                401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+        elif not self._json_body(scope):
+            given = Headers(scope=scope).get("content-type") or "none"
+            await error_response(415, "invalid_request_error", f"Content-Type must be application/json (got {given})")(scope, receive, send)
+        elif _content_length(scope) > self.max_body:  # refused before the upload is read
+            await error_response(413, "invalid_request_error", TOO_LARGE)(scope, receive, send)
+        else:
+            await self.app(scope, self._limited(receive), send)
 
 
 class Api:
@@ -721,14 +724,14 @@ def create_app(
         middleware=[
             Middleware(
                 _Origin, bind_host=settings["server.host"] if bind_host is None else bind_host, allowed_hosts=frozenset(h.lower() for h in settings["server.allowed_hosts"]),
-                cors_origins=origins,
+                cors_origins=origins, on_request=on_request,
             ),
             # Preflights of allowed origins end here, before the key check (browsers send none).
             Middleware(
                 CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
                 allow_headers=["Authorization", "Content-Type"], expose_headers=[QUEUE_HEADER], max_age=600,
             ),
-            Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"], on_request=on_request),
+            Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
