@@ -198,7 +198,7 @@ def unlock_ranges(addresses: dict[int, int], ranges: Sequence[ByteRange]) -> Non
 
 def drop_outside(
     addresses: dict[int, int], lengths: dict[int, int], paths: dict[int, str], ranges: Sequence[ByteRange]
-) -> None:
+) -> str | None:
     """Unmap from this process every page of the model's mappings outside the pinned ranges.
 
     Locking faults the pinned pages in, and each fault also maps the page cache's neighbours of
@@ -208,12 +208,14 @@ def drop_outside(
     the pinned set is file-backed, so the drop only unmaps: the data stays in the file and the
     page cache. Only areas that map the model's own files are touched (/proc/self/maps): llama.cpp
     unmaps the unused head and tail of a mapping after the load, and the allocator may have
-    taken that room since. Linux only (Darwin's MADV_DONTNEED does not unmap)."""
+    taken that room since. Linux only (Darwin's MADV_DONTNEED does not unmap). None, or what the
+    kernel refused (those pages stay mapped, and count against the budget)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     page = os.sysconf("SC_PAGE_SIZE")
     libc = _libc()
     areas = _file_areas({os.path.realpath(p) for p in paths.values()})
+    refused, why = 0, ""
     by_file: dict[int, list[ByteRange]] = {}
     for r in merge_ranges(ranges):
         by_file.setdefault(r.file, []).append(r)
@@ -225,9 +227,13 @@ def drop_outside(
             end = address + r.offset // page * page  # the pinned ones at either end stay locked
             for lo, hi, path in areas:
                 lo, hi = max(lo, start), min(hi, end)
-                if path == real and hi > lo:
-                    libc.madvise(lo, hi - lo, MADV_DONTNEED)
+                if path == real and hi > lo and libc.madvise(lo, hi - lo, MADV_DONTNEED) != 0:
+                    refused += hi - lo
+                    why = os.strerror(ctypes.get_errno())
             cursor = max(cursor, r.end)
+    if refused:
+        return f"the kernel kept {refused} bytes of the model mapped outside the pinned set ({why})"
+    return None
 
 
 def _file_areas(paths: set[str]) -> list[tuple[int, int, str]]:

@@ -687,7 +687,8 @@ class Engine:
         self.pin_note = lock_ranges(addresses, pages)
         if streaming:
             lengths = {i: m.length for i, m in self.mappings.items()}
-            drop_outside(addresses, lengths, {i: str(path) for i, path in enumerate(model.files)}, ranges)
+            kept = drop_outside(addresses, lengths, {i: str(path) for i, path in enumerate(model.files)}, ranges)
+            self.pin_note = "; ".join(note for note in (self.pin_note, kept) if note) or None
         self.pinned_ranges = pages
         self.pinned_bytes = sum(r.length for r in ranges)
         self.hot_expert_bytes = sum(unit.footprint for unit in hot)
