@@ -69,6 +69,10 @@ def uvicorn_server(app, *, quiet: bool) -> uvicorn.Server:
         access_log=not quiet,
         # Open streams end when the server stops; their generations are cancelled by the app.
         timeout_graceful_shutdown=3,
+        # Longer than httpx's (so the OpenAI SDK's) 5 s keep-alive: with uvicorn's default, also
+        # 5 s, a client may reuse an idle connection just as the server closes it, and its
+        # request dies with a ReadError (the likely cause of one in a soak run: bench-soak).
+        timeout_keep_alive=30,
         lifespan="off",
     )
     return uvicorn.Server(config)
