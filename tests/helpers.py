@@ -15,29 +15,51 @@ def wait_for(condition, what: str, timeout: float = 180.0) -> None:
         time.sleep(0.02)
 
 
-def takes_direct_reads(path: Path) -> bool:
-    """Whether direct placement must work for ``path``: a kernel with MREMAP_DONTUNMAP and a
-    file system that serves O_DIRECT reads (CI's may not). Probed apart from the placer, so
-    that a broken placer fails the tests instead of skipping them."""
-    import mmap
+def places_reads() -> bool:
+    """Whether streamed and pinned bytes must be placed in anonymous memory here: Linux with
+    MREMAP_DONTUNMAP (5.7 and later), on any file system. Probed apart from the placer, so that
+    a broken placer fails the tests instead of skipping them."""
     import os
     import re
+    import sys
 
-    # MREMAP_DONTUNMAP came with Linux 5.7: before it the engine reads through the page cache.
     version = re.match(r"(\d+)\.(\d+)", os.uname().release)
-    if version is None or tuple(map(int, version.groups())) < (5, 7):
+    return sys.platform.startswith("linux") and version is not None and tuple(map(int, version.groups())) >= (5, 7)
+
+
+def page_cache_dir() -> Path | None:
+    """A directory on a file system that refuses O_DIRECT (tmpfs), where there is one."""
+    import os
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        return None
+    return shm if not takes_direct_reads(shm / ".probe") else None
+
+
+def takes_direct_reads(path: Path) -> bool:
+    """Whether placement must read ``path`` with O_DIRECT: ``places_reads`` and a file system
+    that serves O_DIRECT reads (CI's may not)."""
+    import mmap
+    import os
+
+    if not places_reads():
         return False
+    made = not path.exists()
+    if made:
+        path.write_bytes(b"\0" * mmap.PAGESIZE)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        os.preadv(fd, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
+        try:
+            os.preadv(fd, [mmap.mmap(-1, mmap.PAGESIZE)], 0)
+        finally:
+            os.close(fd)
         return True
     except OSError:
         return False
     finally:
-        os.close(fd)
+        if made:
+            path.unlink()
 
 
 def stock_llama(path: Path, **kwargs):

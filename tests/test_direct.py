@@ -4,6 +4,7 @@ compute sees are the file's, the page cache stays out of it, and release maps th
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import random
 import sys
@@ -198,3 +199,69 @@ def test_a_hole_a_failed_call_left_is_refilled_and_another_mapping_there_is_neve
     assert ctypes.string_at(address + start, PAGE) == b"\x5a" * PAGE  # theirs, untouched
     placer._map_file(0, start, PAGE)  # the test's own clean-up: the mapping whole again
     os.close(fd)
+
+
+def refuse_o_direct(monkeypatch, at: str) -> list[int]:
+    """Make the placer meet a file system without O_DIRECT (Linux 6.6 and later serve it even
+    on tmpfs): refused at open with EINVAL, as tmpfs did, or taken at open and refused at the
+    first read, as some FUSE mounts do. Returns the descriptors refused at read."""
+    refused: list[int] = []
+    if at == "open":
+        real_open = DirectPlacer._open
+
+        def _open(path, mapped_fd, flags):
+            if flags & os.O_DIRECT:
+                raise OSError(22, "Invalid argument")
+            return real_open(path, mapped_fd, flags)
+
+        monkeypatch.setattr(DirectPlacer, "_open", staticmethod(_open))
+    else:
+        real_preadv = os.preadv
+
+        def preadv(fd, buffers, offset):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                refused.append(fd)
+                raise OSError(22, "Invalid argument")
+            return real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+    return refused
+
+
+@pytest.mark.parametrize("at", ["open", "read"])
+def test_without_o_direct_the_bytes_come_through_the_page_cache_and_are_still_placed(tmp_path, monkeypatch, at):
+    """Where the file system refuses O_DIRECT the placer reads through the page cache, drops
+    the cache's copy and still moves the bytes into anonymous memory: the file cut short then
+    cannot SIGBUS compute at a placed range, and the budget sees every byte."""
+    refused = refuse_o_direct(monkeypatch, at)
+    path = tmp_path / "weights.bin"
+    data = random.Random(2).randbytes(12 * MIB + 5)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    libc = Libc()
+    address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
+    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=4)
+    try:
+        assert placer is not None
+        assert placer.direct is (at == "read")  # learnt at the first read there
+        drop_from_page_cache(path)
+        assert placer.place(0, PIECE_BYTES, PIECE_BYTES) == PIECE_BYTES
+        assert placer.copy_in(0, 2 * PIECE_BYTES, 2 * PAGE) == 2 * PAGE
+        assert not placer.direct and (at == "open" or len(refused) == 1)
+        cached = cached_bytes(path)
+        assert cached is not None and cached < MIB, "the page cache's copy is dropped after the read"
+        placed = (PIECE_BYTES, 2 * PIECE_BYTES + 2 * PAGE)
+        assert not any(lo < address + placed[1] and address + placed[0] < hi for lo, hi in _mapped_ranges(path))
+        os.truncate(path, PAGE)  # the drive cut: the file's pages past the end would SIGBUS
+        assert ctypes.string_at(address + placed[0], placed[1] - placed[0]) == data[placed[0] : placed[1]]
+        with open(path, "r+b") as f:  # back, as after a reconnect
+            f.write(data)
+        placer.release(0, PIECE_BYTES, PIECE_BYTES)
+        placer.release_in_place(0, 2 * PIECE_BYTES)
+        assert placer.placed_bytes == 0 and ctypes.string_at(address, len(data)) == data
+    finally:
+        if placer is not None:
+            placer.close()
+        libc.munmap(address, len(data))
+        os.close(fd)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import takes_direct_reads
+from helpers import places_reads, takes_direct_reads
 
 from kimitui.model import synth
 
@@ -40,6 +40,14 @@ from pathlib import Path
 from kimitui.engine.session import Engine, EngineError, Sampling
 from kimitui.engine.streaming import StreamSettings
 path, budget, anywhere = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "anywhere"
+if sys.argv[4] == "no-o-direct":  # a file system that refuses O_DIRECT (this kernel's tmpfs serves it)
+    from kimitui.engine.direct import DirectPlacer
+    real_open = DirectPlacer._open
+    def refuse(p, fd, flags):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(p, fd, flags)
+    DirectPlacer._open = staticmethod(refuse)
 full = path.stat().st_size
 with open(path, "rb") as f:
     f.seek(full // 2)
@@ -64,7 +72,7 @@ for round_ in range(2):
     cutter = threading.Thread(target=cut)
     if anywhere:
         cutter.start()
-    else:  # reads through the page cache: a cut while a layer computes could SIGBUS (README)
+    else:  # nothing placed (no MREMAP_DONTUNMAP): a cut while a layer computes could SIGBUS (README)
         real = engine.streamer.on_layer_start
         def cut_at_layer_start(layer, real=real):
             if started.is_set() and path.stat().st_size == full:
@@ -95,25 +103,60 @@ for round_ in range(2):
         f.write(tail)
     rounds.append({"events": events, "error": error, "finish": gen.result.finish_reason, "while_cut": while_cut,
                    "after": greedy()})
-print(json.dumps({"reference": reference, "rounds": rounds}))
+print(json.dumps({"reference": reference, "rounds": rounds, "placement": engine.streamer.counters()["placement"]}))
 """
 
 
-@pytest.mark.parametrize("which,budget", [("dense", 150 * MIB), ("k3", 120 * MIB)])
-def test_a_drive_cut_and_restored_mid_reply_ends_that_reply_and_the_next_works(which, budget, request, tmp_path):
+@pytest.mark.parametrize(
+    "which,budget,reads", [("dense", 150 * MIB, "o-direct"), ("k3", 120 * MIB, "o-direct"), ("dense", 150 * MIB, "no-o-direct")]
+)
+def test_a_drive_cut_and_restored_mid_reply_ends_that_reply_and_the_next_works(which, budget, reads, request, tmp_path):
     source = request.getfixturevalue(which)
     victim = tmp_path / "live.gguf"
     victim.write_bytes(source.read_bytes())
-    # With direct reads the cut may land anywhere; through the page cache only at a layer start.
-    where = "anywhere" if takes_direct_reads(victim) else "layer-start"
-    out = subprocess.run([sys.executable, "-c", CUT_SCRIPT, str(victim), str(budget), where], capture_output=True, text=True, timeout=600)
+    # Placed in anonymous memory (O_DIRECT or not) the cut may land anywhere; left in the
+    # file's pages (no MREMAP_DONTUNMAP) only at a layer start.
+    where = "anywhere" if places_reads() else "layer-start"
+    out = subprocess.run(
+        [sys.executable, "-c", CUT_SCRIPT, str(victim), str(budget), where, reads], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]  # no SIGBUS (-7), no traceback
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    if places_reads():
+        assert result["placement"] == ("direct" if reads == "o-direct" and takes_direct_reads(victim) else "buffered")
     for r in result["rounds"]:
         assert r["finish"] == "error" and r["events"] >= 2
         assert "live.gguf" in r["error"] and ("truncated" in r["error"] or "ended at byte" in r["error"]), r["error"]
         assert r["while_cut"] and "live.gguf" in r["while_cut"]
         assert r["after"] == result["reference"]  # not poisoned: the same greedy tokens as before the cut
+
+
+STOCK_CUT_SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+from kimitui.engine.session import Engine, Sampling
+path = Path(sys.argv[1])
+engine = Engine(path, n_ctx=256, fast_load=False)
+engine.load()
+def greedy():
+    gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=8))
+    list(gen)
+    return gen.result.text
+before = greedy()
+os.truncate(path, path.stat().st_size // 2)
+print(json.dumps({"before": before, "cut": greedy(), "mappings": [l for l in open("/proc/self/maps") if str(path) in l]}))
+"""
+
+
+def test_the_stock_load_reads_the_model_into_memory_so_a_cut_file_cannot_crash_it(dense, tmp_path):
+    """Without fast start (hooks unavailable) llama.cpp would map the file whole; a model that
+    fits in memory is read into its own buffers instead, and a file cut short changes nothing."""
+    victim = tmp_path / "live.gguf"
+    victim.write_bytes(dense.read_bytes())
+    out = subprocess.run([sys.executable, "-c", STOCK_CUT_SCRIPT, str(victim)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]  # no SIGBUS (-7)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["cut"] == result["before"] and result["mappings"] == []
 
 
 # -- chat templates that refuse ------------------------------------------------------------

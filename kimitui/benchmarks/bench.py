@@ -578,15 +578,16 @@ def render(report: dict) -> str:
     if runs["kimitui"].get("streaming"):
         lookahead = ", expert look-ahead on" if runs["kimitui"].get("expert_lookahead") else ""
         k = runs["kimitui"]
-        if k.get("direct_reads") is False:
-            reads = ", shards read through the page cache (no O_DIRECT here)"
-        elif k.get("page_cache_fallback_bytes_per_token"):
-            reads = (
-                f", direct reads ({format_bytes(k['page_cache_fallback_bytes_per_token'])} per token went through "
-                "the page cache instead: the buffer pool was spent)"
-            )
+        placement = k.get("placement")
+        if placement is None:
+            reads = ", shards read into the file's own pages (no placement on this system)"
         else:
-            reads = ", direct reads" if k.get("direct_reads") else ""
+            reads = ", direct reads" if placement == "direct" else ", reads through the page cache (no O_DIRECT here) placed in anonymous memory"
+            if k.get("page_cache_fallback_bytes_per_token"):
+                reads += (
+                    f" ({format_bytes(k['page_cache_fallback_bytes_per_token'])} per token stayed in the file's "
+                    "pages instead: the buffer pool was spent)"
+                )
         notes.append(
             f"kimitui streams with policy {k['policy']}, prefetch depth {k['prefetch_depth']}, "
             f"{k.get('io_threads')} I/O threads{lookahead}{reads}, prefill micro-batches of {k.get('n_ubatch')} tokens"

@@ -111,7 +111,7 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
             streamed["expert_prefetch_wasted_bytes_per_token"] = delta("expert_prefetch_wasted_bytes") / n_decode
         streamed["shard_prefetch_wasted_per_token"] = delta("prefetch_wasted") / n_decode
         fallback = delta("page_cache_fallback_bytes")
-        streamed["direct_reads"] = fallback is not None
+        streamed["placement"] = stream_end.get("placement")
         streamed["page_cache_fallback_bytes_per_token"] = None if fallback is None else fallback / n_decode
     return {
         "prompt_tokens": n_prompt,

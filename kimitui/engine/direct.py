@@ -28,6 +28,12 @@ at a slice before its read is done. Its end pages, shared with the neighbouring 
 the same read into memory of their own and are moved into place after it, so a page a
 neighbour may be using never reads as zeros. Releasing maps the file there again.
 
+Where the file system refuses O_DIRECT (tmpfs, some FUSE mounts) the same placer reads through
+an ordinary descriptor and drops the page-cache copy after each read (POSIX_FADV_DONTNEED): one
+more copy than a direct read, but the bytes compute uses are still anonymous memory, so a file
+cut short (a USB cable bumped) cannot SIGBUS compute, and resident memory is still what the
+budget counts.
+
 Darwin/iOS has neither O_DIRECT nor mremap: the engine reads through the unified buffer cache
 there, and no placer is made.
 """
@@ -119,7 +125,8 @@ def split_pieces(offset: int, end: int, page: int) -> list[tuple[int, int, bool]
 
 
 class DirectPlacer:
-    """Reads whole pages of the model files with O_DIRECT into pooled anonymous buffers and
+    """Reads whole pages of the model files with O_DIRECT (where the file system refuses it,
+    through the page cache) into pooled anonymous buffers and
     moves them into the model's mapping; ``release`` gives the range back to the file."""
 
     # A read that finds the pool spent waits this long for a buffer on its way back from a
@@ -137,6 +144,7 @@ class DirectPlacer:
         # What each mapping spans: the files' sizes when it was made (a cut file is shorter now).
         self._mapped_bytes = {i: os.fstat(fd).st_size for i, fd in file_fds.items()}
         self._direct_fds: dict[int, int] = {}
+        self._buffered: set[int] = set()  # files read through the page cache (no O_DIRECT there)
         self._capacity = capacity  # pool buffers at most
         # Buffer addresses, faulted in, ready for a read: huge pages for whole pieces, which
         # move into the (2 MiB-aligned, see loadhooks) mapping as whole huge pages; small pages
@@ -151,29 +159,68 @@ class DirectPlacer:
         # a blank that read /proc/self/maps just before a move would map zeros over the pages
         # just moved there, and their release would take the zeros' read-only memory into the pool.
         self._moves = threading.Lock()
-        self._disabled = False  # the file system took O_DIRECT at open but refuses the reads
+        self._paths = paths
         try:
             for i, path in enumerate(paths):
-                self._direct_fds[i] = self._open_direct(path, file_fds.get(i))
+                try:
+                    self._direct_fds[i] = self._open(path, file_fds.get(i), os.O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._direct_fds[i] = self._buffered_fd(path, file_fds.get(i))
+                    self._buffered.add(i)
         except OSError:
             self.close()
             raise
 
     @staticmethod
-    def _open_direct(path: str, mapped_fd: int | None) -> int:
+    def _open(path: str, mapped_fd: int | None, flags: int) -> int:
         """The same file as ``mapped_fd`` (what the mapping holds, even if the path now names a
-        new file), opened again for O_DIRECT; by path where /proc is not there."""
+        new file), opened again with ``flags``; by path where /proc is not there."""
         if mapped_fd is not None:
             try:
-                return os.open(f"/proc/self/fd/{mapped_fd}", os.O_RDONLY | os.O_DIRECT)
+                return os.open(f"/proc/self/fd/{mapped_fd}", os.O_RDONLY | flags)
             except FileNotFoundError:
                 pass
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+        return os.open(path, os.O_RDONLY | flags)
+
+    @classmethod
+    def _buffered_fd(cls, path: str, mapped_fd: int | None) -> int:
+        """A descriptor through the page cache with the kernel's read-ahead off: it would turn a
+        5.85 MB expert slice into megabytes more, read for nothing."""
+        fd = cls._open(path, mapped_fd, 0)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
+
+    @property
+    def direct(self) -> bool:
+        """Whether every file is read with O_DIRECT (else some go through the page cache)."""
+        return not self._buffered
+
+    def _read(self, file: int, views: list, offset: int) -> int:
+        """preadv into ``views``. A file system that took O_DIRECT at open but refuses the read
+        (EINVAL) has the file read through the page cache from then on."""
+        try:
+            got = os.preadv(self._direct_fds[file], views, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or file in self._buffered:
+                raise
+            with self._lock:
+                if file not in self._buffered:
+                    fd = self._buffered_fd(self._paths[file], self._file_fds.get(file))
+                    os.close(self._direct_fds[file])
+                    self._direct_fds[file] = fd
+                    self._buffered.add(file)
+            got = os.preadv(self._direct_fds[file], views, offset)
+        if file in self._buffered and got > 0:
+            # The copy is ours now: the cache's would be memory the budget does not see.
+            os.posix_fadvise(self._direct_fds[file], offset, got, os.POSIX_FADV_DONTNEED)
+        return got
 
     @classmethod
     def create(cls, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int) -> "DirectPlacer | None":
-        """None where this system cannot do it (no O_DIRECT on the file system, a kernel without
-        MREMAP_DONTUNMAP): the engine then reads through the page cache."""
+        """None where this system cannot do it (a kernel without MREMAP_DONTUNMAP, a file that
+        cannot be opened again): the engine then reads through the page cache."""
         try:
             placer = cls(paths, addresses, file_fds, capacity)
         except OSError:
@@ -262,13 +309,11 @@ class DirectPlacer:
     def place(self, file: int, offset: int, length: int) -> int | None:
         """Read [offset, offset+length) (whole pages, within one piece) into the mapping.
         Returns the bytes read (short at the end of the file), or None where the caller must
-        read through the page cache instead (the pool spent, O_DIRECT refused, no mapping left
-        to split). Raises OSError for a failed read."""
+        read through the page cache instead (the pool spent, no mapping left to split). Raises
+        OSError for a failed read."""
         with self._lock:
             if (file, offset) in self._placed:
                 return length  # still there: a release was cancelled by a read asked for again
-        if self._disabled:
-            return None
         whole = length == PIECE_BYTES
         buf = self._take(whole)
         if buf is None:
@@ -278,12 +323,9 @@ class DirectPlacer:
         at = offset % PIECE_BYTES
         try:
             view = (ctypes.c_char * length).from_address(buf + at)
-            got = os.preadv(self._direct_fds[file], [memoryview(view).cast("B")], offset)
-        except OSError as exc:
+            got = self._read(file, [memoryview(view).cast("B")], offset)
+        except OSError:
             self._give_back(buf, whole)
-            if exc.errno == errno.EINVAL:  # the file system took O_DIRECT at open but not for reads
-                self._disabled = True
-                return None
             raise
         if got != length:
             self._give_back(buf, whole)
@@ -306,15 +348,13 @@ class DirectPlacer:
         return length
 
     def place_slice(self, file: int, offset: int, length: int, inner: tuple[int, int] | None, edges: list[int]) -> int | None:
-        """One O_DIRECT read of [offset, offset+length): the slice's own whole pages ``inner``
+        """One read of [offset, offset+length): the slice's own whole pages ``inner``
         straight into fresh anonymous memory at their place (huge pages asked for; they read as
         zeros only while this read runs, and no one computes with them before it is done), its
         shared end pages ``edges`` into memory of their own, moved into place after the read in
-        one step each (as ``copy_in``), so a shared page never reads as zeros. One request instead of three. Returns the bytes read,
-        or None where the caller must read through the page cache (O_DIRECT refused, no mapping
-        to be had)."""
-        if self._disabled:
-            return None
+        one step each (as ``copy_in``), so a shared page never reads as zeros. One request
+        instead of three. Returns the bytes read, or None where the caller must read through
+        the page cache (no mapping to be had)."""
         c, page = self._libc, self.page
         base = self.addresses[file]
         if inner is not None:
@@ -342,12 +382,9 @@ class DirectPlacer:
                 self._map_file(file, *inner)
 
         try:
-            got = os.preadv(self._direct_fds[file], views, offset)
-        except OSError as exc:
+            got = self._read(file, views, offset)
+        except OSError:
             undo()
-            if exc.errno == errno.EINVAL:
-                self._disabled = True
-                return None
             raise
         if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
             undo()
@@ -370,19 +407,14 @@ class DirectPlacer:
         """Read the whole pages [offset, offset+length) with O_DIRECT into memory of their own, then
         move them over their place in the mapping in one step: the range never reads as zeros,
         for pages that a computing neighbour may share (a shard's end pages). Given back with
-        ``release_in_place``. None where O_DIRECT is refused."""
-        if self._disabled:
-            return None
+        ``release_in_place``."""
         c = self._libc
         buf = c.check(c.mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
         try:
             view = (ctypes.c_char * length).from_address(buf)
-            got = os.preadv(self._direct_fds[file], [memoryview(view).cast("B")], offset)
-        except OSError as exc:
+            got = self._read(file, [memoryview(view).cast("B")], offset)
+        except OSError:
             c.munmap(buf, length)
-            if exc.errno == errno.EINVAL:
-                self._disabled = True
-                return None
             raise
         if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
             c.munmap(buf, length)

@@ -467,6 +467,12 @@ class Engine:
             # tokens as the planned expert cache surely holds.
             self.n_ubatch = min(self.n_batch, self._memory_plan(self._model_map()).ubatch)
         self._fit_context()
+        # The stock load: llama.cpp would map the file and fault all of it in, so a file cut short
+        # (a bumped cable) would SIGBUS compute. Where the model fits in memory it is read into
+        # llama.cpp's own buffers instead, and a cut then touches nothing already loaded.
+        own_buffers = hooks is None and self.inspect().tensor_bytes < psutil.virtual_memory().available * 0.8
+        if hooks is None and not own_buffers and self.fast_load:
+            self.fast_load_note += " (mapped, as it is larger than free memory: a file cut short while it runs crashes the app)"
         process = psutil.Process()
         rss_before, vms_before = process.memory_info()[:2]
         mark = hooks.mark() if hooks is not None else 0
@@ -487,6 +493,7 @@ class Engine:
                         n_ubatch=self.n_ubatch,
                         n_threads=self.n_threads,
                         n_threads_batch=self.n_threads,
+                        use_mmap=not own_buffers,
                         verbose=False,
                     )
 
@@ -525,7 +532,8 @@ class Engine:
                 for m in found.values():
                     if m is not None and m.fd >= 0:
                         os.close(m.fd)
-        self._sizes_at_load = {Path(f): os.stat(f).st_size for f in files}
+        # Read into llama.cpp's own buffers, the model no longer needs its files: nothing to check.
+        self._sizes_at_load = {} if own_buffers else {Path(f): os.stat(f).st_size for f in files}
         if self.mappings:
             from kimitui.engine.memory import mapped_resident_bytes
 
@@ -536,7 +544,8 @@ class Engine:
         # what RSS will tell later. The model's mappings are not part of it.
         rss_after, vms_after = process.memory_info()[:2]
         mapped = sum(os.path.getsize(f) for f in files)
-        self.working_bytes = max(rss_after - rss_before, vms_after - vms_before - mapped)
+        held = mapped if own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
+        self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
         self._formatter, self.template_error = self._make_formatter()
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:

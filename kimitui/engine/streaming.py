@@ -212,8 +212,9 @@ class Streamer:
         # that compute is waiting for.
         self._guess_pool = ThreadPoolExecutor(max(1, settings.io_threads // 2), thread_name_prefix="kimitui-guess")
         self.predictor: RouterPredictor | None = None
-        # Linux: shard pages are read with O_DIRECT and moved into the mapping (see direct.py);
-        # None elsewhere, or where the file system or kernel cannot, and reads use the page cache.
+        # Linux: shard pages are read (with O_DIRECT where the file system takes it) into anonymous
+        # memory moved into the mapping (see direct.py); None elsewhere (Darwin, old kernels),
+        # and compute uses the file's own pages.
         self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
         self._dropper = Dropper(self._release, self.fail)
@@ -783,6 +784,9 @@ class Streamer:
             "prefetch_used": self.prefetch_used + (experts.prefetch_used if experts else 0),
             "prefetch_wasted": self.prefetch_wasted + (experts.prefetch_wasted if experts else 0),
             "page_cache_fallback_bytes": self.page_cache_fallback_bytes if self.placer is not None else None,
+            # Placed in anonymous memory: "direct" (O_DIRECT), "buffered" (read through the page
+            # cache, which the file system insists on), or None (not placed: the file's own pages).
+            "placement": None if self.placer is None else "direct" if self.placer.direct else "buffered",
         }
 
     def reset_error(self) -> None:
