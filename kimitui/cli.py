@@ -193,10 +193,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kimitui.server.cli", "run the llama-server/OpenAI compatible HTTP API headless"),
     "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
     "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
-    "verify": ("kimitui.model.verify_cmd", "check the files of a sharded model against its manifest"),
+    "verify": ("kimitui.model.verify_cmd", "check a sharded model's files against its manifest, or a GGUF split set's structure"),
     "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
     "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),
     "bench-soak": ("kimitui.benchmarks.soak", "hundreds of mixed API requests and app chats with the drive cut and restored twice"),
+    "bench-scale": ("kimitui.benchmarks.scale", "start, plan and one reply on a huge model: bytes per token, eval callback cost, mappings, fds, engine memory"),
     "trace": ("kimitui.trace.cli", "summarize or compare per-token traces (--trace FILE), or time what tracing costs"),
 }
 

@@ -489,6 +489,8 @@ def phase_llama_load(spec: dict) -> None:
     emit("result", ready=True)
 
 
+from kimitui.benchmarks.scale import phase_scale  # noqa: E402 - its own module, a phase like these
+
 PHASES = {
     "disk": phase_disk,
     "engine": phase_engine,
@@ -497,6 +499,7 @@ PHASES = {
     "interleaved": phase_interleaved,
     "app-load": phase_app_load,
     "llama-load": phase_llama_load,
+    "scale": phase_scale,
 }
 
 

@@ -560,6 +560,15 @@ class DirectPlacer:
         ours = self._identity(file)
         return any(lo <= address < hi and identity is not None and identity == ours for lo, hi, identity in mapped_areas())
 
+    def done_reading(self) -> None:
+        """Close the read descriptors of a placer that will read no more (the pinned set's, once
+        read): what it placed is still given back through the mapping's own descriptors, and a
+        46-file set keeps 46 fewer open (Darwin's default limit is 256)."""
+        with self._lock:
+            fds, self._direct_fds = self._direct_fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
     @property
     def placed_bytes(self) -> int:
         with self._lock:

@@ -134,6 +134,14 @@ def _ggml_base(llama_library: str):
 LAYER_ZERO_NODES = (b"embd", b"inp_embd")
 
 
+def _numbered(name: bytes, prefix: bytes) -> int | None:
+    """N for a graph node named exactly ``prefix`` + N ("l_out-12"), else None."""
+    if not name.startswith(prefix):
+        return None
+    tail = name[len(prefix):]
+    return int(tail) if tail.isdigit() else None
+
+
 def _topk_ids(ggml, tensor: int) -> set[int]:
     """Expert ids in a router's top-k node: int32, ne = [k, n_tokens], rows nb[1] apart.
 
@@ -597,28 +605,50 @@ class Engine:
 
         ggml = _ggml_base(C._lib._name)
 
+        clock = time.perf_counter
+
         def on_eval(tensor, ask, _user):
-            name = ggml.ggml_get_name(tensor) or b""
-            if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
-                if name in LAYER_ZERO_NODES or name.startswith((b"l_out-", b"ffn_moe_topk-")):
-                    return True
-                # With router look-ahead, also each MoE layer's FFN input ("ffn_norm-<i>" exactly).
+            # ggml asks about every graph node, ~17,600 a token at Kimi K3's full size: what the
+            # asking costs (pure overhead) and what the observed nodes cost (the streaming work,
+            # stalls included) are counted apart (README: the eval callback's cost per token).
+            started = clock()
+            try:
+                return observe(tensor, ask)
+            finally:
                 streamer = self.streamer
-                return streamer is not None and streamer.predictor is not None and name.startswith(b"ffn_norm-") and name[9:].isdigit()
+                if streamer is not None:
+                    spent = clock() - started
+                    if ask:
+                        streamer.eval_asks += 1
+                        streamer.eval_ask_s += spent
+                    else:
+                        streamer.eval_observed += 1
+                        streamer.eval_observe_s += spent
+
+        def observe(tensor, ask):
+            name = ggml.ggml_get_name(tensor) or b""
+            # Only the nodes themselves, never views of them: ggml names a view of l_out-5
+            # "l_out-5 (reshaped)" (K3's residual attention makes one at each block boundary).
+            if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
+                if name in LAYER_ZERO_NODES or _numbered(name, b"l_out-") is not None or _numbered(name, b"ffn_moe_topk-") is not None:
+                    return True
+                # With router look-ahead, also each MoE layer's FFN input.
+                streamer = self.streamer
+                return streamer is not None and streamer.predictor is not None and _numbered(name, b"ffn_norm-") is not None
             streamer = self.streamer
             if streamer is None:
                 return True
             # Returning False here would make ggml skip the rest of the graph split: silently
             # wrong logits. Any failure stops the token through the abort callback instead.
             try:
-                if name.startswith(b"ffn_moe_topk-"):
-                    streamer.on_experts(int(name[13:]), _topk_ids(ggml, tensor))
-                elif name.startswith(b"ffn_norm-"):
+                if (layer := _numbered(name, b"ffn_moe_topk-")) is not None:
+                    streamer.on_experts(layer, _topk_ids(ggml, tensor))
+                elif (layer := _numbered(name, b"ffn_norm-")) is not None:
                     hidden = _last_row_f32(ggml, tensor)
                     if hidden is not None:
-                        streamer.on_router_input(int(name[9:]), hidden)
+                        streamer.on_router_input(layer, hidden)
                 else:
-                    streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else int(name[6:]) + 1)
+                    streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else _numbered(name, b"l_out-") + 1)
             except Exception as exc:  # noqa: BLE001 - a C callback must not raise
                 streamer.fail(f"streaming failed at graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
             return True
@@ -690,6 +720,8 @@ class Engine:
                 placer.close()
             self._repin_pending = True  # the next reply tries again: the drive may be back by then
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
+        if placer is not None:
+            placer.done_reading()
         self._pin_placer = placer
         if self._abort_load.is_set():
             return

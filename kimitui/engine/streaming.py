@@ -217,6 +217,10 @@ class Streamer:
         # and compute uses the file's own pages.
         self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
+        # The eval callback's calls and the time spent in them (counted by the engine's callback,
+        # on the compute thread only): ggml asking about each node, and the nodes observed.
+        self.eval_asks = self.eval_observed = 0
+        self.eval_ask_s = self.eval_observe_s = 0.0
         self._dropper = Dropper(self._release, self.fail)
         self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
         self._blanked: list[tuple[int, int, int]] = []  # (file, offset, length) shielded as zeros, see _shield
@@ -779,6 +783,10 @@ class Streamer:
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
             "stall_s": self.stall_s,
+            "eval_asks": self.eval_asks,
+            "eval_ask_s": self.eval_ask_s,
+            "eval_observed": self.eval_observed,
+            "eval_observe_s": self.eval_observe_s,
             # Shards read ahead and, with expert look-ahead, experts read ahead: one count each.
             "prefetch_issued": self.prefetch_issued + (experts.prefetch_issued if experts else 0),
             "prefetch_used": self.prefetch_used + (experts.prefetch_used if experts else 0),

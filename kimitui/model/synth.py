@@ -57,7 +57,6 @@ WEIGHT = "weight"  # a matrix from a block pool, std 1/sqrt(fan-in)
 EMBED = "embed"  # token embeddings from a block pool, std 1
 ONES = "ones"  # norm weights
 ROUTER = "router"  # ffn_gate_inp, f32, fresh random per layer
-HOLE_FILLS = (WEIGHT, EMBED)  # what --sparse leaves as file holes (the large matrices)
 ROUTER_BIAS = "router_bias"  # exp_probs_b, f32, Zipf-like per layer
 FLAT_ROUTER_BIAS = "flat_router_bias"  # exp_probs_b for a router trained for flat expert use (K3)
 SMALL = "small"  # f32 conv kernels and the residual-attention scores, std 1/sqrt(ne0)
@@ -812,16 +811,19 @@ def write_model(
     renamed into place only once every byte is on disk. `sparse`: the weight matrices are file
     holes (they read back as zeros and take no disk); headers, norms, routers and their biases
     hold data, so the file has the real model's shape and size at the cost of its small tensors."""
-    total = sum(t.n_bytes for t in spec.tensors if not (sparse and t.fill in HOLE_FILLS))  # bytes written
+    total = sum(t.n_bytes for t in spec.tensors if not _hole(t, sparse))  # bytes written
     splitting = split_size is not None and sum(t.n_bytes for t in spec.tensors) > split_size
-    writer = GGUFWriter(None, spec.arch, split_max_size=split_size if splitting else 0)
+    writer = GGUFWriter(None, spec.arch)
     for key, value, vtype in spec.kv:
         if key != "general.architecture":  # GGUFWriter writes that one itself
             writer.add_key_value(key, value, vtype)
     for key, value, vtype, sub in spec.tokenizer.fields:
         writer.add_key_value(key, value, vtype, sub_type=sub)
     by_name = {}
+    starts = _file_starts(spec.tensors, split_size) if splitting else set()
     for t in spec.tensors:
+        if t.name in starts:
+            writer.tensors.append({})  # the next file of the set: GGUFWriter writes one per dict
         # GGUFWriter takes numpy (outermost-first) order and writes it reversed
         writer.add_tensor_info(t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
         by_name[t.name] = t
@@ -873,10 +875,48 @@ def write_model(
     return WriteResult(tuple(finals), sum(p.stat().st_size for p in finals), seconds)
 
 
+def _layer_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blk.") else None
+
+
+def _file_starts(tensors: tuple[TensorSpec, ...], split_size: int) -> set[str]:
+    """The tensors that begin a new file of a split set: files hold whole layers, as many as
+    fit in ``split_size`` (a layer larger than that gets a file of its own), so a layer's bytes
+    never straddle two files. What comes before the first layer (the embeddings) opens the first
+    file; what comes after the last (output norm and head) closes the last."""
+    layers: dict[int, int] = {}
+    first: dict[int, str] = {}
+    for t in tensors:
+        layer = _layer_of(t.name)
+        if layer is not None:
+            layers[layer] = layers.get(layer, 0) + t.n_bytes
+            first.setdefault(layer, t.name)
+    head = 0
+    for t in tensors:
+        if _layer_of(t.name) is not None:
+            break
+        head += t.n_bytes
+    starts, in_file = set(), head
+    for layer, n_bytes in layers.items():
+        if in_file and in_file + n_bytes > split_size:
+            starts.add(first[layer])
+            in_file = 0
+        in_file += n_bytes
+    return starts
+
+
+def _hole(t: TensorSpec, sparse: bool) -> bool:
+    """Whether ``--sparse`` leaves this tensor as a file hole: the weight matrices, but not the
+    embeddings and the output head, which make each token's hidden state (and so its routing,
+    in every layer) and the next greedy token differ; with them zero every token would route
+    alike and the caches would hit as no real model lets them."""
+    return sparse and t.fill == WEIGHT and t.name != "output.weight"
+
+
 def _write_data(fout: BinaryIO, tensors: list[TensorSpec], filler: _Filler, bar: _Progress | None, sparse: bool) -> None:
     fout.write(bytes(_pad(fout.tell()) - fout.tell()))
     for t in tensors:
-        if sparse and t.fill in HOLE_FILLS:
+        if _hole(t, sparse):
             fout.seek(_pad(t.n_bytes), os.SEEK_CUR)
             continue
         for piece in filler.pieces(t):
@@ -903,7 +943,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--type", dest="quant", choices=sorted(QUANTS),
         help=f"weight type (default {DEFAULT_QUANT}; the trunk of kimi-k3, {K3_TRUNK_QUANT}, its experts are MXFP4)",
     )
-    parser.add_argument("--split-size", help="write a llama.cpp split set, files of about this size")
+    parser.add_argument(
+        "--split-size",
+        help="write a llama.cpp split set (OUT-0000N-of-0000M.gguf, as published sets are): files of whole layers, each at most this size unless one layer is larger",
+    )
     parser.add_argument("--force", action="store_true", help="replace existing output files")
     parser.add_argument("--dry-run", action="store_true", help="print the shape and size, write nothing")
     parser.add_argument(
@@ -982,6 +1025,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {line}")
         return 0
     result = write_model(spec, args.out, seed=args.seed, split_size=split, force=args.force, sparse=args.sparse)
-    names = ", ".join(str(p) for p in result.paths)
-    print(f"wrote {names}: {format_bytes(result.n_bytes)} in {result.seconds:.1f} s ({format_rate(result.rate)})")
+    paths = result.paths
+    names = str(paths[0]) if len(paths) == 1 else f"{len(paths)} files, {paths[0]} .. {paths[-1].name}"
+    if args.sparse:
+        on_disk = sum(p.stat().st_blocks * 512 for p in paths)
+        print(f"wrote {names}: {format_bytes(result.n_bytes)}, {format_bytes(on_disk)} on disk, in {result.seconds:.1f} s")
+    else:
+        print(f"wrote {names}: {format_bytes(result.n_bytes)} in {result.seconds:.1f} s ({format_rate(result.rate)})")
     return 0

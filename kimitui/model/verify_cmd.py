@@ -1,4 +1,10 @@
-"""`kimitui verify DIR`: check every file a manifest lists, size and checksum, and name the bad ones.
+"""`kimitui verify DIR|GGUF`: check every file a manifest lists, size and checksum, and name the bad ones.
+
+Given a GGUF instead (a single file, or any file of a split set, as published sets come without
+a kimitui manifest), the check is structural: every file of the set present, each header
+readable with its split number where its name says, every tensor inside its file, the set's
+tensor count as the first header says, and both ends of every tensor readable from the drive.
+There are no checksums to compare without a manifest; ``kimitui shard`` writes one.
 
 Files are looked for in DIR, then in the `model.paths` directories of the config, as the
 engine finds them when a set is spread over drives. Files are hashed in parallel (one thread
@@ -109,8 +115,62 @@ def verify(directory: Path, search: list[Path], *, threads: int | None = None, p
     return VerifyResult(len(manifest.files), total, progress.seconds, tuple(problems))
 
 
+@dataclass(frozen=True)
+class StructureResult:
+    checked: int  # files
+    n_bytes: int
+    tensors: int
+    seconds: float
+    problems: tuple[Problem, ...]
+
+
+def verify_gguf(path: Path) -> StructureResult:
+    """The structural check of a GGUF or split set without a manifest (see the module's doc)."""
+    import time
+
+    from kimitui.model.gguf_map import _open_reader, field_value, split_set, tensor_layout
+
+    started = time.perf_counter()
+    files = split_set(path)  # UserError naming the first missing file
+    problems: list[Problem] = []
+    n_tensors, expected = 0, None
+    page = os.sysconf("SC_PAGE_SIZE")
+    for index, file in enumerate(files):
+        try:
+            reader = _open_reader(file)
+            size = os.path.getsize(file)
+            if len(files) > 1:
+                number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
+                if number != index or count != len(files):
+                    raise UserError(f"its header says split {number} of {count}, its name says {index} of {len(files)} (a file from another set?)")
+                if index == 0:
+                    expected = field_value(reader, "split.tensors.count")
+            layout = list(tensor_layout(reader, file, size))
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                for name, _type, _shape, n_bytes, offset in layout:
+                    for at in {offset, max(offset, offset + n_bytes - page)}:
+                        if len(os.pread(fd, min(page, n_bytes), at)) != min(page, n_bytes):
+                            raise UserError(f"tensor {name}: short read at byte {at} (file changed while read?)")
+            finally:
+                os.close(fd)
+            n_tensors += len(layout)
+        except UserError as exc:
+            message = str(exc)
+            problems.append(Problem(file.name, file, message.removeprefix(f"{file}: ")))
+        except OSError as exc:
+            problems.append(Problem(file.name, file, f"cannot read: {exc.strerror or exc}"))
+    if not problems and expected is not None and expected != n_tensors:
+        problems.append(Problem(files[0].name, files[0], f"the set's files hold {n_tensors} tensors, its split.tensors.count says {expected} (files from different sets?)"))
+    n_bytes = sum(f.stat().st_size for f in files)
+    return StructureResult(len(files), n_bytes, n_tensors, time.perf_counter() - started, tuple(problems))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", type=Path, help=f"directory holding {MANIFEST_NAME} (written by kimitui shard)")
+    parser.add_argument(
+        "directory", type=Path, metavar="path",
+        help=f"directory holding {MANIFEST_NAME} (written by kimitui shard), or a GGUF (any file of a split set)",
+    )
     parser.add_argument("--config", type=Path, help="TOML config whose model.paths are searched too (default: the usual one)")
 
 
@@ -119,6 +179,19 @@ def run(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config, explicit=args.config is not None)
     search = [Path(p).expanduser() for p in settings["model.paths"]]
+    if args.directory.is_file() and args.directory.name != MANIFEST_NAME:
+        result = verify_gguf(args.directory)
+        for p in result.problems:
+            print(p.line())
+        if result.problems:
+            print(f"{len(result.problems)} of {result.checked} files bad")
+            return 1
+        print(
+            f"all {result.checked} files good: headers, split numbers and {result.tensors:,} tensors checked, both ends of each "
+            f"read ({format_bytes(result.n_bytes)} in all) in {result.seconds:.1f} s; no checksums without a manifest "
+            "(kimitui shard writes one)"
+        )
+        return 0
     result = verify(args.directory, search)
     for p in result.problems:
         print(p.line())
