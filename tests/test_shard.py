@@ -36,7 +36,7 @@ def sources(tmp_path_factory):
     does) and an MoE model as one file: both kinds of source."""
     root = tmp_path_factory.mktemp("sources")
     tok = synth.default_tokenizer()
-    dense = synth.write_model(synth.plan_dense(100 * MIB, "q4_1", tok), root / "dense.gguf", split_size=40 * MIB, progress=False)
+    dense = synth.write_model(synth.plan_dense(100 * MIB, "q4_1", tok), root / "dense.gguf", split_size=40 * MIB, progress=False, whole_layers=False)
     moe = synth.write_model(synth.plan_moe(120 * MIB, "q4_1", tok), root / "moe.gguf", progress=False)
     return {"dense": dense.paths[0], "moe": moe.paths[0]}
 

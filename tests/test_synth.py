@@ -190,6 +190,18 @@ def test_split_set_is_named_like_llama_cpp_and_loads(tmp_path, tok):
     assert len(greedy_tokens(result.paths[0], n=2)) == 2
 
 
+@pytest.mark.parametrize("whole_layers", [True, False])
+def test_a_split_set_keeps_each_layer_in_one_file_unless_asked_to_cut_anywhere(tmp_path, tok, whole_layers):
+    from kimitui.model.gguf_map import load_model_map
+
+    spec = synth.plan_dense(100 * MIB, "q4_1", tok)
+    paths = synth.write_model(spec, tmp_path / "m.gguf", split_size=30 * MIB, progress=False, whole_layers=whole_layers).paths
+    model = load_model_map(paths[0])
+    straddling = [layer for layer in range(model.n_layers) if len({r.file for r in model.layer_ranges(layer)}) > 1]
+    assert len(paths) >= 3
+    assert (straddling == []) if whole_layers else straddling  # gguf-split's cut lands inside layers
+
+
 def test_interrupted_write_leaves_nothing_that_looks_complete(tmp_path, tok, monkeypatch):
     spec = synth.plan_dense(100 * MIB, "q4_1", tok)
     real = synth._Filler.pieces

@@ -806,11 +806,14 @@ def write_model(
     force: bool = False,
     progress: bool = True,
     sparse: bool = False,
+    whole_layers: bool = True,
 ) -> WriteResult:
     """Write `spec` to `out` (or a split set next to it) through a `.partial` directory,
     renamed into place only once every byte is on disk. `sparse`: the weight matrices are file
     holes (they read back as zeros and take no disk); headers, norms, routers and their biases
-    hold data, so the file has the real model's shape and size at the cost of its small tensors."""
+    hold data, so the file has the real model's shape and size at the cost of its small tensors.
+    A split set keeps each layer in one file unless ``whole_layers`` is False (cut between any
+    two tensors, as sets made with llama.cpp's gguf-split are)."""
     total = sum(t.n_bytes for t in spec.tensors if not _hole(t, sparse))  # bytes written
     splitting = split_size is not None and sum(t.n_bytes for t in spec.tensors) > split_size
     writer = GGUFWriter(None, spec.arch)
@@ -820,7 +823,7 @@ def write_model(
     for key, value, vtype, sub in spec.tokenizer.fields:
         writer.add_key_value(key, value, vtype, sub_type=sub)
     by_name = {}
-    starts = _file_starts(spec.tensors, split_size) if splitting else set()
+    starts = _file_starts(spec.tensors, split_size, whole_layers) if splitting else set()
     for t in spec.tensors:
         if t.name in starts:
             writer.tensors.append({})  # the next file of the set: GGUFWriter writes one per dict
@@ -879,27 +882,24 @@ def _layer_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("blk.") else None
 
 
-def _file_starts(tensors: tuple[TensorSpec, ...], split_size: int) -> set[str]:
-    """The tensors that begin a new file of a split set: files hold whole layers, as many as
-    fit in ``split_size`` (a layer larger than that gets a file of its own), so a layer's bytes
-    never straddle two files. What comes before the first layer (the embeddings) opens the first
-    file; what comes after the last (output norm and head) closes the last."""
-    layers: dict[int, int] = {}
-    first: dict[int, str] = {}
+def _file_starts(tensors: tuple[TensorSpec, ...], split_size: int, whole_layers: bool) -> set[str]:
+    """The tensors that begin a new file of a split set, as many units per file as fit in
+    ``split_size`` (a unit larger than that gets a file of its own). With ``whole_layers`` a unit
+    is a layer, or the run of non-layer tensors before the first layer (embeddings) or after the
+    last (output norm and head), so no layer straddles two files; else each tensor is one, as
+    llama.cpp's gguf-split cuts."""
+    units: list[tuple[str, int]] = []  # (first tensor, bytes)
+    key = object()
     for t in tensors:
-        layer = _layer_of(t.name)
-        if layer is not None:
-            layers[layer] = layers.get(layer, 0) + t.n_bytes
-            first.setdefault(layer, t.name)
-    head = 0
-    for t in tensors:
-        if _layer_of(t.name) is not None:
-            break
-        head += t.n_bytes
-    starts, in_file = set(), head
-    for layer, n_bytes in layers.items():
+        unit = (_layer_of(t.name), t.name) if not whole_layers else (_layer_of(t.name), None)
+        if unit != key:
+            units.append((t.name, 0))
+            key = unit
+        units[-1] = (units[-1][0], units[-1][1] + t.n_bytes)
+    starts, in_file = set(), 0
+    for first, n_bytes in units:
         if in_file and in_file + n_bytes > split_size:
-            starts.add(first[layer])
+            starts.add(first)
             in_file = 0
         in_file += n_bytes
     return starts
