@@ -27,16 +27,6 @@ def places_reads() -> bool:
     return sys.platform.startswith("linux") and version is not None and tuple(map(int, version.groups())) >= (5, 7)
 
 
-def page_cache_dir() -> Path | None:
-    """A directory on a file system that refuses O_DIRECT (tmpfs), where there is one."""
-    import os
-
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or not os.access(shm, os.W_OK):
-        return None
-    return shm if not takes_direct_reads(shm / ".probe") else None
-
-
 def takes_direct_reads(path: Path) -> bool:
     """Whether placement must read ``path`` with O_DIRECT: ``places_reads`` and a file system
     that serves O_DIRECT reads (CI's may not)."""

@@ -62,7 +62,7 @@ def mapped_file(tmp_path):
     if not takes_direct_reads(path):
         libc.munmap(address, len(data))
         os.close(fd)
-        pytest.skip(f"{tmp_path} takes no O_DIRECT (the engine reads through the page cache there)")
+        pytest.skip(f"{tmp_path} takes no O_DIRECT (the buffered placement is tested by injection below)")
     placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
     assert placer is not None, "O_DIRECT works here, so direct placement must"
     yield path, data, address, placer
@@ -263,5 +263,29 @@ def test_without_o_direct_the_bytes_come_through_the_page_cache_and_are_still_pl
     finally:
         if placer is not None:
             placer.close()
+        libc.munmap(address, len(data))
+        os.close(fd)
+
+
+def test_readers_that_meet_the_refusal_together_all_switch_to_the_page_cache(tmp_path, monkeypatch):
+    """Several I/O threads meet EINVAL on the same file at once: one opens the buffered
+    descriptor, the others retry on it, and no read fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    refuse_o_direct(monkeypatch, "read")
+    path = tmp_path / "weights.bin"
+    data = random.Random(3).randbytes(8 * PIECE_BYTES)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    libc = Libc()
+    address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
+    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda i: placer.place(0, i * PIECE_BYTES, PIECE_BYTES), range(8)))
+        assert got == [PIECE_BYTES] * 8 and not placer.direct
+        assert ctypes.string_at(address, len(data)) == data
+    finally:
+        placer.close()
         libc.munmap(address, len(data))
         os.close(fd)

@@ -34,7 +34,7 @@ def sparse_k3(tmp_path_factory) -> list[Path]:
 
 def greedy(engine: Engine) -> tuple[list[int], list[dict]]:
     """The reply's tokens and, with a streamer, its counters after each token."""
-    marks = []
+    marks = [engine.streamer.counters()] if engine.streamer is not None else []
     tokens = []
     for event in engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=TOKENS)):
         if event.token_id >= 0:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import takes_direct_reads
+from helpers import places_reads
 
 from kimitui.engine.platform import (
     F_RDADVISE, F_RDAHEAD, MADV_DONTNEED, MADV_POPULATE_READ, MS_INVALIDATE, POSIX_FADV_DONTNEED, POSIX_FADV_RANDOM,
@@ -67,7 +67,7 @@ def test_streamed_tokens_match_stock_and_bytes_add_up(model, stock_text, policy,
         assert 0 < engine.pinned_bytes < mm.tensor_bytes
         text, n = greedy(engine)
         assert text == stock_text
-        if takes_direct_reads(model):  # shards came by direct read (a slow machine may spill a little)
+        if places_reads():  # shards were placed (a slow machine may spill a little)
             assert s.placer is not None and s.placer._made > 0 and s.page_cache_fallback_bytes < s.bytes_read / 4
         # Every layer's streamed shards are checked once per evaluated batch of tokens.
         per_pass = sum(len(shards) for shards in s.layer_shards)
@@ -95,8 +95,8 @@ def test_streaming_leaves_no_trail_of_kernel_mappings(model):
     engine = streaming_engine(model)
     try:
         placer = engine.streamer.placer
-        if not takes_direct_reads(model):
-            pytest.skip("no direct reads on this file system: the mapping is never split")
+        if not places_reads():
+            pytest.skip("no placement on this kernel: the mapping is never split")
 
         def file_mappings() -> int:
             return sum(1 for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(model)))
@@ -123,8 +123,8 @@ def test_whole_pieces_land_on_huge_page_boundaries(model):
             pytest.skip("the alignment is Linux's")
         assert all(m.address % HUGE_ALIGN == 0 for m in engine.mappings.values())
         placer = engine.streamer.placer
-        if not takes_direct_reads(model):
-            pytest.skip("no direct reads on this file system")
+        if not places_reads():
+            pytest.skip("no placement on this kernel")
         greedy(engine)
         streamer = engine.streamer
         first = next(layer for layer, shards in enumerate(streamer.layer_shards) if shards)

@@ -2,7 +2,8 @@
 
 Made for the full-size Kimi K3 (a sparse split set from ``kimitui synth --like kimi-k3 --scale 1
 --sparse --split-size 46GiB``), where small models hide the counts: the child starts the engine
-in a fresh memory cgroup under the budget and reports start to loaded and the bytes that took,
+under the budget (in a fresh memory cgroup of ``--cgroup-limit`` when given) and reports start
+to loaded and the bytes that took,
 the plan and the pinned set, then one greedy reply with, per token, the bytes the engine read
 (its own counters: file holes cost no device I/O, so bytes are the figure and time a
 by-product), the eval callback's calls and Python time, and at the end the kernel mappings,
@@ -117,16 +118,17 @@ def phase_scale(spec: dict) -> None:
     plan = engine.plan
     emit(
         "pinned", seconds=time.perf_counter() - started, pinned_bytes=engine.pinned_bytes,
-        pinned_layers=len(plan.pinned), hot_expert_bytes=plan.hot_expert_bytes, prefetch_depth=plan.prefetch_depth,
-        expert_cache_bytes=getattr(plan, "expert_cache_bytes", None), ubatch=plan.ubatch, pin_note=engine.pin_note,
+        pinned_shards=len(plan.pinned), hot_expert_bytes=plan.hot_expert_bytes, prefetch_depth=plan.prefetch_depth,
+        expert_cache_bytes=plan.expert_bytes, ubatch=plan.ubatch, pin_note=engine.pin_note,
     )
     spans = [(m.address, m.address + m.length) for m in engine.mappings.values()]
     tokens, marks = [], []
 
     def mark() -> None:
+        now = time.perf_counter()  # before the /proc reads below, which are not the token's
         c = streamer.counters()
         marks.append({
-            "t": time.perf_counter(), "bytes_read": c["bytes_read"], "expert_bytes_needed": c["expert_bytes_needed"] or 0,
+            "t": now, "bytes_read": c["bytes_read"], "expert_bytes_needed": c["expert_bytes_needed"] or 0,
             "bytes_needed": c["bytes_needed"], "stall_s": c["stall_s"],
             **{k: c[k] for k in ("eval_asks", "eval_ask_s", "eval_observed", "eval_observe_s")},
             "expert_hits": c["expert_hits"] or 0, "expert_misses": c["expert_misses"] or 0,
@@ -224,10 +226,12 @@ def report(f: dict) -> list[str]:
         f"start to loaded: {loaded['seconds']:.2f} s; read {format_bytes(loaded['rchar'])} by syscalls "
         f"({loaded['rchar'] / loaded['model_bytes']:.4%} of {format_bytes(loaded['model_bytes'])} in {loaded['files']} files), "
         f"{format_bytes(loaded['read_bytes'])} from the device",
-        f"pinned set: {format_bytes(pinned['pinned_bytes'])} ({pinned['pinned_layers']} shards) in {pinned['seconds']:.1f} s; "
+        f"pinned set: {format_bytes(pinned['pinned_bytes'])} ({pinned['pinned_shards']} shards) in {pinned['seconds']:.1f} s; "
         f"prefetch depth {pinned['prefetch_depth']}, prefill micro-batch {pinned['ubatch']}",
     ]
     per = r["per_token"]
+    if not per:
+        return lines + [f"reply: no token ({r['finish']}): nothing per token to report"]
     decode = per[1:] or per
     lines.append(f"reply: {len(r['tokens'])} tokens {r['tokens']} ({r['finish']})")
     entry = r["callback_overhead_s"]

@@ -29,10 +29,10 @@ the same read into memory of their own and are moved into place after it, so a p
 neighbour may be using never reads as zeros. Releasing maps the file there again.
 
 Where the file system refuses O_DIRECT (tmpfs, some FUSE mounts) the same placer reads through
-an ordinary descriptor and drops the page-cache copy after each read (POSIX_FADV_DONTNEED): one
-more copy than a direct read, but the bytes compute uses are still anonymous memory, so a file
-cut short (a USB cable bumped) cannot SIGBUS compute, and resident memory is still what the
-budget counts.
+an ordinary descriptor and drops the page-cache copy after each read (POSIX_FADV_DONTNEED; on
+tmpfs the cache is the file itself and stays): one more copy than a direct read, but the bytes
+compute uses are still anonymous memory, so a file cut short (a USB cable bumped) cannot SIGBUS
+compute, and resident memory is still what the budget counts.
 
 Darwin/iOS has neither O_DIRECT nor mremap: the engine reads through the unified buffer cache
 there, and no placer is made.
@@ -145,6 +145,8 @@ class DirectPlacer:
         self._mapped_bytes = {i: os.fstat(fd).st_size for i, fd in file_fds.items()}
         self._direct_fds: dict[int, int] = {}
         self._buffered: set[int] = set()  # files read through the page cache (no O_DIRECT there)
+        self._retired: list[int] = []  # O_DIRECT descriptors replaced by buffered ones, closed at close()
+        self._switch = threading.Lock()  # held while a file's descriptor is replaced
         self._capacity = capacity  # pool buffers at most
         # Buffer addresses, faulted in, ready for a read: huge pages for whole pieces, which
         # move into the (2 MiB-aligned, see loadhooks) mapping as whole huge pages; small pages
@@ -189,7 +191,11 @@ class DirectPlacer:
         """A descriptor through the page cache with the kernel's read-ahead off: it would turn a
         5.85 MB expert slice into megabytes more, read for nothing."""
         fd = cls._open(path, mapped_fd, 0)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            os.close(fd)
+            raise
         return fd
 
     @property
@@ -199,23 +205,44 @@ class DirectPlacer:
 
     def _read(self, file: int, views: list, offset: int) -> int:
         """preadv into ``views``. A file system that took O_DIRECT at open but refuses the read
-        (EINVAL) has the file read through the page cache from then on."""
+        (EINVAL) has the file read through the page cache from then on: the first reader to
+        meet it opens the buffered descriptor, and readers that failed on the old one meanwhile
+        retry on it. A replaced descriptor stays open until ``close``, so a reader that picked
+        its number just before never reads someone else's file."""
+        fd = self._direct_fds.get(file)
+        if fd is None:
+            raise OSError(errno.EBADF, "this placer reads no more (done_reading)")
         try:
-            got = os.preadv(self._direct_fds[file], views, offset)
+            got = os.preadv(fd, views, offset)
         except OSError as exc:
-            if exc.errno != errno.EINVAL or file in self._buffered:
+            if exc.errno != errno.EINVAL:
                 raise
-            with self._lock:
-                if file not in self._buffered:
-                    fd = self._buffered_fd(self._paths[file], self._file_fds.get(file))
-                    os.close(self._direct_fds[file])
-                    self._direct_fds[file] = fd
+            with self._switch:
+                if self._direct_fds.get(file) != fd:
+                    pass  # another reader switched the file already
+                elif file in self._buffered:
+                    raise  # the buffered descriptor itself refuses: a real error
+                else:
+                    self._direct_fds[file] = self._buffered_fd(self._paths[file], self._file_fds.get(file))
+                    self._retired.append(fd)
                     self._buffered.add(file)
-            got = os.preadv(self._direct_fds[file], views, offset)
+            fd = self._direct_fds[file]
+            got = os.preadv(fd, views, offset)
         if file in self._buffered and got > 0:
-            # The copy is ours now: the cache's would be memory the budget does not see.
-            os.posix_fadvise(self._direct_fds[file], offset, got, os.POSIX_FADV_DONTNEED)
+            # The copy is ours now: the cache's would be memory the budget does not see (on
+            # tmpfs the cache is the file itself, and nothing is dropped).
+            os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
         return got
+
+    def done_reading(self) -> None:
+        """Close the read descriptors of a placer that will read no more (the pinned set's, once
+        every read has returned): what it placed is still given back through the mapping's own
+        descriptors, and a split set of 46 files keeps 46 fewer open."""
+        with self._switch:
+            fds, self._direct_fds = list(self._direct_fds.values()) + self._retired, {}
+            self._retired = []
+        for fd in fds:
+            os.close(fd)
 
     @classmethod
     def create(cls, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int) -> "DirectPlacer | None":
@@ -386,7 +413,7 @@ class DirectPlacer:
         except OSError:
             undo()
             raise
-        if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
+        if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
             undo()
             return got
         with self._moves:
@@ -416,7 +443,7 @@ class DirectPlacer:
         except OSError:
             c.munmap(buf, length)
             raise
-        if got != length and offset + got < os.fstat(self._direct_fds[file]).st_size:
+        if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
             c.munmap(buf, length)
             return got
         target = self.addresses[file] + offset
@@ -560,15 +587,6 @@ class DirectPlacer:
         ours = self._identity(file)
         return any(lo <= address < hi and identity is not None and identity == ours for lo, hi, identity in mapped_areas())
 
-    def done_reading(self) -> None:
-        """Close the read descriptors of a placer that will read no more (the pinned set's, once
-        read): what it placed is still given back through the mapping's own descriptors, and a
-        46-file set keeps 46 fewer open (Darwin's default limit is 256)."""
-        with self._lock:
-            fds, self._direct_fds = self._direct_fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
     @property
     def placed_bytes(self) -> int:
         with self._lock:
@@ -589,6 +607,4 @@ class DirectPlacer:
             self._made -= len(free)
         for buf in free:
             self._libc.munmap(buf, PIECE_BYTES)
-        for fd in self._direct_fds.values():
-            os.close(fd)
-        self._direct_fds = {}
+        self.done_reading()

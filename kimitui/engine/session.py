@@ -478,7 +478,14 @@ class Engine:
         # The stock load: llama.cpp would map the file and fault all of it in, so a file cut short
         # (a bumped cable) would SIGBUS compute. Where the model fits in memory it is read into
         # llama.cpp's own buffers instead, and a cut then touches nothing already loaded.
-        own_buffers = hooks is None and self.inspect().tensor_bytes < psutil.virtual_memory().available * 0.8
+        from kimitui.engine.memory import available_memory
+
+        tensor_bytes = self.inspect().tensor_bytes
+        own_buffers = (
+            hooks is None
+            and tensor_bytes < available_memory() * 0.8  # cgroup limits included
+            and (self.budget is None or tensor_bytes <= self.budget)
+        )
         if hooks is None and not own_buffers and self.fast_load:
             self.fast_load_note += " (mapped, as it is larger than free memory: a file cut short while it runs crashes the app)"
         process = psutil.Process()
@@ -552,7 +559,7 @@ class Engine:
         # what RSS will tell later. The model's mappings are not part of it.
         rss_after, vms_after = process.memory_info()[:2]
         mapped = sum(os.path.getsize(f) for f in files)
-        held = mapped if own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
+        held = tensor_bytes if own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
         self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
         self._formatter, self.template_error = self._make_formatter()
         self.load_s = time.perf_counter() - started

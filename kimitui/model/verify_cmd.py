@@ -142,7 +142,10 @@ def verify_gguf(path: Path) -> StructureResult:
             if len(files) > 1:
                 number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
                 if number != index or count != len(files):
-                    raise UserError(f"its header says split {number} of {count}, its name says {index} of {len(files)} (a file from another set?)")
+                    raise UserError(
+                        f"its header says split {number + 1 if number is not None else None} of {count}, its name says "
+                        f"{index + 1} of {len(files)} (a file from another set?)"
+                    )
                 if index == 0:
                     expected = field_value(reader, "split.tensors.count")
             layout = list(tensor_layout(reader, file, size))
@@ -186,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
         if result.problems:
             print(f"{len(result.problems)} of {result.checked} files bad")
             return 1
+        files = f"all {result.checked} files good: headers, split numbers" if result.checked > 1 else "the file is good: its header"
         print(
-            f"all {result.checked} files good: headers, split numbers and {result.tensors:,} tensors checked, both ends of each "
+            f"{files} and {result.tensors:,} tensors checked, both ends of each "
             f"read ({format_bytes(result.n_bytes)} in all) in {result.seconds:.1f} s; no checksums without a manifest "
             "(kimitui shard writes one)"
         )
