@@ -79,6 +79,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_n_predict": Key("int", 2048, 1, 1 << 20),
         "allowed_hosts": Key("str_list", []),
         "cors_origins": Key("str_list", []),
+        "alias": Key("str", ""),
     },
 }
 

@@ -312,8 +312,10 @@ def test_openai_sse_framing(served):
 def test_openai_errors_reach_the_sdk(oai):
     with pytest.raises(openai.BadRequestError, match="temperature: expected a number between 0 and 5"):
         oai.chat.completions.create(model="any", messages=MESSAGES, temperature=9)
-    with pytest.raises(openai.BadRequestError, match="n: not supported"):
-        oai.chat.completions.create(model="any", messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="n: expected an integer between 1 and 8"):
+        oai.chat.completions.create(model="any", messages=MESSAGES, n=9)
+    with pytest.raises(openai.BadRequestError, match="tools: not supported by kimitui"):
+        oai.chat.completions.create(model="any", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -331,17 +333,24 @@ LONG = "hello " * 600  # 600 tokens, more than N_CTX
         ("/completion", {"n_predict": 4}, "prompt: required"),
         ("/completion", {"prompt": 5}, "prompt: expected a string or a list of token ids"),
         ("/completion", {"prompt": [1, -3]}, "prompt[1]: expected a token id between 0 and 49151"),
-        ("/completion", {"prompt": ["a", "b"]}, "prompt: only one prompt per request"),
+        ("/completion", {"prompt": [{"text": "a"}]}, 'prompt[0]: expected {"prompt_string": text}'),
+        ("/completion", {"prompt": ["a"] * 17}, "prompt: at most 16 prompts per request"),
         ("/completion", {"prompt": "x", "temperature": "hot"}, 'temperature: expected a number between 0 and 5, got "hot"'),
         ("/completion", {"prompt": "x", "temperature": 9}, "temperature: expected a number between 0 and 5, got 9"),
         ("/completion", {"prompt": "x", "top_p": 1.5}, "top_p: expected a number between 0 and 1"),
         ("/completion", {"prompt": "x", "top_k": -1}, "top_k: expected an integer between 0 and"),
         ("/completion", {"prompt": "x", "n_predict": 2.5}, "n_predict: expected an integer between -1 and 200"),
-        ("/completion", {"prompt": "x", "n_predict": 5000}, "n_predict: expected an integer between -1 and 200, got 5000"),
+        ("/completion", {"prompt": "x", "n_predict": -2}, "n_predict: expected an integer between -1 and 200, got -2"),
         ("/completion", {"prompt": "x", "seed": "abc"}, "seed: expected an integer"),
         ("/completion", {"prompt": "x", "stream": "yes"}, "stream: expected true or false"),
         ("/completion", {"prompt": "x", "stop": [1]}, "stop: expected a string or a list of strings"),
-        ("/completion", {"prompt": "x", "grammar": "root ::= x"}, "grammar: not supported"),
+        ("/completion", {"prompt": "x", "grammar": "root ::= x"}, "grammar: llama.cpp refused the grammar"),
+        ("/completion", {"prompt": "x", "json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, "json_schema: give one of"),
+        ("/completion", {"prompt": "x", "logit_bias": [[1, "up"]]}, "logit_bias[0]: expected a bias between -100 and 100 or false"),
+        ("/completion", {"prompt": "x", "logit_bias": [[99999999, 1]]}, "logit_bias[0]: token id 99999999 is outside the vocabulary"),
+        ("/completion", {"prompt": "x", "n_probs": 1000}, "n_probs: expected an integer between 0 and 100"),
+        ("/completion", {"prompt": "x", "presence_penalty": 3}, "presence_penalty: expected a number between -2 and 2"),
+        ("/completion", {"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs: not supported by kimitui"),
         ("/completion", {"prompt": ""}, "prompt: the prompt is empty"),
         ("/completion", {"prompt": LONG}, f"prompt: the prompt is 601 tokens; the context holds {N_CTX}"),
         ("/completion", {"prompt": LONG, "stream": True}, "prompt: the prompt is 601 tokens"),
@@ -356,10 +365,13 @@ LONG = "hello " * 600  # 600 tokens, more than N_CTX
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0]: only text parts"),
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens: expected an integer between 1 and 200"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format.type: expected text, json_object or json_schema"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs: needs logprobs: true"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias.x: expected a token id as the key"),
         ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools: not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages: the prompt is"),
-        ("/v1/completions", {"prompt": "x", "max_tokens": 201}, "max_tokens: expected an integer between 1 and 200"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens: expected an integer between 1 and 200"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo: not supported"),
     ],
 )
@@ -371,8 +383,11 @@ def test_bad_requests_get_400_naming_the_field(served, path, body, message):
     assert response.status_code == 400, response.text
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
-    assert error["code"] == 400 and error["type"] == "invalid_request_error"
+    too_long = "the prompt is" in message and "empty" not in message  # llama-server's own type, with the counts clients read
+    assert error["code"] == 400 and error["type"] == ("exceed_context_size_error" if too_long else "invalid_request_error")
     assert error["message"].startswith(message), error["message"]
+    if too_long:
+        assert error["n_prompt_tokens"] > error["n_ctx"] - 16 and error["n_ctx"] == N_CTX
 
 
 def test_unknown_route_wrong_method_and_large_body(served):
@@ -423,8 +438,9 @@ def test_api_key(served):
     assert httpx.get(url + "/metrics", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     assert httpx.get(url + "/health").json() == {"status": "ok"}  # open, as in llama-server
     client = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    assert [m.id for m in client.models.list()]  # public, as in llama-server
     with pytest.raises(openai.AuthenticationError):
-        client.models.list()
+        client.completions.create(model="m", prompt=FRANCE, max_tokens=2)
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
     assert client.completions.create(model="m", prompt=FRANCE, max_tokens=2, temperature=0).usage.completion_tokens == 2
 

@@ -48,6 +48,7 @@ class DecodeClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.tokens = 0  # tokens decoded: a prompt's share tells how much of it came from the cache
 
     def attach(self, ctx) -> None:
         """Time every decode of ``ctx`` (llama-cpp-python's LlamaContext)."""
@@ -59,6 +60,7 @@ class DecodeClock:
                 return decode(batch)
             finally:
                 self.seconds += time.perf_counter() - started
+                self.tokens += batch.batch.n_tokens
 
         ctx.decode = timed
 
@@ -90,6 +92,12 @@ class Sampling:
     max_tokens: int = 512
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
+    grammar: str | None = None  # GBNF the reply must match (llama-cpp-python's LlamaGrammar)
+    n_probs: int = 0  # with each token, the most likely n tokens and their log-probabilities
+    cache_prompt: bool = True  # False: evaluate the whole prompt afresh (same numerics every time)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,44 @@ class TokenEvent:
     token_id: int  # -1 for the final flush of held-back text
     index: int
     wall_s: float  # since the previous token (the first: since the request began, prefill included)
+    # With Sampling.n_probs: the token's own log-probability and the top n (id, log-probability),
+    # from the logits it was sampled from (logit bias applied, before temperature and the rest).
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class _Logits:
+    """llama-cpp-python's logits processor hook, used for two things the sampler lacks: the
+    request's logit bias, and the log-probabilities a client asked for."""
+
+    def __init__(self, bias: dict[int, float], n_probs: int) -> None:
+        import numpy as np
+
+        self._np = np
+        self._ids = np.array(list(bias), dtype=np.intp)
+        self._values = np.array(list(bias.values()), dtype=np.float32)
+        self.n_probs = n_probs
+        self.logprobs = None  # the last step's log-softmax, when asked for
+
+    def __call__(self, _input_ids, scores):
+        np = self._np
+        if len(self._ids):
+            scores[self._ids] += self._values
+        if self.n_probs:
+            finite = scores[np.isfinite(scores)]
+            top = finite.max() if len(finite) else 0.0
+            shifted = scores - top
+            self.logprobs = shifted - np.log(np.exp(shifted).sum())
+        return scores
+
+    def of(self, token: int) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+        if self.logprobs is None:
+            return None, ()
+        np = self._np
+        lp = self.logprobs
+        best = np.argpartition(-lp, min(self.n_probs, len(lp) - 1))[: self.n_probs]
+        best = best[np.argsort(-lp[best])]
+        return float(lp[token]), tuple((int(i), float(lp[i])) for i in best)
 
 
 @dataclass
@@ -105,6 +151,7 @@ class GenerationResult:
     text: str = ""
     finish_reason: str = "stop"  # stop | length | cancelled | error
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, reused from the last reply's context (not evaluated)
     completion_tokens: int = 0
     prompt_s: float = 0.0
     decode_s: float = 0.0
@@ -975,6 +1022,24 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.llm.detokenize(list(tokens)).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes (a piece of a multi-byte character is not text on its own)."""
+        return self.llm.detokenize([token], special=True)
+
+    def grammar_error(self, grammar: str) -> str | None:
+        """Why llama.cpp would refuse this GBNF grammar (its parser's first error), or None.
+        llama-cpp-python hands the text over unchecked, and a grammar that does not parse
+        would make every sampling step fail."""
+        import llama_cpp
+
+        log = llama_log()
+        log.lines.clear()
+        sampler = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, grammar.encode("utf-8"), b"root")
+        if not sampler:
+            return log.reason() or "it does not parse"
+        llama_cpp.llama_sampler_free(sampler)
+        return None
+
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
         """Token ids of ``messages`` rendered with the model's template, and its stop strings."""
         if self._formatter is None:
@@ -1146,6 +1211,12 @@ class Generation:
         try:
             if budget == 0:
                 return
+            from llama_cpp import LlamaGrammar, LogitsProcessorList
+
+            logits = _Logits(s.logit_bias, s.n_probs) if s.logit_bias or s.n_probs else None
+            grammar = LlamaGrammar.from_string(s.grammar, verbose=False) if s.grammar is not None else None  # checked by the caller
+            if not s.cache_prompt:
+                llm.reset()  # the whole prompt in one evaluation, as on a fresh context
             tokens = llm.generate(
                 prompt_tokens,
                 top_k=s.top_k,
@@ -1153,9 +1224,13 @@ class Generation:
                 min_p=s.min_p,
                 temp=s.temperature,
                 repeat_penalty=s.repeat_penalty,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                logits_processor=LogitsProcessorList([logits]) if logits is not None else None,
+                grammar=grammar,
             )
             clock = engine.decode_clock
-            decoded = clock.seconds
+            decoded, decoded_tokens = clock.seconds, clock.tokens
             experts = engine.streamer.experts if engine.streamer is not None else None
             if experts is not None:
                 experts.begin_prefill()
@@ -1166,6 +1241,7 @@ class Generation:
                 decode_s, decoded = clock.seconds - decoded, clock.seconds
                 if index == 0:
                     result.prompt_s = wall
+                    result.cached_tokens = max(0, len(prompt_tokens) - (clock.tokens - decoded_tokens))
                     metrics.prompt_evaluated(len(prompt_tokens))
                     if experts is not None:
                         experts.prefilling = False
@@ -1185,14 +1261,15 @@ class Generation:
                     at = text.find(stop, max(0, emitted - len(stop)))
                     if at != -1 and (cut == -1 or at < cut):
                         cut = at
+                logprob, top = logits.of(token) if logits is not None else (None, ())
                 if cut != -1:
                     text = text[:cut]
-                    yield TokenEvent(text[emitted:], token, index, wall)
+                    yield TokenEvent(text[emitted:], token, index, wall, logprob, top)
                     emitted = len(text)
                     finish = "stop"
                     break
                 safe = len(text) - _held_back(text, stops)
-                yield TokenEvent(text[emitted:safe], token, index, wall)
+                yield TokenEvent(text[emitted:safe], token, index, wall, logprob, top)
                 emitted = max(emitted, safe)
                 if engine._repin_pending and not engine._rebuild_pending:
                     # Budget or shard size changed mid-reply: from the next token on. Its wait

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse
@@ -36,12 +37,16 @@ from kimitui.engine.metrics import Sampler
 from kimitui.engine.session import ChatTemplateError, Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
 from kimitui.server import prom
 from kimitui.server.runner import is_loopback
-from kimitui.server.params import ApiError, Fields, Limits, chat_messages, parse_body, prompt_of, sampling_from, token_ids
+from kimitui.server.params import (
+    ApiError, Fields, Limits, chat_messages, choices_of, grammar_of, parse_body, prompts_of, sampling_from, token_ids,
+)
 
 log = logging.getLogger("kimitui.server")
 
-# /health stays reachable without a key, as in llama-server, so load balancers can probe it.
-OPEN_PATHS = frozenset({"/health"})
+# Reachable without a key, as in llama-server: load balancers probe /health, and clients list
+# the models before they know which key goes where.
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
+FINGERPRINT = f"b{__version__}-kimitui"  # OpenAI's system_fingerprint; llama-server's start with "b"
 QUEUE_HEADER = "X-Queue-Position"
 
 
@@ -85,8 +90,8 @@ def _content_length(scope) -> int:
         return 0
 
 
-def error_response(status: int, kind: str, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": status, "type": kind, "message": message}}, status, headers=headers)
+def error_response(status: int, kind: str, message: str, headers: dict | None = None, **extra) -> JSONResponse:
+    return JSONResponse({"error": {"code": status, "type": kind, "message": message, **extra}}, status, headers=headers)
 
 
 def _dumps(obj: Any) -> str:
@@ -139,7 +144,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def timings(r: GenerationResult) -> dict:
-    """llama-server's timings block. A rate over zero time is null, not a made-up number."""
+    """llama-server's timings block (prompt_n counts the prompt tokens evaluated, cache_n those
+    reused from the last reply's context). A rate over zero time is null, not a made-up number."""
 
     def per_token(s: float, n: int) -> float | None:
         return s * 1000 / n if n else None
@@ -147,11 +153,13 @@ def timings(r: GenerationResult) -> dict:
     def per_second(n: int, s: float) -> float | None:
         return n / s if s > 0 else None
 
+    evaluated = r.prompt_tokens - r.cached_tokens
     return {
-        "prompt_n": r.prompt_tokens,
+        "cache_n": r.cached_tokens,
+        "prompt_n": evaluated,
         "prompt_ms": r.prompt_s * 1000,
-        "prompt_per_token_ms": per_token(r.prompt_s, r.prompt_tokens),
-        "prompt_per_second": per_second(r.prompt_tokens, r.prompt_s),
+        "prompt_per_token_ms": per_token(r.prompt_s, evaluated),
+        "prompt_per_second": per_second(evaluated, r.prompt_s),
         "predicted_n": r.completion_tokens,
         "predicted_ms": r.decode_s * 1000,
         "predicted_per_token_ms": per_token(r.decode_s, r.completion_tokens),
@@ -159,12 +167,70 @@ def timings(r: GenerationResult) -> dict:
     }
 
 
-def usage(r: GenerationResult) -> dict:
+def usage(results: list[GenerationResult]) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
     return {
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
     }
+
+
+def _piece(engine: Engine, token: int) -> tuple[str, list[int]]:
+    raw = engine.token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def native_probs(engine: Engine, events: list[TokenEvent]) -> list[dict]:
+    """llama-server's completion_probabilities: each token, its log-probability and the top n."""
+    out = []
+    for e in events:
+        if e.token_id < 0 or e.logprob is None:
+            continue
+        text, raw = _piece(engine, e.token_id)
+        top = []
+        for tid, lp in e.top:
+            t_text, t_raw = _piece(engine, tid)
+            top.append({"id": tid, "token": t_text, "bytes": t_raw, "logprob": lp})
+        out.append({"id": e.token_id, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top})
+    return out
+
+
+def chat_logprobs(engine: Engine, events: list[TokenEvent], n_top: int) -> dict:
+    content = []
+    for entry in native_probs(engine, events):
+        top = [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in entry["top_logprobs"][:n_top]]
+        content.append({"token": entry["token"], "logprob": entry["logprob"], "bytes": entry["bytes"], "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(engine: Engine, events: list[TokenEvent], n_top: int, offset: int = 0) -> dict:
+    """OpenAI completions' logprobs: parallel lists, the alternatives as {token: logprob}."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for entry in native_probs(engine, events):
+        offsets.append(offset)
+        offset += len(entry["token"])
+        tokens.append(entry["token"])
+        lps.append(entry["logprob"])
+        tops.append({t["token"]: t["logprob"] for t in entry["top_logprobs"][:n_top]})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def only_fields(body: dict, paths: list[str]) -> dict:
+    """llama-server's response_fields: just these keys, a "/" path reaching into objects
+    (named by the whole path, as llama-server names them)."""
+    out = {}
+    for path in paths:
+        node: Any = body
+        for part in path.split("/"):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            out[path] = node
+    return out
 
 
 def openai_finish(r: GenerationResult) -> str:
@@ -317,7 +383,7 @@ class Api:
         )
         # Its own sampler: scraping must not disturb the rates and history the TUI's sampler keeps.
         self.sampler = Sampler(engine.metrics, model_path=engine.model_path)
-        self.model_id = engine.model_path.name
+        self.model_id = settings["server.alias"] or engine.model_path.name
         self.created = int(time.time())
         # Replies this API started that have not taken their turn yet (their thread is starting):
         # a burst of requests reaching an idle engine must not all be told "position 0". Weak,
@@ -351,12 +417,26 @@ class Api:
     async def body(self, request: Request) -> Fields:
         return Fields(parse_body(await request.body()))
 
-    async def prompt_tokens(self, prompt: str | list[int], name: str) -> list[int]:
-        tokens = prompt if isinstance(prompt, list) else await run_in_threadpool(self.engine.tokenize, prompt)
+    def _too_long(self, name: str, n_prompt: int) -> ApiError:
+        return ApiError(
+            f"{name}: the prompt is {n_prompt} tokens; the context holds {self.engine.n_ctx}", 400,
+            "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=self.engine.n_ctx,
+        )
+
+    async def prompt_tokens(self, prompt: str | list, name: str) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = await run_in_threadpool(self.engine.tokenize, prompt)
+        elif any(isinstance(p, str) for p in prompt):  # llama-server's mixed prompt: text parts tokenized in place
+            tokens = []
+            for part in prompt:
+                tokens += await run_in_threadpool(self.engine.tokenize, part, add_special=not tokens) if isinstance(part, str) else [part]
+            tokens = token_ids(tokens, name, self.n_vocab)
+        else:
+            tokens = prompt
         if not tokens:
             raise ApiError(f"{name}: the prompt is empty")
         if len(tokens) >= self.engine.n_ctx:
-            raise ApiError(f"{name}: the prompt is {len(tokens)} tokens; the context holds {self.engine.n_ctx}")
+            raise self._too_long(name, len(tokens))
         return tokens
 
     async def chat_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
@@ -366,8 +446,40 @@ class Api:
             raise ApiError(f"messages: {exc}") from None
         # Engine.chat would drop old turns to make room; an API client gets told instead.
         if self.engine.n_ctx - len(tokens) < min(max_tokens, 16):
-            raise ApiError(f"messages: the prompt is {len(tokens)} tokens; the context holds {self.engine.n_ctx}")
+            raise self._too_long("messages", len(tokens))
         return tokens, stops
+
+    async def sampling(self, fields: Fields, *, openai: bool) -> Sampling:
+        """The request's sampling, its grammar (if any) checked by llama.cpp's own parser."""
+        sampling = sampling_from(
+            fields, self.limits, openai=openai, n_vocab=self.n_vocab,
+            tokenize=lambda text: self.engine.tokenize(text, add_special=False),
+        )
+        if sampling.grammar is not None:
+            error = await run_in_threadpool(self.engine.grammar_error, sampling.grammar)
+            if error is not None:
+                raise ApiError(f"{grammar_of(fields)[1]}: llama.cpp refused the grammar: {error}")
+        return sampling
+
+    @staticmethod
+    def refuse(fields: Fields) -> None:
+        """What is deliberately not offered: a 400 naming the field, never silently ignored
+        (the README lists them)."""
+        reasons = {
+            "tools": "tool calls are not offered yet",
+            "tool_choice": "tool calls are not offered yet",
+            "post_sampling_probs": "probabilities are reported before sampling (the logits, bias applied)",
+            "return_progress": "prompt progress is not streamed (one micro-batch at a time is all there is)",
+            "lora": "kimitui loads no LoRA adapters",
+            "id_slot": "kimitui has one slot",
+            "mirostat": "mirostat sampling is not offered",
+        }
+        falsy = {"tools": [], "tool_choice": "none", "post_sampling_probs": False, "return_progress": False,
+                 "lora": [], "id_slot": -1, "mirostat": 0}
+        for name, reason in reasons.items():
+            value = fields.body.get(name)
+            if value is not None and value != falsy[name] and not (name == "id_slot" and value == 0):
+                raise ApiError(f"{name}: not supported by kimitui ({reason})")
 
     def start(self, request: Request, tokens: list[int], sampling: Sampling) -> tuple[Generation, dict]:
         generation = self.engine.complete(tokens, sampling)
@@ -447,55 +559,80 @@ class Api:
         }
 
     async def completion(self, request: Request) -> Response:
+        """llama-server's /completion (and /completions): one reply per prompt, in order."""
         self.require_ready()
         fields = await self.body(request)
-        sampling = sampling_from(fields, self.limits, openai=False)
-        for name, default in (("grammar", ""), ("json_schema", {}), ("n_probs", 0), ("mirostat", 0)):
-            fields.unsupported(name, default)
+        self.refuse(fields)
+        sampling = await self.sampling(fields, openai=False)
         stream = fields.boolean("stream", False)
-        prompt = prompt_of(fields.body.get("prompt"), "prompt", self.n_vocab)
-        tokens = await self.prompt_tokens(prompt, "prompt")
-        generation, headers = self.start(request, tokens, sampling)
+        return_tokens = fields.boolean("return_tokens", False)
+        per_token = fields.boolean("timings_per_token", False)
+        wanted = fields.body.get("response_fields")
+        if wanted is not None and (not isinstance(wanted, list) or not all(isinstance(f, str) for f in wanted)):
+            raise ApiError("response_fields: expected a list of field names")
+        prompts = prompts_of(fields.body.get("prompt"), "prompt", self.n_vocab)
+        token_lists = [await self.prompt_tokens(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
 
-        def final(content: str, ids: list[int]) -> dict:
+        def final(index: int, prompt, generation: Generation, events: list[TokenEvent], content: str) -> dict:
             r = generation.result
+            ids = [e.token_id for e in events if e.token_id >= 0]
             stop_type, word = self.stop_type(r, sampling.stop, ids)
-            return {
+            body = {
+                "index": index,
                 "content": content,
+                "tokens": ids if return_tokens else [],
                 "id_slot": 0,
                 "stop": True,
                 "model": self.model_id,
                 "tokens_predicted": r.completion_tokens,
                 "tokens_evaluated": r.prompt_tokens,
+                "tokens_cached": r.cached_tokens,
                 "generation_settings": self.generation_settings(sampling),
-                "prompt": prompt if isinstance(prompt, str) else self.engine.detokenize(prompt),
+                "prompt": prompt if isinstance(prompt, str) else self.engine.detokenize(token_lists[index]),
                 "has_new_line": "\n" in r.text,
-                "truncated": False,
+                "truncated": False,  # a prompt that does not fit is refused, never cut
                 "stop_type": stop_type,
                 "stopping_word": word,
                 "timings": timings(r),
             }
+            if sampling.n_probs and not stream:
+                body["completion_probabilities"] = native_probs(self.engine, events)
+            return only_fields(body, wanted) if wanted is not None else body
 
         if not stream:
-            events = await self.collect(request, generation)
-            if events is None:
-                return Response(status_code=499)
-            return JSONResponse(final(generation.result.text, [e.token_id for e in events if e.token_id >= 0]), headers=headers)
+            bodies, headers = [], {}
+            for index, tokens in enumerate(token_lists):
+                generation, headers = self.start(request, tokens, sampling)
+                events = await self.collect(request, generation)
+                if events is None:
+                    return Response(status_code=499)
+                bodies.append(final(index, prompts[index], generation, events, generation.result.text))
+            return JSONResponse(bodies[0] if len(bodies) == 1 else bodies, headers=headers)
+
+        generations = []
+        first, headers = self.start(request, token_lists[0], sampling)
 
         async def sse() -> AsyncIterator[str]:
-            ids: list[int] = []
-            try:
-                async for event in run_generation(generation):
-                    if event.token_id >= 0:
-                        ids.append(event.token_id)
-                    yield _dumps({"content": event.text, "stop": False, "id_slot": 0, "index": 0,
-                                  "tokens": [event.token_id] if event.token_id >= 0 else []})
-            except EngineError as exc:
-                yield _dumps({"error": {"code": 500, "type": "server_error", "message": str(exc)}})
-                return
-            finally:
-                self.account(request, generation.result)
-            yield _dumps(final("", ids))
+            for index, tokens in enumerate(token_lists):
+                generation = first if index == 0 else self.start(request, tokens, sampling)[0]
+                generations.append(generation)
+                events: list[TokenEvent] = []
+                try:
+                    async for event in run_generation(generation):
+                        events.append(event)
+                        chunk = {"index": index, "content": event.text, "stop": False, "id_slot": 0,
+                                 "tokens": [event.token_id] if event.token_id >= 0 else []}
+                        if sampling.n_probs and event.token_id >= 0:
+                            chunk["completion_probabilities"] = native_probs(self.engine, [event])
+                        if per_token:
+                            chunk["timings"] = timings(generation.result)
+                        yield _dumps(chunk)
+                except EngineError as exc:
+                    yield _dumps({"error": {"code": 500, "type": "server_error", "message": str(exc)}})
+                    return
+                finally:
+                    self.account(request, generation.result)
+                yield _dumps(final(index, prompts[index], generation, events, ""))
 
         return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
 
@@ -585,28 +722,28 @@ class Api:
     async def openai_completions(self, request: Request) -> Response:
         self.require_ready()
         fields = await self.body(request)
-        sampling = sampling_from(fields, self.limits, openai=True)
+        self.refuse(fields)
+        sampling = await self.sampling(fields, openai=True)
         fields.unsupported("echo", False)
         fields.unsupported("suffix", "")
         fields.unsupported("best_of", 1)
-        stream = fields.boolean("stream", False)
-        include_usage = self._include_usage(fields)
-        prompt = prompt_of(fields.body.get("prompt"), "prompt", self.n_vocab)
-        tokens = await self.prompt_tokens(prompt, "prompt")
-        generation, headers = self.start(request, tokens, sampling)
-        return await self._openai_reply(request, generation, headers, stream, include_usage, chat=False)
+        n = choices_of(fields)
+        prompts = prompts_of(fields.body.get("prompt"), "prompt", self.n_vocab)
+        token_lists = [await self.prompt_tokens(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
+        # OpenAI numbers the choices prompt by prompt: n for the first prompt, then n for the next.
+        asked = [tokens for tokens in token_lists for _ in range(n)]
+        return await self._openai_reply(request, fields, sampling, asked, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         self.require_ready()
         fields = await self.body(request)
-        sampling = sampling_from(fields, self.limits, openai=True)
-        stream = fields.boolean("stream", False)
-        include_usage = self._include_usage(fields)
+        self.refuse(fields)
+        sampling = await self.sampling(fields, openai=True)
+        n = choices_of(fields)
         messages = chat_messages(fields.body.get("messages"))
         tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens)
         sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
-        generation, headers = self.start(request, tokens, sampling)
-        return await self._openai_reply(request, generation, headers, stream, include_usage, chat=True)
+        return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True)
 
     @staticmethod
     def _include_usage(fields: Fields) -> bool:
@@ -616,58 +753,91 @@ class Api:
         except ApiError as exc:
             raise ApiError(f"stream_options.{exc.message}") from None
 
-    async def _openai_reply(self, request, generation: Generation, headers: dict, stream: bool, include_usage: bool, *, chat: bool) -> Response:
+    async def _openai_reply(self, request, fields: Fields, sampling: Sampling, asked: list[list[int]], *, chat: bool) -> Response:
+        """OpenAI's reply shape for one choice per entry of ``asked`` (prompt tokens), decoded one
+        after the other; each later choice gets the next seed, so sampled choices differ."""
+        stream = fields.boolean("stream", False)
+        include_usage = self._include_usage(fields)
+        per_token = fields.boolean("timings_per_token", False)
+        logprobs = sampling.n_probs > 0
+        n_top = fields.integer("top_logprobs", 0, 0, 20) if chat else (fields.integer("logprobs", 0, 0, 5) if logprobs else 0)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
 
+        def sampling_for(index: int) -> Sampling:
+            if index == 0 or sampling.seed is None:
+                return sampling
+            return replace(sampling, seed=(sampling.seed + index) & 0xFFFFFFFF)
+
         def envelope(choices: list, **extra) -> dict:
             return {"id": ident, "object": obj + (".chunk" if chat and stream else ""), "created": created,
-                    "model": self.model_id, "choices": choices, **extra}
+                    "model": self.model_id, "system_fingerprint": FINGERPRINT, "choices": choices, **extra}
+
+        def probs(events: list[TokenEvent]) -> dict | None:
+            if not logprobs:
+                return None
+            return chat_logprobs(self.engine, events, n_top) if chat else text_logprobs(self.engine, events, n_top)
 
         if not stream:
-            events = await self.collect(request, generation)
-            if events is None:
-                return Response(status_code=499)
-            r = generation.result
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                          "finish_reason": openai_finish(r)}
-            else:
-                choice = {"index": 0, "text": r.text, "logprobs": None, "finish_reason": openai_finish(r)}
-            return JSONResponse(envelope([choice], usage=usage(r), timings=timings(r)), headers=headers)
+            choices, results, headers = [], [], {}
+            for index, tokens in enumerate(asked):
+                generation, headers = self.start(request, tokens, sampling_for(index))
+                events = await self.collect(request, generation)
+                if events is None:
+                    return Response(status_code=499)
+                r = generation.result
+                results.append(r)
+                if chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": r.text},
+                                    "logprobs": probs(events), "finish_reason": openai_finish(r)})
+                else:
+                    choices.append({"index": index, "text": r.text, "logprobs": probs(events), "finish_reason": openai_finish(r)})
+            timing = timings(results[0]) if len(results) == 1 else None
+            return JSONResponse(envelope(choices, usage=usage(results), **({"timings": timing} if timing else {})), headers=headers)
 
         # With include_usage, OpenAI sends "usage": null on every chunk but the extra last one.
         extra = {"usage": None} if include_usage else {}
 
-        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def choice(index: int, text: str | None, finish: str | None, events: list[TokenEvent] = (), first: bool = False) -> dict:
+            lp = probs(list(events)) if events else None
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            if first:
+                delta = {"role": "assistant", "content": None}
+            else:
+                delta = {} if text is None else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+        first_generation, headers = self.start(request, asked[0], sampling_for(0))
 
         async def sse() -> AsyncIterator[str]:
-            if chat:
-                yield _dumps(envelope([choice("", None, first=True)], **extra))
-            try:
-                async for event in run_generation(generation):
-                    yield _dumps(envelope([choice(event.text, None)], **extra))
-            except EngineError as exc:
-                yield _dumps({"error": {"code": 500, "type": "server_error", "message": str(exc)}})
-                return
-            finally:
-                self.account(request, generation.result)
-            r = generation.result
-            yield _dumps(envelope([choice(None, openai_finish(r))], **extra, timings=timings(r)))
+            results = []
+            for index, tokens in enumerate(asked):
+                generation = first_generation if index == 0 else self.start(request, tokens, sampling_for(index))[0]
+                if chat:
+                    yield _dumps(envelope([choice(index, None, None, first=True)], **extra))
+                try:
+                    async for event in run_generation(generation):
+                        more = {"timings": timings(generation.result)} if per_token else {}
+                        yield _dumps(envelope([choice(index, event.text, None, [event] if event.token_id >= 0 else ())], **extra, **more))
+                except EngineError as exc:
+                    yield _dumps({"error": {"code": 500, "type": "server_error", "message": str(exc)}})
+                    return
+                finally:
+                    self.account(request, generation.result)
+                r = generation.result
+                results.append(r)
+                yield _dumps(envelope([choice(index, None, openai_finish(r))], **extra, timings=timings(r)))
             if include_usage:
-                yield _dumps(envelope([], usage=usage(r)))
+                yield _dumps(envelope([], usage=usage(results), timings=timings(results[-1])))
             yield "[DONE]"
 
         return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return error_response(exc.status, exc.kind, exc.message)
+    return error_response(exc.status, exc.kind, exc.message, **exc.extra)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -716,8 +886,9 @@ def create_app(
         Route("/v1/chat/completions", api.chat_completions, methods=post),
         # llama-server's aliases, for clients configured with a base URL without /v1.
         Route("/models", api.models, methods=get),
-        Route("/completions", api.openai_completions, methods=post),
+        Route("/completions", api.completion, methods=post),  # llama-server's own, as there
         Route("/chat/completions", api.chat_completions, methods=post),
+        Route("/v1/health", api.health, methods=get),
     ]
     return Starlette(
         routes=routes,

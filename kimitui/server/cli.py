@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     parser.add_argument("--max-n-predict", help="most tokens one request may ask for")
     parser.add_argument("--max-body", help="largest request body, e.g. 1MiB")
+    parser.add_argument("--alias", help="the model's name in replies and /v1/models (default: its file name)")
     parser.add_argument("--trace", metavar="FILE", help="write the per-token trace (JSON Lines) to FILE; see kimitui trace")
 
 
@@ -41,6 +42,7 @@ def resolve(args: argparse.Namespace):
         ("server.api_key", "--api-key", args.api_key),
         ("server.max_n_predict", "--max-n-predict", args.max_n_predict),
         ("server.max_body", "--max-body", args.max_body),
+        ("server.alias", "--alias", args.alias),
     )
     for dotted, flag, value in overrides:
         if value is not None:

@@ -20,16 +20,22 @@ TOP_K = (0, 1 << 20)
 REPEAT_PENALTY = (0.1, 10.0)
 SEED = (-1, 0xFFFFFFFF)
 MAX_STOPS = 16
+PENALTY = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
+BIAS = (-100.0, 100.0)  # OpenAI's logit_bias range (llama-server: false bans a token)
+N_PROBS = (0, 100)  # llama-server's n_probs; each is an entry per token in the reply
+TOP_LOGPROBS = (0, 20)  # OpenAI's limit
+MAX_N = 8  # choices per request; each is a whole reply, one after the other
 
 
 class ApiError(Exception):
     """An error answered as JSON ``{"error": {"code", "type", "message"}}``."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error") -> None:
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", **extra) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.kind = kind
+        self.extra = extra  # more fields of the error object (llama-server's n_prompt_tokens, n_ctx)
 
 
 def _fmt(value: float) -> str:
@@ -128,6 +134,83 @@ class Fields:
             raise ApiError(f"{name}: not supported by kimitui (only {json.dumps(allowed)})")
 
 
+def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float]:
+    """OpenAI's {"token id": bias} or llama-server's [[token id or text, bias or false], ...]
+    (text: each of its tokens; false: never sampled)."""
+    if value is None:
+        return {}
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, list):
+        raise ApiError(f"{name}: expected an object of token id -> bias, or a list of [token, bias] pairs, got {_shown(value)}")
+    bias: dict[int, float] = {}
+    for i, pair in enumerate(pairs):
+        where = f"{name}[{i}]" if not isinstance(value, dict) else f"{name}.{pair[0]}"
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ApiError(f"{where}: expected [token, bias], got {_shown(pair)}")
+        key, amount = pair
+        if amount is False:
+            amount = float("-inf")
+        elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or not BIAS[0] <= amount <= BIAS[1]:
+            raise ApiError(f"{where}: expected a bias between -100 and 100 or false, got {_shown(amount)}")
+        if isinstance(value, dict):
+            if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+                raise ApiError(f"{where}: expected a token id as the key, got {_shown(key)}")
+            key = int(key)
+        if isinstance(key, str):
+            ids = tokenize(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        else:
+            raise ApiError(f"{where}: expected a token id or text, got {_shown(key)}")
+        for t in ids:
+            if not 0 <= t < n_vocab:
+                raise ApiError(f"{where}: token id {t} is outside the vocabulary (0 to {n_vocab - 1})")
+            bias[t] = float(amount)
+    return bias
+
+
+def grammar_of(fields: Fields) -> tuple[str | None, str | None]:
+    """(GBNF, the field it came from) for the reply's shape: llama-server's grammar or
+    json_schema, or OpenAI's response_format (json_object, json_schema); llama-cpp-python turns
+    schemas into grammars. The caller checks that llama.cpp parses the grammar."""
+    from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+
+    given = [n for n in ("grammar", "json_schema", "response_format") if fields.has(n)]
+    if len(given) > 1:
+        raise ApiError(f"{given[1]}: give one of grammar, json_schema and response_format, not both {given[0]} and {given[1]}")
+    if not given:
+        return None, None
+    name = given[0]
+    if name == "grammar":
+        text = fields.string("grammar")
+        return (text or None), name
+    if name == "json_schema":
+        schema = fields.obj("json_schema")
+    else:
+        fmt = fields.obj("response_format")
+        kind = fmt.get("type")
+        if kind == "text":
+            return None, None
+        if kind == "json_object":
+            schema = fmt.get("schema")  # llama-server's extension; OpenAI's has none
+            if schema is None:
+                return JSON_GBNF, name
+        elif kind == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict):
+                raise ApiError("response_format.json_schema: expected an object with a schema")
+            schema = inner.get("schema", inner)
+            name = "response_format.json_schema.schema"
+        else:
+            raise ApiError(f"response_format.type: expected text, json_object or json_schema, got {_shown(kind)}")
+    if not isinstance(schema, dict):
+        raise ApiError(f"{name}: expected a JSON schema object, got {_shown(schema)}")
+    try:
+        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)._grammar, name
+    except Exception as exc:  # noqa: BLE001 - the converter raises what it meets
+        raise ApiError(f"{name}: cannot be turned into a grammar ({type(exc).__name__}: {exc})") from None
+
+
 @dataclass
 class Limits:
     max_n_predict: int
@@ -135,26 +218,28 @@ class Limits:
     defaults: Sampling  # the configured temperature/top_p/...; requests override field by field
 
 
-def sampling_from(fields: Fields, limits: Limits, *, openai: bool) -> Sampling:
+def _token_limit(fields: Fields, name: str, default: int, low: int, cap: int) -> int:
+    """A token limit above the server's cap is clamped to it, as llama-server clamps to its
+    context; below ``low`` or not an integer it is the client's mistake."""
+    value = fields.body.get(name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() and value > cap:
+        return cap
+    return fields.integer(name, default, low, cap)
+
+
+def sampling_from(fields: Fields, limits: Limits, *, openai: bool, n_vocab: int, tokenize) -> Sampling:
     """The shared sampling fields. llama-server's names everywhere; OpenAI's token limit names too."""
     d = limits.defaults
     cap = limits.max_n_predict
     if openai:
         name = "max_completion_tokens" if fields.has("max_completion_tokens") else "max_tokens"
-        max_tokens = fields.integer(name, limits.default_n_predict, 1, cap)
-        fields.unsupported("n", 1)
-        fields.unsupported("logprobs", False)
-        fields.unsupported("tools", [])
-        fields.unsupported("tool_choice", "none")
-        fields.unsupported("presence_penalty", 0)
-        fields.unsupported("frequency_penalty", 0)
-        fields.unsupported("logit_bias", {})
-        fields.unsupported("response_format", {"type": "text"})
+        max_tokens = _token_limit(fields, name, limits.default_n_predict, 1, cap)
     else:
         # llama-server: -1 means "until the context is full"; here, until the configured cap.
-        n_predict = fields.integer("n_predict", limits.default_n_predict, -1, cap)
+        n_predict = _token_limit(fields, "n_predict", limits.default_n_predict, -1, cap)
         max_tokens = cap if n_predict == -1 else n_predict
     seed = fields.integer("seed", -1, *SEED)
+    grammar, _ = grammar_of(fields)
     return Sampling(
         temperature=fields.number("temperature", d.temperature, *TEMPERATURE),
         top_p=fields.number("top_p", d.top_p, *PROBABILITY),
@@ -164,7 +249,31 @@ def sampling_from(fields: Fields, limits: Limits, *, openai: bool) -> Sampling:
         max_tokens=max_tokens,
         seed=None if seed == -1 else seed,
         stop=fields.stops(),
+        presence_penalty=fields.number("presence_penalty", 0.0, *PENALTY),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, *PENALTY),
+        logit_bias=logit_bias(fields.body.get("logit_bias"), "logit_bias", n_vocab, tokenize),
+        grammar=grammar,
+        n_probs=_n_probs(fields, openai),
+        cache_prompt=fields.boolean("cache_prompt", True),
     )
+
+
+def _n_probs(fields: Fields, openai: bool) -> int:
+    """Log-probabilities asked for: llama-server's n_probs; OpenAI chat's logprobs (a flag) with
+    top_logprobs; OpenAI completions' logprobs (a count)."""
+    if not openai:
+        return fields.integer("n_probs", 0, *N_PROBS)
+    value = fields.body.get("logprobs")
+    if isinstance(value, bool) or value is None:
+        top = fields.integer("top_logprobs", 0, *TOP_LOGPROBS)
+        if top and not value:
+            raise ApiError("top_logprobs: needs logprobs: true")
+        return max(top, 1) if value else 0
+    return fields.integer("logprobs", 0, 0, 5)  # the completions API: how many alternatives
+
+
+def choices_of(fields: Fields) -> int:
+    return fields.integer("n", 1, 1, MAX_N)
 
 
 def token_ids(value: Any, name: str, n_vocab: int) -> list[int]:
@@ -177,18 +286,37 @@ def token_ids(value: Any, name: str, n_vocab: int) -> list[int]:
     return list(value)
 
 
-def prompt_of(value: Any, name: str, n_vocab: int) -> str | list[int]:
-    """One prompt: text, token ids, or a one-element list of either (as OpenAI clients send)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        return prompt_of(value[0], f"{name}[0]", n_vocab)
-    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-        raise ApiError(f"{name}: only one prompt per request is supported, got {len(value)}")
-    if isinstance(value, list):
-        return token_ids(value, name, n_vocab)
+MAX_PROMPTS = 16  # prompts per request, answered one after the other
+
+
+def prompts_of(value: Any, name: str, n_vocab: int) -> list[str | list[int]]:
+    """The request's prompts: text, token ids, {"prompt_string": text} (llama-server), a mix of
+    text and ids in one list (llama-server joins them), or a list of any of these, one reply each."""
     if value is None:
         raise ApiError(f"{name}: required")
+    if isinstance(value, list) and value and all(isinstance(v, (str, list, dict)) for v in value):
+        if len(value) > MAX_PROMPTS:
+            raise ApiError(f"{name}: at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        return [_one_prompt(v, f"{name}[{i}]", n_vocab) for i, v in enumerate(value)]
+    return [_one_prompt(value, name, n_vocab)]
+
+
+def _one_prompt(value: Any, name: str, n_vocab: int) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        text = value.get("prompt_string")
+        if not isinstance(text, str):
+            raise ApiError(f"{name}: expected {{\"prompt_string\": text}}, got {_shown(value)}")
+        if value.get("multimodal_data"):
+            raise ApiError(f"{name}.multimodal_data: kimitui serves text models only")
+        return text
+    if isinstance(value, list) and any(isinstance(v, str) for v in value):
+        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            raise ApiError(f"{name}: expected text and token ids, got {_shown(value)}")
+        return value  # mixed: the caller tokenizes the text parts
+    if isinstance(value, list):
+        return token_ids(value, name, n_vocab)
     raise ApiError(f"{name}: expected a string or a list of token ids, got {_shown(value)}")
 
 

@@ -1,0 +1,148 @@
+"""What llama-server and OpenAI clients expect beyond the basics, over loopback HTTP on the
+real engine and the default model: constrained output (grammar, JSON schema, response_format),
+logit bias, penalties, log-probabilities, several choices and prompts, reproducible prompts
+(cache_prompt), and the reply shapes clients read (system_fingerprint, usage, timings).
+Where the engine samples, its tokens are compared with stock llama-cpp-python's."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import requests
+
+from helpers import stock_llama
+from kimitui.model import default_model_path
+from test_server import FRANCE, MAX_N_PREDICT, MESSAGES, TIMEOUT, post, served, stream  # noqa: F401 - served is a fixture
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "year": {"type": "integer"}}, "required": ["city", "year"]}
+
+
+@pytest.fixture(scope="module")
+def stock():
+    """Plain llama-cpp-python on the same model and context, for the same greedy requests."""
+    llm = stock_llama(default_model_path(), n_ctx=512, n_threads=1)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+def stock_text(llm, prompt: str, **kwargs) -> str:
+    llm.reset()  # the same fresh evaluation as a request with cache_prompt false
+    return llm.create_completion(prompt, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, **kwargs)["choices"][0]["text"]
+
+
+def test_a_grammar_constrains_the_reply_as_stock_llama_cpp_does(served, stock):
+    from llama_cpp import LlamaGrammar
+
+    gbnf = 'root ::= "The answer is " ("yes" | "no") "."'
+    body = post(served, "/completion", {"prompt": FRANCE, "grammar": gbnf, "n_predict": 16, "temperature": 0, "cache_prompt": False}).json()
+    assert body["content"] in ("The answer is yes.", "The answer is no.")
+    assert body["content"] == stock_text(stock, FRANCE, grammar=LlamaGrammar.from_string(gbnf, verbose=False), max_tokens=16)
+
+
+def test_json_schema_and_response_format_give_json_of_that_shape(served, oai):
+    native = post(served, "/completion", {"prompt": "A city and a year as JSON:", "json_schema": SCHEMA, "n_predict": 60, "temperature": 0}).json()
+    reply = json.loads(native["content"])
+    assert isinstance(reply["city"], str) and isinstance(reply["year"], int)
+    chat = oai.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}},
+    )
+    reply = json.loads(chat.choices[0].message.content)
+    assert set(reply) >= {"city", "year"} and isinstance(reply["year"], int)
+    loose = requests.post(served.url + "/v1/chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"},
+    }, timeout=TIMEOUT).json()
+    json.loads(loose["choices"][0]["message"]["content"])  # any JSON, but JSON (it may be cut at max_tokens: 40 is plenty here)
+
+
+def test_logit_bias_and_penalties_change_tokens_as_in_stock_llama_cpp(served, stock):
+    plain = post(served, "/completion", {"prompt": FRANCE, "n_predict": 6, "temperature": 0, "return_tokens": True}).json()
+    first = plain["tokens"][0]
+    banned = post(served, "/completion", {"prompt": FRANCE, "n_predict": 6, "temperature": 0, "return_tokens": True,
+                                          "logit_bias": [[first, False]], "cache_prompt": False}).json()
+    assert banned["tokens"][0] != first
+    assert banned["content"] == stock_text(stock, FRANCE, max_tokens=6, logit_bias={first: float("-inf")})
+    by_openai = requests.post(served.url + "/v1/completions", json={
+        "prompt": FRANCE, "max_tokens": 6, "temperature": 0, "logit_bias": {str(first): -100},
+    }, timeout=TIMEOUT).json()
+    assert by_openai["choices"][0]["text"] == banned["content"]
+    penalized = post(served, "/completion", {"prompt": FRANCE, "n_predict": 40, "temperature": 0,
+                                             "frequency_penalty": 1.5, "presence_penalty": 0.5, "cache_prompt": False}).json()
+    unpenalized = post(served, "/completion", {"prompt": FRANCE, "n_predict": 40, "temperature": 0, "cache_prompt": False}).json()
+    assert penalized["content"] != unpenalized["content"]
+    assert penalized["content"] == stock_text(stock, FRANCE, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5)
+
+
+def test_log_probabilities_native_and_openai(served, oai):
+    body = post(served, "/completion", {"prompt": FRANCE, "n_predict": 5, "temperature": 0, "n_probs": 4}).json()
+    probs = body["completion_probabilities"]
+    assert len(probs) == 5
+    for entry in probs:
+        top = entry["top_logprobs"]
+        assert len(top) == 4 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert entry["logprob"] <= 0 and top[0]["id"] == entry["id"]  # greedy: the sampled token is the likeliest
+        assert bytes(entry["bytes"]).decode("utf-8", "replace") == entry["token"]
+    assert "".join(e["token"] for e in probs) == body["content"]
+    _, blocks = stream(served, "/completion", {"prompt": FRANCE, "n_predict": 3, "temperature": 0, "n_probs": 2})
+    chunks = [json.loads(b) for b in blocks]
+    assert [len(c["completion_probabilities"]) for c in chunks[:-1] if c["tokens"]] == [1, 1, 1]
+
+    chat = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 3 and t.bytes for t in content)
+    text = oai.completions.create(model="m", prompt=FRANCE, max_tokens=4, temperature=0, logprobs=2).choices[0].logprobs
+    assert len(text.tokens) == len(text.token_logprobs) == len(text.top_logprobs) == 4
+    assert text.text_offset[0] == 0 and all(len(t) <= 2 for t in text.top_logprobs)
+
+
+def test_several_choices_and_several_prompts(served, oai):
+    chat = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert len({c.message.content for c in chat.choices}) > 1  # each choice its own seed (7, 8, 9)
+    assert chat.usage.prompt_tokens == 3 * oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    both = post(served, "/completion", {"prompt": [FRANCE, "Once upon a time"], "n_predict": 4, "temperature": 0}).json()
+    assert isinstance(both, list) and [b["index"] for b in both] == [0, 1]
+    alone = post(served, "/completion", {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0}).json()
+    assert both[1]["content"] == alone["content"]
+    listed = oai.completions.create(model="m", prompt=[FRANCE, "Once upon a time"], max_tokens=4, temperature=0)
+    assert [c.index for c in listed.choices] == [0, 1] and listed.choices[1].text == alone["content"]
+    string = post(served, "/completion", {"prompt": {"prompt_string": "Once upon a time"}, "n_predict": 4, "temperature": 0}).json()
+    assert string["content"] == alone["content"]
+
+
+def test_cache_prompt_false_gives_the_same_text_every_time(served):
+    prefix = "The history of the city of Paris begins"
+    ask = {"n_predict": 24, "temperature": 0, "cache_prompt": False}
+    post(served, "/completion", {**ask, "prompt": prefix})
+    again = [post(served, "/completion", {**ask, "prompt": prefix + " in"}).json() for _ in range(2)]
+    assert again[0]["content"] == again[1]["content"]
+    assert again[0]["timings"]["cache_n"] == 0 and again[0]["tokens_cached"] == 0
+    cached = post(served, "/completion", {"n_predict": 2, "temperature": 0, "prompt": prefix + " in the"}).json()
+    assert cached["timings"]["cache_n"] > 0
+    assert cached["timings"]["cache_n"] + cached["timings"]["prompt_n"] == cached["tokens_evaluated"]
+
+
+def test_reply_shapes_clients_read(served):
+    body = post(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3}).json()
+    assert body["system_fingerprint"].startswith("b") and "cached_tokens" in body["usage"]["prompt_tokens_details"]
+    _, blocks = stream(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "timings_per_token": True,
+                                                         "stream_options": {"include_usage": True}})
+    chunks = [json.loads(b) for b in blocks[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None} and "timings" not in chunks[0]
+    assert all("timings" in c for c in chunks[1:])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3 and "predicted_n" in chunks[-1]["timings"]
+    native = post(served, "/completion", {"prompt": FRANCE, "n_predict": 2, "response_fields": ["content", "timings/predicted_n"]}).json()
+    assert set(native) == {"content", "timings/predicted_n"} and native["timings/predicted_n"] == 2
+    clamped = post(served, "/completion", {"prompt": FRANCE, "n_predict": 100_000, "temperature": 0}).json()
+    assert clamped["tokens_predicted"] <= MAX_N_PREDICT and clamped["generation_settings"]["n_predict"] == MAX_N_PREDICT
+    no_v1 = httpx.post(served.url + "/completions", json={"prompt": FRANCE, "n_predict": 2}, timeout=TIMEOUT).json()
+    assert "content" in no_v1 and "choices" not in no_v1  # llama-server's own handler, as there
