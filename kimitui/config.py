@@ -42,6 +42,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "n_ctx": Key("int", 4096, 256, 1 << 20),
         "n_threads": Key("int", 0, 0, 1024),
         "n_batch": Key("int", 512, 1, 1 << 16),
+        "chat_template_file": Key("str", ""),
     },
     "sampling": {
         "temperature": Key("float", 0.7, 0.0, 5.0),

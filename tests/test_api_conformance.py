@@ -146,3 +146,15 @@ def test_reply_shapes_clients_read(served):
     assert clamped["tokens_predicted"] <= MAX_N_PREDICT and clamped["generation_settings"]["n_predict"] == MAX_N_PREDICT
     no_v1 = httpx.post(served.url + "/completions", json={"prompt": FRANCE, "n_predict": 2}, timeout=TIMEOUT).json()
     assert "content" in no_v1 and "choices" not in no_v1  # llama-server's own handler, as there
+
+
+def test_apply_template_and_the_localhost_origin_entry(served):
+    from kimitui.server.app import origin_allowed
+
+    prompt = post(served, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and MESSAGES[-1]["content"] in prompt
+    local = frozenset({"localhost"})
+    for origin in ("http://localhost", "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]", "https://[::1]:3000"):
+        assert origin_allowed(origin, local), origin
+    for origin in ("http://localhost.evil.com", "http://notlocalhost", "http://evil.com", "http://127.0.0.2"):
+        assert not origin_allowed(origin, local), origin

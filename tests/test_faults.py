@@ -340,7 +340,7 @@ def test_cors_preflights_follow_the_configured_origins(web_server):
     allowed = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "http://localhost:3000", **ask}, timeout=30)
     assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
     refused = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **ask}, timeout=30)
-    assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+    assert refused.status_code == 200 and "access-control-allow-origin" not in refused.headers  # no grant
     cross = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 1}, headers={"Origin": "https://evil.example"}, timeout=30)
     assert cross.status_code == 403 and "server.cors_origins" in cross.json()["error"]["message"]
     same = httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 1}, headers={"Origin": "http://localhost:3000"}, timeout=60)
@@ -356,7 +356,7 @@ def test_without_configured_origins_no_preflight_is_granted(tmp_path):
     try:
         ask = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
         got = httpx.options(server.url + "/v1/chat/completions", headers=ask, timeout=30)
-        assert got.status_code == 403 and "access-control-allow-origin" not in got.headers
+        assert got.status_code == 200 and "access-control-allow-origin" not in got.headers  # no grant
     finally:
         server.stop()
         engine.close()

@@ -314,7 +314,7 @@ def test_openai_errors_reach_the_sdk(oai):
         oai.chat.completions.create(model="any", messages=MESSAGES, temperature=9)
     with pytest.raises(openai.BadRequestError, match="n: expected an integer between 1 and 8"):
         oai.chat.completions.create(model="any", messages=MESSAGES, n=9)
-    with pytest.raises(openai.BadRequestError, match="tools: not supported by kimitui"):
+    with pytest.raises(openai.BadRequestError, match="tools: the chat template of .* has no Kimi K2 or K3 tool-call section"):
         oai.chat.completions.create(model="any", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
 
 
@@ -367,9 +367,11 @@ LONG = "hello " * 600  # 600 tokens, more than N_CTX
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens: expected an integer between 1 and 200"),
         ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format.type: expected text, json_object or json_schema"),
         ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs: needs logprobs: true"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias.x: expected a token id as the key"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"x": "up"}}, "logit_bias.x: expected a bias between -100 and 100"),
         ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools: not supported"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]: expected"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools: the chat template of SmolLM2-135M-Instruct"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages: the prompt is"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens: expected an integer between 1 and 200"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo: not supported"),

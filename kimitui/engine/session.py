@@ -98,6 +98,7 @@ class Sampling:
     grammar: str | None = None  # GBNF the reply must match (llama-cpp-python's LlamaGrammar)
     n_probs: int = 0  # with each token, the most likely n tokens and their log-probabilities
     cache_prompt: bool = True  # False: evaluate the whole prompt afresh (same numerics every time)
+    special: bool = False  # special tokens in the reply's text (a tool-call section's markers)
 
 
 @dataclass(frozen=True)
@@ -384,8 +385,10 @@ class Engine:
         stream_settings: StreamSettings | None = None,
         shard_size: int = 64 * 2**20,
         n_ctx_fixed: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         self.model_path = Path(model_path)
+        self.chat_template = chat_template  # replaces the model's own (llama-server's --chat-template-file)
         self.n_ctx = n_ctx
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
@@ -995,13 +998,11 @@ class Engine:
     def _make_formatter(self):
         """The chat formatter, or None and why: a template that does not compile leaves the
         model usable for plain completions, and each chat request is told why it cannot be."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         llm = self._llm
-        template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        template = self.chat_template or llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
         eos, bos = llm.token_eos(), llm.token_bos()
         try:
-            return Jinja2ChatFormatter(
+            return _chat_formatter()(
                 template=template,
                 eos_token=self.token_text(eos) if eos >= 0 else "",
                 bos_token=self.token_text(bos) if bos >= 0 else "",
@@ -1040,14 +1041,24 @@ class Engine:
         llama_cpp.llama_sampler_free(sampler)
         return None
 
-    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
-        """Token ids of ``messages`` rendered with the model's template, and its stop strings."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None):
+        """``messages`` (and the tools a reply may call) through the model's chat template
+        (llama-cpp-python's formatter response: prompt, stop, added_special)."""
         if self._formatter is None:
             raise ChatTemplateError(self.template_error or "the model is not loaded yet")
         try:
-            rendered = self._formatter(messages=messages)
+            return self._formatter(messages=messages, tools=tools)
         except Exception as exc:  # jinja2's errors, and the template's raise_exception (ValueError)
             raise ChatTemplateError(f"the chat template of {self.model_path.name} refused the messages: {exc}") from None
+
+    @property
+    def template_text(self) -> str:
+        """The chat template in use (for what it can render: tools, tool calls)."""
+        return self.chat_template or (self._llm.metadata.get("tokenizer.chat_template", "") if self._llm is not None else "")
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+        """Token ids of ``messages`` rendered with the model's template, and its stop strings."""
+        rendered = self.render_chat(messages, tools)
         tokens = self.tokenize(rendered.prompt, add_special=not rendered.added_special)
         stop = rendered.stop
         stops = tuple(s for s in ([stop] if isinstance(stop, str) else (stop or [])) if s)
@@ -1099,6 +1110,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
         metrics=metrics,
         budget=metrics.budget_bytes,
         shard_size=settings["engine.shard_size"],
+        chat_template=_chat_template_file(settings["model.chat_template_file"]),
         stream_settings=StreamSettings(
             prefetch_depth=settings["engine.prefetch_depth"],
             policy=settings["engine.policy"],
@@ -1107,6 +1119,36 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
             expert_lookahead=settings["engine.expert_lookahead"],
         ),
     )
+
+
+def _chat_formatter():
+    """llama-cpp-python's Jinja formatter with a sandbox whose lists may grow: Kimi K2's template
+    builds its tool-call list with ``.append``, which the immutable sandbox refuses. Attribute
+    access stays sandboxed."""
+    import jinja2
+    from jinja2.sandbox import SandboxedEnvironment
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    class ChatFormatter(Jinja2ChatFormatter):
+        def __init__(self, template: str, **kwargs) -> None:
+            super().__init__(template, **kwargs)
+            environment = SandboxedEnvironment(
+                loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+                extensions=[Jinja2ChatFormatter.IgnoreGenerationTags, jinja2.ext.loopcontrols],
+            )
+            environment.filters["tojson"] = self.tojson
+            self._environment = environment.from_string(template)
+
+    return ChatFormatter
+
+
+def _chat_template_file(path: str) -> str | None:
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"model.chat_template_file: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -1255,7 +1297,7 @@ class Generation:
                     after = counters()
                     tracer.token(self.id, index, wall, before, after, decode_s)
                     before = after
-                text += decoder.decode(llm.detokenize([token]))
+                text += decoder.decode(llm.detokenize([token], special=s.special))
                 cut = -1
                 for stop in stops:
                     at = text.find(stop, max(0, emitted - len(stop)))

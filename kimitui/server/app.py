@@ -36,6 +36,7 @@ from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
 from kimitui.engine.session import ChatTemplateError, Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
 from kimitui.server import prom
+from kimitui.server import tools as tool_calls
 from kimitui.server.runner import is_loopback
 from kimitui.server.params import (
     ApiError, Fields, Limits, chat_messages, choices_of, grammar_of, parse_body, prompts_of, sampling_from, token_ids,
@@ -244,11 +245,29 @@ def _engine_error(generation: Generation, exc: EngineError) -> ApiError:
     return ApiError(str(exc), 500, "server_error")
 
 
+def _canonical(name: bytes) -> bytes:
+    return b"-".join(part[:1].upper() + part[1:] for part in name.split(b"-"))
+
+
+LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def origin_allowed(origin: str, cors_origins: frozenset[str]) -> bool:
+    """An origin listed exactly, "*", or, for the entry "localhost" (llama-server's word), a
+    page served from this machine's loopback names on any port."""
+    import re
+
+    if origin in cors_origins or "*" in cors_origins:
+        return True
+    return "localhost" in cors_origins and re.fullmatch(LOOPBACK_ORIGINS, origin) is not None
+
+
 class _Origin:
     """Outermost: the report to ``on_request``, and what a browser could abuse. A foreign Host
     header (DNS rebinding) and a request from a web origin not in server.cors_origins get 403
-    before anything else runs; preflights from allowed origins are answered by Starlette's
-    CORSMiddleware, inside this."""
+    before anything else runs; a preflight from such an origin gets 200 without any grant (as
+    llama-server answers: the browser then refuses the request); preflights from allowed origins
+    are answered by Starlette's CORSMiddleware, inside this."""
 
     def __init__(
         self, app, bind_host: str, allowed_hosts: frozenset[str], cors_origins: frozenset[str],
@@ -271,6 +290,9 @@ class _Origin:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                # Header names as llama-server writes them ("Access-Control-Allow-Origin"): HTTP
+                # says case does not matter, but some clients look them up case by case.
+                message = {**message, "headers": [(_canonical(k), v) for k, v in message.get("headers", [])]}
             await send(message)
 
         try:
@@ -287,11 +309,14 @@ class _Origin:
                 403, "invalid_request_error",
                 f"Host {_host_name(host)!r} is not this server's name: add it to server.allowed_hosts to allow it",
             )
-        elif origin is not None and origin not in self.cors_origins and "*" not in self.cors_origins:
-            response = error_response(
-                403, "invalid_request_error",
-                f"cross-origin requests from {origin} are refused: add it to server.cors_origins to allow it",
-            )
+        elif origin is not None and not origin_allowed(origin, self.cors_origins):
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                response = Response(status_code=200)  # no grant: the browser refuses the request
+            else:
+                response = error_response(
+                    403, "invalid_request_error",
+                    f"cross-origin requests from {origin} are refused: add it to server.cors_origins to allow it",
+                )
         else:
             await self.app(scope, receive, send)
             return
@@ -439,9 +464,9 @@ class Api:
             raise self._too_long(name, len(tokens))
         return tokens
 
-    async def chat_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
+    async def chat_tokens(self, messages: list[dict], max_tokens: int, tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
         try:
-            tokens, stops = await run_in_threadpool(self.engine.chat_prompt, messages)
+            tokens, stops = await run_in_threadpool(self.engine.chat_prompt, messages, tools)
         except ChatTemplateError as exc:
             raise ApiError(f"messages: {exc}") from None
         # Engine.chat would drop old turns to make room; an API client gets told instead.
@@ -466,15 +491,13 @@ class Api:
         """What is deliberately not offered: a 400 naming the field, never silently ignored
         (the README lists them)."""
         reasons = {
-            "tools": "tool calls are not offered yet",
-            "tool_choice": "tool calls are not offered yet",
             "post_sampling_probs": "probabilities are reported before sampling (the logits, bias applied)",
             "return_progress": "prompt progress is not streamed (one micro-batch at a time is all there is)",
             "lora": "kimitui loads no LoRA adapters",
             "id_slot": "kimitui has one slot",
             "mirostat": "mirostat sampling is not offered",
         }
-        falsy = {"tools": [], "tool_choice": "none", "post_sampling_probs": False, "return_progress": False,
+        falsy = {"post_sampling_probs": False, "return_progress": False,
                  "lora": [], "id_slot": -1, "mirostat": 0}
         for name, reason in reasons.items():
             value = fields.body.get(name)
@@ -597,7 +620,7 @@ class Api:
             }
             if sampling.n_probs and not stream:
                 body["completion_probabilities"] = native_probs(self.engine, events)
-            return only_fields(body, wanted) if wanted is not None else body
+            return only_fields(body, wanted) if wanted else body  # [] asks for everything, as in llama-server
 
         if not stream:
             bodies, headers = [], {}
@@ -635,6 +658,17 @@ class Api:
                 yield _dumps(final(index, prompts[index], generation, events, ""))
 
         return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
+
+    async def apply_template(self, request: Request) -> Response:
+        """llama-server's /apply-template: the chat prompt the model would be given, as text."""
+        self.require_ready()
+        fields = await self.body(request)
+        messages = chat_messages(fields.body.get("messages"))
+        try:
+            rendered = await run_in_threadpool(self.engine.render_chat, messages)
+        except ChatTemplateError as exc:
+            raise ApiError(f"messages: {exc}") from None
+        return JSONResponse({"prompt": rendered.prompt})
 
     async def tokenize(self, request: Request) -> Response:
         self.require_ready()
@@ -741,9 +775,53 @@ class Api:
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
         messages = chat_messages(fields.body.get("messages"))
-        tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens)
+        tools = tool_calls.tools_of(fields.body.get("tools"))
+        choice = tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools)
+        calling = bool(tools) and choice != "none"
+        form = tool_calls.tool_format(self.engine.template_text)
+        if calling:
+            if form is None:
+                raise ApiError(
+                    f"tools: the chat template of {self.engine.model_path.name} has no Kimi K2 or K3 tool-call section, the "
+                    "formats kimitui reads (give one with --chat-template-file)"
+                )
+            if choice != "auto":
+                if sampling.grammar is not None:
+                    raise ApiError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} makes its own grammar; drop grammar, json_schema or response_format")
+                sampling.grammar = tool_calls.calls_grammar(tools, choice, form)
+            sampling.special = True  # the section's markers are special tokens in Kimi's vocabulary
+        tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens, tools if calling else None)
         sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
-        return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True)
+        return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True, calling=form if calling else None)
+
+    async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool) -> Response:
+        """A streamed reply that may call tools: each choice is decoded whole (its calls are
+        known only at its end), then sent as OpenAI's chunks: role, content, one chunk per call."""
+        replies, headers = [], {}
+        for index, tokens in enumerate(asked):
+            generation, headers = self.start(request, tokens, sampling_for(index))
+            if await self.collect(request, generation) is None:
+                return Response(status_code=499)
+            replies.append(generation.result)
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, delta: dict, finish: str | None = None, **more) -> str:
+            return _dumps(envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra, **more))
+
+        async def sse() -> AsyncIterator[str]:
+            for index, r in enumerate(replies):
+                message, finish = message_of(r)
+                yield chunk(index, {"role": "assistant", "content": None})
+                if message.get("content"):
+                    yield chunk(index, {"content": message["content"]})
+                for i, call in enumerate(message.get("tool_calls", [])):
+                    yield chunk(index, {"tool_calls": [{"index": i, **call}]})
+                yield chunk(index, {}, finish, timings=timings(r))
+            if include_usage:
+                yield _dumps(envelope([], usage=usage(replies), timings=timings(replies[-1])))
+            yield "[DONE]"
+
+        return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
 
     @staticmethod
     def _include_usage(fields: Fields) -> bool:
@@ -753,9 +831,13 @@ class Api:
         except ApiError as exc:
             raise ApiError(f"stream_options.{exc.message}") from None
 
-    async def _openai_reply(self, request, fields: Fields, sampling: Sampling, asked: list[list[int]], *, chat: bool) -> Response:
+    async def _openai_reply(
+        self, request, fields: Fields, sampling: Sampling, asked: list[list[int]], *, chat: bool, calling: str | None = None,
+    ) -> Response:
         """OpenAI's reply shape for one choice per entry of ``asked`` (prompt tokens), decoded one
-        after the other; each later choice gets the next seed, so sampled choices differ."""
+        after the other; each later choice gets the next seed, so sampled choices differ. With
+        ``calling`` (the tool-call format, when tools are offered) each reply is read for tool calls; streamed, it is sent once
+        whole, as the calls are known only at its end."""
         stream = fields.boolean("stream", False)
         include_usage = self._include_usage(fields)
         per_token = fields.boolean("timings_per_token", False)
@@ -779,6 +861,16 @@ class Api:
                 return None
             return chat_logprobs(self.engine, events, n_top) if chat else text_logprobs(self.engine, events, n_top)
 
+        def message_of(r: GenerationResult) -> tuple[dict, str]:
+            if calling:
+                content, calls = tool_calls.read_calls(r.text, calling)
+                if calls:
+                    return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": r.text}, openai_finish(r)
+
+        if calling and stream:
+            return await self._whole_as_stream(request, asked, sampling_for, envelope, message_of, include_usage)
+
         if not stream:
             choices, results, headers = [], [], {}
             for index, tokens in enumerate(asked):
@@ -789,8 +881,8 @@ class Api:
                 r = generation.result
                 results.append(r)
                 if chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": r.text},
-                                    "logprobs": probs(events), "finish_reason": openai_finish(r)})
+                    message, finish = message_of(r)
+                    choices.append({"index": index, "message": message, "logprobs": probs(events), "finish_reason": finish})
                 else:
                     choices.append({"index": index, "text": r.text, "logprobs": probs(events), "finish_reason": openai_finish(r)})
             timing = timings(results[0]) if len(results) == 1 else None
@@ -879,6 +971,7 @@ def create_app(
         Route("/completion", api.completion, methods=post),
         Route("/tokenize", api.tokenize, methods=post),
         Route("/detokenize", api.detokenize, methods=post),
+        Route("/apply-template", api.apply_template, methods=post),
         Route("/props", api.props, methods=get),
         Route("/metrics", api.metrics, methods=get),
         Route("/v1/models", api.models, methods=get),
@@ -899,7 +992,8 @@ def create_app(
             ),
             # Preflights of allowed origins end here, before the key check (browsers send none).
             Middleware(
-                CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
+                CORSMiddleware, allow_origins=sorted(origins - {"localhost"}),
+                allow_origin_regex=LOOPBACK_ORIGINS if "localhost" in origins else None, allow_methods=["GET", "POST"],
                 allow_headers=["Authorization", "Content-Type"], expose_headers=[QUEUE_HEADER], max_age=600,
             ),
             Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"]),

@@ -27,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     parser.add_argument("--max-n-predict", help="most tokens one request may ask for")
     parser.add_argument("--max-body", help="largest request body, e.g. 1MiB")
+    parser.add_argument("--chat-template-file", help="a Jinja chat template used instead of the model's own")
     parser.add_argument("--alias", help="the model's name in replies and /v1/models (default: its file name)")
+    parser.add_argument(
+        "--cors-origins", help="web origins allowed to call the API, comma-separated; 'localhost' = pages on this machine, any port",
+    )
     parser.add_argument("--trace", metavar="FILE", help="write the per-token trace (JSON Lines) to FILE; see kimitui trace")
 
 
@@ -43,7 +47,10 @@ def resolve(args: argparse.Namespace):
         ("server.max_n_predict", "--max-n-predict", args.max_n_predict),
         ("server.max_body", "--max-body", args.max_body),
         ("server.alias", "--alias", args.alias),
+        ("model.chat_template_file", "--chat-template-file", args.chat_template_file),
     )
+    if args.cors_origins is not None:
+        settings["server.cors_origins"] = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
     for dotted, flag, value in overrides:
         if value is not None:
             apply_override(settings, dotted, value, flag)

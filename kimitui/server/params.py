@@ -135,8 +135,8 @@ class Fields:
 
 
 def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float]:
-    """OpenAI's {"token id": bias} or llama-server's [[token id or text, bias or false], ...]
-    (text: each of its tokens; false: never sampled)."""
+    """OpenAI's {"token id": bias}, llama-server's [[token id or text, bias or false], ...] or
+    {"text": bias} (text: each of its tokens; false: never sampled)."""
     if value is None:
         return {}
     pairs = list(value.items()) if isinstance(value, dict) else value
@@ -152,10 +152,8 @@ def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float
             amount = float("-inf")
         elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or not BIAS[0] <= amount <= BIAS[1]:
             raise ApiError(f"{where}: expected a bias between -100 and 100 or false, got {_shown(amount)}")
-        if isinstance(value, dict):
-            if not (isinstance(key, str) and key.lstrip("-").isdigit()):
-                raise ApiError(f"{where}: expected a token id as the key, got {_shown(key)}")
-            key = int(key)
+        if isinstance(value, dict) and key.lstrip("-").isdigit():
+            key = int(key)  # OpenAI's "token id" keys; other keys are text, as llama-server takes them
         if isinstance(key, str):
             ids = tokenize(key)
         elif isinstance(key, int) and not isinstance(key, bool):
@@ -320,7 +318,7 @@ def _one_prompt(value: Any, name: str, n_vocab: int) -> str | list[int]:
     raise ApiError(f"{name}: expected a string or a list of token ids, got {_shown(value)}")
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def chat_messages(value: Any) -> list[dict]:
@@ -349,5 +347,27 @@ def chat_messages(value: Any) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise ApiError(f"{where}.content: expected a string or a list of text parts, got {_shown(content)}")
-        out.append({"role": ROLES[role], "content": content})
+        message = {"role": ROLES[role], "content": content}
+        # What a template renders of tool use: the calls an assistant turn made, and which call a
+        # tool's answer belongs to.
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise ApiError(f"{where}.tool_call_id: required for a tool's answer, a string")
+            message["tool_call_id"] = call_id
+        if isinstance(msg.get("name"), str):
+            message["name"] = msg["name"]
+        out.append(message)
     return out
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    if not isinstance(value, list):
+        raise ApiError(f"{where}: expected a list of tool calls")
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", ""), str):
+            raise ApiError(f'{where}[{i}]: expected {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "JSON text"}}}}')
+    return value
