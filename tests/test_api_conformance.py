@@ -108,7 +108,8 @@ def test_several_choices_and_several_prompts(served, oai):
     chat = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=7, n=3)
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert len({c.message.content for c in chat.choices}) > 1  # each choice its own seed (7, 8, 9)
-    assert chat.usage.prompt_tokens == 3 * oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    # The prompt counted once, as OpenAI counts it, however many choices it was given.
+    assert chat.usage.prompt_tokens == oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
     both = post(served, "/completion", {"prompt": [FRANCE, "Once upon a time"], "n_predict": 4, "temperature": 0}).json()
     assert isinstance(both, list) and [b["index"] for b in both] == [0, 1]
     alone = post(served, "/completion", {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0}).json()
@@ -125,10 +126,11 @@ def test_cache_prompt_false_gives_the_same_text_every_time(served):
     post(served, "/completion", {**ask, "prompt": prefix})
     again = [post(served, "/completion", {**ask, "prompt": prefix + " in"}).json() for _ in range(2)]
     assert again[0]["content"] == again[1]["content"]
-    assert again[0]["timings"]["cache_n"] == 0 and again[0]["tokens_cached"] == 0
+    # prompt_n is what llama_decode was given, counted at the decode: all of the prompt afresh,
+    # part of it when the prefix is reused.
+    assert again[0]["timings"]["cache_n"] == 0 and again[0]["timings"]["prompt_n"] == again[0]["tokens_evaluated"]
     cached = post(served, "/completion", {"n_predict": 2, "temperature": 0, "prompt": prefix + " in the"}).json()
-    assert cached["timings"]["cache_n"] > 0
-    assert cached["timings"]["cache_n"] + cached["timings"]["prompt_n"] == cached["tokens_evaluated"]
+    assert 0 < cached["timings"]["prompt_n"] < cached["tokens_evaluated"] and cached["tokens_cached"] > 0
 
 
 def test_reply_shapes_clients_read(served):

@@ -344,7 +344,7 @@ LONG = "hello " * 600  # 600 tokens, more than N_CTX
         ("/completion", {"prompt": "x", "seed": "abc"}, "seed: expected an integer"),
         ("/completion", {"prompt": "x", "stream": "yes"}, "stream: expected true or false"),
         ("/completion", {"prompt": "x", "stop": [1]}, "stop: expected a string or a list of strings"),
-        ("/completion", {"prompt": "x", "grammar": "root ::= x"}, "grammar: llama.cpp refused the grammar"),
+        ("/completion", {"prompt": "x", "grammar": "root ::= x"}, "grammar: llama.cpp refused the grammar: Undefined rule identifier 'x'"),
         ("/completion", {"prompt": "x", "json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, "json_schema: give one of"),
         ("/completion", {"prompt": "x", "logit_bias": [[1, "up"]]}, "logit_bias[0]: expected a bias between -100 and 100 or false"),
         ("/completion", {"prompt": "x", "logit_bias": [[99999999, 1]]}, "logit_bias[0]: token id 99999999 is outside the vocabulary"),

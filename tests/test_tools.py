@@ -60,10 +60,15 @@ def kimi_server(tmp_path_factory):
 
 def test_a_required_call_is_made_and_read_back(kimi_server):
     client = openai.OpenAI(base_url=kimi_server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
-    reply = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=160, temperature=0)
+    reply = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=160, temperature=0,
+    )
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-    for call in choice.message.tool_calls:
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    several = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=160, temperature=0)
+    # Parallel calls (OpenAI's default): as many as the model makes; this one goes on to the token limit.
+    assert several.choices[0].message.tool_calls and several.choices[0].finish_reason in ("tool_calls", "length")
+    for call in choice.message.tool_calls + several.choices[0].message.tool_calls:
         assert call.function.name in ("get_weather", "get_time") and call.id.startswith(f"functions.{call.function.name}:")
         arguments = json.loads(call.function.arguments)
         assert isinstance(arguments["city"], str) if call.function.name == "get_weather" else isinstance(arguments["zone"], int)
@@ -77,7 +82,7 @@ def test_a_required_call_is_made_and_read_back(kimi_server):
 
 def test_a_streamed_call_arrives_as_openai_chunks(kimi_server):
     with requests.post(kimi_server.url + "/v1/chat/completions", json={
-        "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 160, "temperature": 0, "stream": True,
+        "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 160, "temperature": 0, "stream": True,
     }, stream=True, timeout=TIMEOUT) as response:
         lines = [line[len(b"data: "):] for line in response.iter_lines() if line.startswith(b"data: ")]
     assert lines[-1] == b"[DONE]"
@@ -126,11 +131,16 @@ def test_a_streamed_kimi_k3_calls_a_tool(tmp_path, template):
     try:
         assert engine.streamer is not None
         reply = requests.post(server.url + "/v1/chat/completions", json={
-            "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 160, "temperature": 0,
+            "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 160, "temperature": 0,
         }, timeout=TIMEOUT).json()
         calls = reply["choices"][0]["message"]["tool_calls"]
         assert reply["choices"][0]["finish_reason"] == "tool_calls" and calls[0]["function"]["name"] == "get_weather"
         assert isinstance(json.loads(calls[0]["function"]["arguments"])["city"], str)
+        assert reply["choices"][0]["message"]["content"] is None  # no markup of the format left in it
+        free = requests.post(server.url + "/v1/chat/completions", json={
+            "messages": ASK, "tools": [WEATHER], "max_tokens": 12, "temperature": 0,
+        }, timeout=TIMEOUT).json()["choices"][0]["message"]
+        assert "<|open|>" not in (free["content"] or "") and "<|close|>" not in (free["content"] or "")
     finally:
         server.stop()
         engine.close()
@@ -159,3 +169,25 @@ def test_reading_a_kimi_k3_reply():
         ("functions.get_weather:1", "get_weather", {"city": "Paris"}), ("functions.get_time:2", "get_time", {"zone": 2, "label": 'a "b"'}),
     ]
     assert tool_format(K3_TEMPLATE) == "k3" and tool_format(TEMPLATE) == "k2" and tool_format("{{ messages }}") is None
+
+
+def test_tools_sharing_definition_names_keep_their_own_and_a_bad_schema_is_a_400(kimi_server):
+    item = lambda kind: {"type": "object", "properties": {"v": {"$ref": "#/$defs/Item"}}, "required": ["v"], "$defs": {"Item": {"type": kind}}}  # noqa: E731
+    counts = {"type": "function", "function": {"name": "count", "parameters": item("integer")}}
+    words = {"type": "function", "function": {"name": "say", "parameters": item("string")}}
+    for name, kind in (("count", int), ("say", str)):
+        reply = requests.post(kimi_server.url + "/v1/chat/completions", json={
+            "messages": ASK, "tools": [counts, words], "tool_choice": {"type": "function", "function": {"name": name}},
+            "max_tokens": 160, "temperature": 0,
+        }, timeout=TIMEOUT).json()
+        call = reply["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == name and isinstance(json.loads(call["function"]["arguments"])["v"], kind)
+    loop = {"type": "function", "function": {"name": "loop", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"$ref": "#/$defs/a"}}}}}
+    got = requests.post(kimi_server.url + "/v1/chat/completions", json={"messages": ASK, "tools": [loop], "tool_choice": "required"}, timeout=TIMEOUT)
+    assert got.status_code == 400 and got.json()["error"]["message"].startswith("tools"), got.text
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "properties": {"x": {"type": "wibble"}}}}}
+    got = requests.post(kimi_server.url + "/v1/chat/completions", json={"messages": ASK, "tools": [odd], "tool_choice": "required"}, timeout=TIMEOUT)
+    assert got.status_code == 400 and got.json()["error"]["message"].startswith("tools[0].function.parameters"), got.text
+    prompt = requests.post(kimi_server.url + "/apply-template", json={"messages": ASK}, timeout=TIMEOUT).json()["prompt"]
+    assert "tool_declare" not in prompt  # no tools, nothing declared (the template's .append ran on an empty list)

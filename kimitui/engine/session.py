@@ -13,6 +13,7 @@ import ctypes
 import enum
 import itertools
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -1029,25 +1030,32 @@ class Engine:
 
     def grammar_error(self, grammar: str) -> str | None:
         """Why llama.cpp would refuse this GBNF grammar (its parser's first error), or None.
-        llama-cpp-python hands the text over unchecked, and a grammar that does not parse
-        would make every sampling step fail."""
+        llama-cpp-python hands the text over unchecked, and a sampler chain with a refused
+        grammar in it crashes the process. The parser writes its error, and the whole grammar,
+        to stderr: that is caught in a file (a pipe could fill and block) and kept off the
+        terminal, where it would paint over the app."""
         import llama_cpp
 
-        log = llama_log()
-        log.lines.clear()
-        sampler = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, grammar.encode("utf-8"), b"root")
-        if not sampler:
-            return log.reason() or "it does not parse"
-        llama_cpp.llama_sampler_free(sampler)
-        return None
+        with _stderr_caught() as caught:
+            sampler = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, grammar.encode("utf-8"), b"root")
+        if sampler:
+            llama_cpp.llama_sampler_free(sampler)
+            return None
+        said = [line.strip() for line in caught.text.splitlines() if line.strip()]
+        first = next((line for line in said if "error" in line), said[0] if said else "")
+        return first.split("error parsing grammar: ", 1)[-1] or "it does not parse"
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None):
         """``messages`` (and the tools a reply may call) through the model's chat template
         (llama-cpp-python's formatter response: prompt, stop, added_special)."""
         if self._formatter is None:
             raise ChatTemplateError(self.template_error or "the model is not loaded yet")
+        import copy
+
         try:
-            return self._formatter(messages=messages, tools=tools)
+            # Copies: the template's sandbox lets lists grow (see _chat_formatter), and the
+            # caller's messages (the app's history) must come back as they went in.
+            return self._formatter(messages=copy.deepcopy(messages), tools=copy.deepcopy(tools))
         except Exception as exc:  # jinja2's errors, and the template's raise_exception (ValueError)
             raise ChatTemplateError(f"the chat template of {self.model_path.name} refused the messages: {exc}") from None
 
@@ -1119,6 +1127,32 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
             expert_lookahead=settings["engine.expert_lookahead"],
         ),
     )
+
+
+_stderr_lock = threading.Lock()
+
+
+class _Caught:
+    text = ""  # what was written, once the block is over
+
+
+@contextlib.contextmanager
+def _stderr_caught():
+    """What C code writes to file descriptor 2 meanwhile, caught in a temporary file."""
+    import tempfile
+
+    caught = _Caught()
+    with _stderr_lock, tempfile.TemporaryFile() as file:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(file.fileno(), 2)
+        try:
+            yield caught
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            caught.text = file.read().decode("utf-8", errors="replace")
 
 
 def _chat_formatter():
@@ -1256,7 +1290,12 @@ class Generation:
             from llama_cpp import LlamaGrammar, LogitsProcessorList
 
             logits = _Logits(s.logit_bias, s.n_probs) if s.logit_bias or s.n_probs else None
-            grammar = LlamaGrammar.from_string(s.grammar, verbose=False) if s.grammar is not None else None  # checked by the caller
+            grammar = None
+            if s.grammar is not None:
+                error = engine.grammar_error(s.grammar)  # a refused grammar in the sampler chain would crash the process
+                if error is not None:
+                    raise EngineError(f"grammar: llama.cpp refused it: {error}")
+                grammar = LlamaGrammar.from_string(s.grammar, verbose=False)
             if not s.cache_prompt:
                 llm.reset()  # the whole prompt in one evaluation, as on a fresh context
             tokens = llm.generate(

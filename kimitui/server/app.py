@@ -168,8 +168,9 @@ def timings(r: GenerationResult) -> dict:
     }
 
 
-def usage(results: list[GenerationResult]) -> dict:
-    prompt = sum(r.prompt_tokens for r in results)
+def usage(results: list[GenerationResult], choices_per_prompt: int = 1) -> dict:
+    """OpenAI's usage: each prompt counted once, however many choices it was given."""
+    prompt = sum(r.prompt_tokens for r in results[::choices_per_prompt])
     completion = sum(r.completion_tokens for r in results)
     return {
         "prompt_tokens": prompt,
@@ -715,7 +716,7 @@ class Api:
                 "total_slots": 1,
                 "model_path": str(self.engine.model_path),
                 "n_ctx": self.engine.n_ctx,
-                "chat_template": self.engine.llm.metadata.get("tokenizer.chat_template", ""),
+                "chat_template": self.engine.template_text,
                 "build_info": f"kimitui {__version__}",
                 "max_n_predict": self.limits.max_n_predict,
                 "queue": {"processing": processing, "deferred": deferred},
@@ -766,7 +767,7 @@ class Api:
         token_lists = [await self.prompt_tokens(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
         # OpenAI numbers the choices prompt by prompt: n for the first prompt, then n for the next.
         asked = [tokens for tokens in token_lists for _ in range(n)]
-        return await self._openai_reply(request, fields, sampling, asked, chat=False)
+        return await self._openai_reply(request, fields, sampling, asked, chat=False, per_prompt=n)
 
     async def chat_completions(self, request: Request) -> Response:
         self.require_ready()
@@ -788,13 +789,22 @@ class Api:
             if choice != "auto":
                 if sampling.grammar is not None:
                     raise ApiError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} makes its own grammar; drop grammar, json_schema or response_format")
-                sampling.grammar = tool_calls.calls_grammar(tools, choice, form)
+                several = fields.boolean("parallel_tool_calls", True)
+                sampling.grammar = tool_calls.calls_grammar(tools, choice, form, several=several)
+                error = await run_in_threadpool(self.engine.grammar_error, sampling.grammar)
+                if error is not None:
+                    raise ApiError(f"tools: llama.cpp refused the grammar made from their parameters: {error}")
             sampling.special = True  # the section's markers are special tokens in Kimi's vocabulary
         tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens, tools if calling else None)
         sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
-        return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True, calling=form if calling else None)
+        if calling and fields.boolean("stream", False):
+            # Such a reply is sent once whole (see _whole_as_stream): what comes per token cannot be.
+            for name in ("logprobs", "timings_per_token"):
+                if fields.body.get(name):
+                    raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
+        return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True, calling=form if calling else None, per_prompt=n)
 
-    async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool) -> Response:
+    async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool, per_prompt: int) -> Response:
         """A streamed reply that may call tools: each choice is decoded whole (its calls are
         known only at its end), then sent as OpenAI's chunks: role, content, one chunk per call."""
         replies, headers = [], {}
@@ -818,7 +828,7 @@ class Api:
                     yield chunk(index, {"tool_calls": [{"index": i, **call}]})
                 yield chunk(index, {}, finish, timings=timings(r))
             if include_usage:
-                yield _dumps(envelope([], usage=usage(replies), timings=timings(replies[-1])))
+                yield _dumps(envelope([], usage=usage(replies, per_prompt), timings=timings(replies[-1])))
             yield "[DONE]"
 
         return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
@@ -833,6 +843,7 @@ class Api:
 
     async def _openai_reply(
         self, request, fields: Fields, sampling: Sampling, asked: list[list[int]], *, chat: bool, calling: str | None = None,
+        per_prompt: int = 1,
     ) -> Response:
         """OpenAI's reply shape for one choice per entry of ``asked`` (prompt tokens), decoded one
         after the other; each later choice gets the next seed, so sampled choices differ. With
@@ -865,11 +876,13 @@ class Api:
             if calling:
                 content, calls = tool_calls.read_calls(r.text, calling)
                 if calls:
-                    return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+                    finish = "length" if r.finish_reason == "length" else "tool_calls"
+                    return {"role": "assistant", "content": content or None, "tool_calls": calls}, finish
+                return {"role": "assistant", "content": content}, openai_finish(r)
             return {"role": "assistant", "content": r.text}, openai_finish(r)
 
         if calling and stream:
-            return await self._whole_as_stream(request, asked, sampling_for, envelope, message_of, include_usage)
+            return await self._whole_as_stream(request, asked, sampling_for, envelope, message_of, include_usage, per_prompt)
 
         if not stream:
             choices, results, headers = [], [], {}
@@ -886,7 +899,7 @@ class Api:
                 else:
                     choices.append({"index": index, "text": r.text, "logprobs": probs(events), "finish_reason": openai_finish(r)})
             timing = timings(results[0]) if len(results) == 1 else None
-            return JSONResponse(envelope(choices, usage=usage(results), **({"timings": timing} if timing else {})), headers=headers)
+            return JSONResponse(envelope(choices, usage=usage(results, per_prompt), **({"timings": timing} if timing else {})), headers=headers)
 
         # With include_usage, OpenAI sends "usage": null on every chunk but the extra last one.
         extra = {"usage": None} if include_usage else {}
@@ -922,7 +935,7 @@ class Api:
                 results.append(r)
                 yield _dumps(envelope([choice(index, None, openai_finish(r))], **extra, timings=timings(r)))
             if include_usage:
-                yield _dumps(envelope([], usage=usage(results), timings=timings(results[-1])))
+                yield _dumps(envelope([], usage=usage(results, per_prompt), timings=timings(results[-1])))
             yield "[DONE]"
 
         return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)

@@ -171,6 +171,7 @@ class RemoteEngine:
         meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
         n_ctx = meta.get("n_ctx")
         props = self._get("/props")
+        self._check_auth(props)  # /v1/models is public on llama-server and here: the key is tried on /props
         if props.status_code == 200:
             try:
                 body = props.json()

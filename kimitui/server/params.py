@@ -22,6 +22,7 @@ SEED = (-1, 0xFFFFFFFF)
 MAX_STOPS = 16
 PENALTY = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
 BIAS = (-100.0, 100.0)  # OpenAI's logit_bias range (llama-server: false bans a token)
+BANNED = -1e30  # the bias of a banned token
 N_PROBS = (0, 100)  # llama-server's n_probs; each is an entry per token in the reply
 TOP_LOGPROBS = (0, 20)  # OpenAI's limit
 MAX_N = 8  # choices per request; each is a whole reply, one after the other
@@ -149,10 +150,12 @@ def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float
             raise ApiError(f"{where}: expected [token, bias], got {_shown(pair)}")
         key, amount = pair
         if amount is False:
-            amount = float("-inf")
+            # Finite: with a grammar that allows only banned tokens, -inf everywhere would leave
+            # llama.cpp's grammar sampler nothing to accept (it aborts the process).
+            amount = BANNED
         elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or not BIAS[0] <= amount <= BIAS[1]:
             raise ApiError(f"{where}: expected a bias between -100 and 100 or false, got {_shown(amount)}")
-        if isinstance(value, dict) and key.lstrip("-").isdigit():
+        if isinstance(value, dict) and key.isascii() and key.lstrip("-").isdecimal():
             key = int(key)  # OpenAI's "token id" keys; other keys are text, as llama-server takes them
         if isinstance(key, str):
             ids = tokenize(key)

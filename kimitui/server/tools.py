@@ -60,6 +60,7 @@ def tools_of(value: Any) -> list[dict]:
         raise ApiError(f"tools: expected a list of tools, got {type(value).__name__}")
     if len(value) > MAX_TOOLS:
         raise ApiError(f"tools: at most {MAX_TOOLS} tools, got {len(value)}")
+    names = set()
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
@@ -70,7 +71,28 @@ def tools_of(value: Any) -> list[dict]:
             raise ApiError(f"{where}.function.name: expected 1 to 64 letters, digits, _ or -, got {json.dumps(name)[:40]}")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise ApiError(f"{where}.function.parameters: expected a JSON schema object")
+        if name in names:
+            raise ApiError(f"{where}.function.name: {name} is given twice")
+        names.add(name)
     return value
+
+
+def _own_definitions(schema: Any, prefix: str) -> Any:
+    """A copy of ``schema`` whose $defs / definitions and the refs to them carry ``prefix``: the
+    converter names a rule after its definition, so two tools' "Item" must not meet."""
+    if isinstance(schema, list):
+        return [_own_definitions(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("$defs", "definitions") and isinstance(value, dict):
+            out[key] = {prefix + name: _own_definitions(inner, prefix) for name, inner in value.items()}
+        elif key == "$ref" and isinstance(value, str):
+            out[key] = re.sub(r"^#/(\$defs|definitions)/", lambda m: m.group(0) + prefix, value)
+        else:
+            out[key] = _own_definitions(value, prefix)
+    return out
 
 
 def tool_choice_of(value: Any, tools: list[dict]) -> str | dict:
@@ -83,15 +105,16 @@ def tool_choice_of(value: Any, tools: list[dict]) -> str | dict:
         return value
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
         name = value["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise ApiError(f"tool_choice.function.name: {json.dumps(name)[:40]} is not one of the tools")
         return value
     raise ApiError('tool_choice: expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
 
-def calls_grammar(tools: list[dict], choice: str | dict, form: str = "k2") -> str:
-    """GBNF for a reply that is a section of calls (one or more; exactly one for a named
-    function), each to a listed function with arguments its schema accepts. Kimi K3's reply
+def calls_grammar(tools: list[dict], choice: str | dict, form: str = "k2", *, several: bool = True) -> str:
+    """GBNF for a reply that is a section of calls (one or more with ``several``, OpenAI's
+    parallel_tool_calls; exactly one for a named function), each to a listed function with
+    arguments its schema accepts. Kimi K3's reply
     may first close an opened think part and give an empty response part, as its format has."""
     from llama_cpp.llama_grammar import SchemaConverter
 
@@ -101,8 +124,11 @@ def calls_grammar(tools: list[dict], choice: str | dict, form: str = "k2") -> st
     calls = []
     for i, tool in enumerate(tools):
         function = tool["function"]
-        schema = function.get("parameters") or {"type": "object"}
-        arguments = converter.visit(converter.resolve_refs(schema, ""), f"tool-{i}-arguments")
+        schema = _own_definitions(function.get("parameters") or {"type": "object"}, f"t{i}-")
+        try:
+            arguments = converter.visit(converter.resolve_refs(schema, ""), f"tool-{i}-arguments")
+        except Exception as exc:  # noqa: BLE001 - the converter raises what it meets (asserts, ValueError)
+            raise ApiError(f"tools[{i}].function.parameters: cannot be turned into a grammar ({type(exc).__name__}: {exc})") from None
         if form == "k3":
             opening = json.dumps(f'<|open|>call tool="{function["name"]}" index="')
             middle = json.dumps('"<|sep|><|open|>json type="object"<|sep|>')
@@ -110,13 +136,13 @@ def calls_grammar(tools: list[dict], choice: str | dict, form: str = "k2") -> st
         else:
             literal = json.dumps(f"{CALL_BEGIN}functions.{function['name']}:")
             calls.append(f"{literal} [0-9] [0-9]? {json.dumps(ARGUMENT_BEGIN)} {arguments} {json.dumps(CALL_END)}")
-    converter._add_rule("tool-call", " | ".join(f"( {c} )" for c in calls))
-    repeat = "" if isinstance(choice, dict) else "+"
+    call = converter._add_rule("tool-call", " | ".join(f"( {c} )" for c in calls))  # its name: a schema may have taken "tool-call"
+    repeat = "+" if several and not isinstance(choice, dict) else ""
     if form == "k3":
         preamble = f'{json.dumps("<|close|>think<|sep|>")}? {json.dumps("<|open|>response<|sep|><|close|>response<|sep|>")}?'
-        converter._add_rule("root", f"{preamble} {json.dumps(K3_TOOLS_OPEN)} tool-call{repeat} {json.dumps(K3_TOOLS_CLOSE)}")
+        converter._rules["root"] = f"{preamble} {json.dumps(K3_TOOLS_OPEN)} {call}{repeat} {json.dumps(K3_TOOLS_CLOSE)}"
     else:
-        converter._add_rule("root", f"{json.dumps(SECTION_BEGIN)} tool-call{repeat} {json.dumps(SECTION_END)}")
+        converter._rules["root"] = f"{json.dumps(SECTION_BEGIN)} {call}{repeat} {json.dumps(SECTION_END)}"
     return converter.format_grammar()
 
 
@@ -141,12 +167,23 @@ def _unescape(value: str) -> str:
     return value.replace("&quot;", '"').replace("&amp;", "&")
 
 
+def k3_content(text: str) -> str:
+    """What a Kimi K3 reply says to the user: its response part, without the think part and
+    the tags (the whole text when it has neither)."""
+    response = _K3_RESPONSE.search(text)
+    if response is not None:
+        return response.group(1)
+    closed = text.find("<|close|>think<|sep|>")
+    if closed != -1:
+        text = text[closed + len("<|close|>think<|sep|>"):]
+    return text.split("<|open|>response<|sep|>", 1)[-1]
+
+
 def _read_k3(text: str) -> tuple[str, list[dict]]:
     at = text.find(K3_TOOLS_OPEN)
     if at == -1:
-        return text, []
-    response = _K3_RESPONSE.search(text[:at])
-    content = response.group(1) if response else text[:at]
+        return k3_content(text), []
+    content = k3_content(text[:at])
     calls = []
     for name, index, body in _K3_CALL.findall(text[at:]):
         name = _unescape(name)
