@@ -291,3 +291,19 @@ def test_a_kimi_k2_slice_keeps_its_real_widths(tok):
     assert spec.kv_value("deepseek2.expert_used_count") == 8 and spec.kv_value("deepseek2.embedding_length") == 7168
     experts = [t for t in spec.tensors if t.name.startswith("blk.1.") and "_exps." in t.name]
     assert sum(t.n_bytes for t in experts) // 16 == 3 * 7168 * 2048 // 32 * 20  # Q4_1: 20 bytes per 32 weights
+
+
+def test_verify_names_a_file_of_a_set_that_is_not_where_its_name_says(tmp_path, tok, capsys):
+    from kimitui.cli import main
+
+    spec = synth.plan_dense(100 * MIB, "q4_1", tok)
+    paths = synth.write_model(spec, tmp_path / "m.gguf", split_size=40 * MIB, progress=False).paths
+    assert main(["verify", str(paths[1])]) == 0
+    assert "all 3 files good" in capsys.readouterr().out
+    swap = tmp_path / "swap"
+    paths[1].rename(swap)
+    paths[2].rename(paths[1])
+    swap.rename(paths[2])
+    assert main(["verify", str(paths[0])]) == 1
+    out = capsys.readouterr().out
+    assert f"{paths[1]}: its header says split 3 of 3, its name says 2 of 3 (a file from another set?)" in out, out

@@ -107,6 +107,19 @@ def _remember(key: tuple, info: ModelInfo) -> None:
         pass  # a read-only cache dir costs the next start its header parse, nothing more
 
 
+def check_split_number(reader, file: Path, index: int, n_files: int) -> None:
+    """A file of a split set must carry the split number its name gives (counted from 1 in
+    both): UserError naming it otherwise."""
+    if n_files == 1:
+        return
+    from kimitui.model.gguf_map import field_value
+
+    number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
+    if number != index or count != n_files:
+        shown = number + 1 if isinstance(number, int) else number
+        raise UserError(f"{file}: its header says split {shown} of {count}, its name says {index + 1} of {n_files} (a file from another set?)")
+
+
 def _read_model_info(path: Path) -> ModelInfo:
     from kimitui.model.gguf_map import _open_reader, field_value, split_set, tensor_layout
     from kimitui.model.manifest import quick_check
@@ -118,13 +131,7 @@ def _read_model_info(path: Path) -> ModelInfo:
         reader = _open_reader(file)  # header only: one line naming the file on damage
         size = os.path.getsize(file)
         file_bytes += size
-        if len(files) > 1:
-            number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
-            if number != index or count != len(files):
-                raise UserError(
-                    f"{file}: its header says split {number} of {count}, its name says {index} of "
-                    f"{len(files)} (a file from another set?)"
-                )
+        check_split_number(reader, file, index, len(files))
         for _name, _type, _shape, n_bytes, _offset in tensor_layout(reader, file, size):
             tensor_bytes += n_bytes
             n_tensors += 1

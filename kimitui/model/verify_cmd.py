@@ -128,6 +128,7 @@ def verify_gguf(path: Path) -> StructureResult:
     """The structural check of a GGUF or split set without a manifest (see the module's doc)."""
     import time
 
+    from kimitui.model.gguf_file import check_split_number
     from kimitui.model.gguf_map import _open_reader, field_value, split_set, tensor_layout
 
     started = time.perf_counter()
@@ -139,15 +140,9 @@ def verify_gguf(path: Path) -> StructureResult:
         try:
             reader = _open_reader(file)
             size = os.path.getsize(file)
-            if len(files) > 1:
-                number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
-                if number != index or count != len(files):
-                    raise UserError(
-                        f"its header says split {number + 1 if number is not None else None} of {count}, its name says "
-                        f"{index + 1} of {len(files)} (a file from another set?)"
-                    )
-                if index == 0:
-                    expected = field_value(reader, "split.tensors.count")
+            check_split_number(reader, file, index, len(files))
+            if len(files) > 1 and index == 0:
+                expected = field_value(reader, "split.tensors.count")
             layout = list(tensor_layout(reader, file, size))
             fd = os.open(file, os.O_RDONLY)
             try:
