@@ -48,6 +48,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "temperature": Key("float", 0.7, 0.0, 5.0),
         "top_p": Key("float", 0.95, 0.0, 1.0),
         "max_tokens": Key("int", 512, 1, 1 << 20),
+        "seed": Key("int", -1, -1, 0xFFFFFFFF),
         "system_prompt": Key("str", "You are a helpful assistant."),
     },
     "engine": {

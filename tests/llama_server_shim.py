@@ -13,6 +13,7 @@ VALUE_FLAGS = {
     "--host": "--host", "--port": "--port", "--ctx-size": "--n-ctx", "-c": "--n-ctx", "--threads": "--threads",
     "-t": "--threads", "--api-key": "--api-key", "--n-predict": "--max-n-predict", "-n": "--max-n-predict",
     "--alias": "--alias", "--cors-origins": "--cors-origins", "--chat-template-file": "--chat-template-file",
+    "--seed": "--seed", "-s": "--seed",
 }
 
 

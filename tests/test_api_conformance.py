@@ -160,3 +160,23 @@ def test_apply_template_and_the_localhost_origin_entry(served):
         assert origin_allowed(origin, local), origin
     for origin in ("http://localhost.evil.com", "http://notlocalhost", "http://evil.com", "http://127.0.0.2"):
         assert not origin_allowed(origin, local), origin
+
+
+def test_slots_and_a_configured_seed(served, tmp_path):
+    from kimitui.config import load_settings
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import ServerThread, bind_socket
+
+    slots = httpx.get(served.url + "/slots", timeout=TIMEOUT).json()
+    assert slots == [{"id": 0, "n_ctx": served.engine.n_ctx, "is_processing": False}]
+    config = tmp_path / "seeded.toml"
+    config.write_text("[sampling]\nseed = 1234\ntemperature = 1.0\n[server]\nmax_n_predict = 200\n")
+    seeded = ServerThread(create_app(served.engine, load_settings(config, explicit=True)), bind_socket("127.0.0.1", 0)).start()
+    try:
+        ask = {"prompt": "Once upon a time", "n_predict": 12}
+        replies = [httpx.post(seeded.url + "/completion", json=ask, timeout=TIMEOUT).json() for _ in range(2)]
+        assert replies[0]["content"] == replies[1]["content"] and replies[0]["generation_settings"]["seed"] == 1234
+        other = httpx.post(seeded.url + "/completion", json={**ask, "seed": 99}, timeout=TIMEOUT).json()
+        assert other["generation_settings"]["seed"] == 99
+    finally:
+        seeded.stop()

@@ -405,7 +405,10 @@ class Api:
         self.limits = Limits(
             max_n_predict=cap,
             default_n_predict=min(settings["sampling.max_tokens"], cap),
-            defaults=Sampling(temperature=settings["sampling.temperature"], top_p=settings["sampling.top_p"]),
+            defaults=Sampling(
+                temperature=settings["sampling.temperature"], top_p=settings["sampling.top_p"],
+                seed=None if settings["sampling.seed"] == -1 else settings["sampling.seed"],
+            ),
         )
         # Its own sampler: scraping must not disturb the rates and history the TUI's sampler keeps.
         self.sampler = Sampler(engine.metrics, model_path=engine.model_path)
@@ -702,6 +705,12 @@ class Api:
         ids = token_ids(fields.body["tokens"], "tokens", self.n_vocab)
         return JSONResponse({"content": await run_in_threadpool(self.engine.detokenize, ids)})
 
+    async def slots(self, request: Request) -> Response:
+        """llama-server's /slots, for its one slot: whether a reply is being computed."""
+        self.require_ready()
+        processing, _ = self.queue()
+        return JSONResponse([{"id": 0, "n_ctx": self.engine.n_ctx, "is_processing": processing > 0}])
+
     async def props(self, request: Request) -> Response:
         self.require_ready()
         processing, deferred = self.queue()
@@ -986,6 +995,7 @@ def create_app(
         Route("/detokenize", api.detokenize, methods=post),
         Route("/apply-template", api.apply_template, methods=post),
         Route("/props", api.props, methods=get),
+        Route("/slots", api.slots, methods=get),
         Route("/metrics", api.metrics, methods=get),
         Route("/v1/models", api.models, methods=get),
         Route("/v1/completions", api.openai_completions, methods=post),

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     parser.add_argument("--max-n-predict", help="most tokens one request may ask for")
     parser.add_argument("--max-body", help="largest request body, e.g. 1MiB")
+    parser.add_argument("--seed", help="the sampler's seed when a request gives none (default -1: a new one every reply)")
     parser.add_argument("--chat-template-file", help="a Jinja chat template used instead of the model's own")
     parser.add_argument("--alias", help="the model's name in replies and /v1/models (default: its file name)")
     parser.add_argument(
@@ -48,6 +49,7 @@ def resolve(args: argparse.Namespace):
         ("server.max_body", "--max-body", args.max_body),
         ("server.alias", "--alias", args.alias),
         ("model.chat_template_file", "--chat-template-file", args.chat_template_file),
+        ("sampling.seed", "--seed", args.seed),
     )
     if args.cors_origins is not None:
         settings["server.cors_origins"] = [o.strip() for o in args.cors_origins.split(",") if o.strip()]

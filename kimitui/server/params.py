@@ -239,7 +239,7 @@ def sampling_from(fields: Fields, limits: Limits, *, openai: bool, n_vocab: int,
         # llama-server: -1 means "until the context is full"; here, until the configured cap.
         n_predict = _token_limit(fields, "n_predict", limits.default_n_predict, -1, cap)
         max_tokens = cap if n_predict == -1 else n_predict
-    seed = fields.integer("seed", -1, *SEED)
+    seed = fields.integer("seed", -1 if d.seed is None else d.seed, *SEED)
     grammar, _ = grammar_of(fields)
     return Sampling(
         temperature=fields.number("temperature", d.temperature, *TEMPERATURE),

@@ -128,6 +128,7 @@ class KimituiApp(App[int]):
             temperature=settings["sampling.temperature"],
             top_p=settings["sampling.top_p"],
             max_tokens=settings["sampling.max_tokens"],
+            seed=None if settings["sampling.seed"] == -1 else settings["sampling.seed"],
         )
         self.system_prompt: str = settings["sampling.system_prompt"]
         self.store = HistoryStore(data_dir() / "history.sqlite3")
