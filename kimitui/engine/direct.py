@@ -568,8 +568,10 @@ class DirectPlacer:
             with self._lock:
                 self._placed[(file, offset)] = entry
             raise
-        if c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
-            err = ctypes.get_errno()
+        try:
+            self._map_file(file, offset, length)
+        except OSError as exc:
+            err = exc.errno
             # A hole the failed mmap left is filled with the file (OSError if another took it).
             self._refill(file, offset, length, err)
             if self._file_maps(file, target):
