@@ -49,6 +49,14 @@ log = logging.getLogger("kimitui.server")
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 FINGERPRINT = f"b{__version__}-kimitui"  # OpenAI's system_fingerprint; llama-server's start with "b"
 QUEUE_HEADER = "X-Queue-Position"
+# llama-server's fields kimitui does not offer: (name, the values that mean "off", why).
+NOT_OFFERED = (
+    ("post_sampling_probs", (False,), "probabilities are reported before sampling (the logits, bias applied)"),
+    ("return_progress", (False,), "prompt progress is not streamed (one micro-batch at a time is all there is)"),
+    ("lora", ([],), "kimitui loads no LoRA adapters"),
+    ("id_slot", (-1, 0), "kimitui has one slot"),
+    ("mirostat", (0,), "mirostat sampling is not offered"),
+)
 
 
 TOO_LARGE = "request body too large"
@@ -208,9 +216,9 @@ def chat_logprobs(engine: Engine, events: list[TokenEvent], n_top: int) -> dict:
     return {"content": content, "refusal": None}
 
 
-def text_logprobs(engine: Engine, events: list[TokenEvent], n_top: int, offset: int = 0) -> dict:
+def text_logprobs(engine: Engine, events: list[TokenEvent], n_top: int) -> dict:
     """OpenAI completions' logprobs: parallel lists, the alternatives as {token: logprob}."""
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
     for entry in native_probs(engine, events):
         offsets.append(offset)
         offset += len(entry["token"])
@@ -494,19 +502,8 @@ class Api:
     def refuse(fields: Fields) -> None:
         """What is deliberately not offered: a 400 naming the field, never silently ignored
         (the README lists them)."""
-        reasons = {
-            "post_sampling_probs": "probabilities are reported before sampling (the logits, bias applied)",
-            "return_progress": "prompt progress is not streamed (one micro-batch at a time is all there is)",
-            "lora": "kimitui loads no LoRA adapters",
-            "id_slot": "kimitui has one slot",
-            "mirostat": "mirostat sampling is not offered",
-        }
-        falsy = {"post_sampling_probs": False, "return_progress": False,
-                 "lora": [], "id_slot": -1, "mirostat": 0}
-        for name, reason in reasons.items():
-            value = fields.body.get(name)
-            if value is not None and value != falsy[name] and not (name == "id_slot" and value == 0):
-                raise ApiError(f"{name}: not supported by kimitui ({reason})")
+        for name, off, why in NOT_OFFERED:
+            fields.unsupported(name, *off, why=why)
 
     def start(self, request: Request, tokens: list[int], sampling: Sampling) -> tuple[Generation, dict]:
         generation = self.engine.complete(tokens, sampling)
@@ -539,6 +536,19 @@ class Api:
             raise _engine_error(generation, exc) from None
         finally:
             self.account(request, generation.result)
+
+    async def decode_each(self, request: Request, asked: list[list[int]], sampling_for) -> tuple[list[tuple[Generation, list[TokenEvent]]], dict] | None:
+        """Each reply of a non-streamed request, one after the other: (generation, events) for
+        each entry of ``asked`` (prompt tokens) and the last one's headers; None when the client
+        left first."""
+        replies, headers = [], {}
+        for index, tokens in enumerate(asked):
+            generation, headers = self.start(request, tokens, sampling_for(index))
+            events = await self.collect(request, generation)
+            if events is None:
+                return None
+            replies.append((generation, events))
+        return replies, headers
 
     @staticmethod
     def account(request: Request, result: GenerationResult) -> None:
@@ -627,22 +637,18 @@ class Api:
             return only_fields(body, wanted) if wanted else body  # [] asks for everything, as in llama-server
 
         if not stream:
-            bodies, headers = [], {}
-            for index, tokens in enumerate(token_lists):
-                generation, headers = self.start(request, tokens, sampling)
-                events = await self.collect(request, generation)
-                if events is None:
-                    return Response(status_code=499)
-                bodies.append(final(index, prompts[index], generation, events, generation.result.text))
+            done = await self.decode_each(request, token_lists, lambda _: sampling)
+            if done is None:
+                return Response(status_code=499)
+            replies, headers = done
+            bodies = [final(i, prompts[i], generation, events, generation.result.text) for i, (generation, events) in enumerate(replies)]
             return JSONResponse(bodies[0] if len(bodies) == 1 else bodies, headers=headers)
 
-        generations = []
         first, headers = self.start(request, token_lists[0], sampling)
 
         async def sse() -> AsyncIterator[str]:
             for index, tokens in enumerate(token_lists):
                 generation = first if index == 0 else self.start(request, tokens, sampling)[0]
-                generations.append(generation)
                 events: list[TokenEvent] = []
                 try:
                     async for event in run_generation(generation):
@@ -816,12 +822,10 @@ class Api:
     async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool, per_prompt: int) -> Response:
         """A streamed reply that may call tools: each choice is decoded whole (its calls are
         known only at its end), then sent as OpenAI's chunks: role, content, one chunk per call."""
-        replies, headers = [], {}
-        for index, tokens in enumerate(asked):
-            generation, headers = self.start(request, tokens, sampling_for(index))
-            if await self.collect(request, generation) is None:
-                return Response(status_code=499)
-            replies.append(generation.result)
+        done = await self.decode_each(request, asked, sampling_for)
+        if done is None:
+            return Response(status_code=499)
+        replies, headers = [generation.result for generation, _ in done[0]], done[1]
         extra = {"usage": None} if include_usage else {}
 
         def chunk(index: int, delta: dict, finish: str | None = None, **more) -> str:
@@ -894,12 +898,11 @@ class Api:
             return await self._whole_as_stream(request, asked, sampling_for, envelope, message_of, include_usage, per_prompt)
 
         if not stream:
-            choices, results, headers = [], [], {}
-            for index, tokens in enumerate(asked):
-                generation, headers = self.start(request, tokens, sampling_for(index))
-                events = await self.collect(request, generation)
-                if events is None:
-                    return Response(status_code=499)
+            done = await self.decode_each(request, asked, sampling_for)
+            if done is None:
+                return Response(status_code=499)
+            choices, results, headers = [], [], done[1]
+            for index, (generation, events) in enumerate(done[0]):
                 r = generation.result
                 results.append(r)
                 if chat:

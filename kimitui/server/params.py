@@ -128,11 +128,12 @@ class Fields:
         # An empty stop string would end every reply before its first character; nobody means that.
         return tuple(s for s in items if s)
 
-    def unsupported(self, name: str, allowed: Any) -> None:
-        """Refuse a feature we do not implement rather than silently ignoring it."""
+    def unsupported(self, name: str, *allowed: Any, why: str | None = None) -> None:
+        """Refuse a feature we do not implement rather than silently ignoring it: any value but
+        ``allowed`` (what means "off") is a 400 saying ``why`` (else which value is taken)."""
         value = self.body.get(name)
-        if value is not None and value != allowed:
-            raise ApiError(f"{name}: not supported by kimitui (only {json.dumps(allowed)})")
+        if value is not None and value not in allowed:
+            raise ApiError(f"{name}: not supported by kimitui ({why or 'only ' + json.dumps(allowed[0])})")
 
 
 def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float]:
