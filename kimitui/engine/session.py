@@ -181,6 +181,7 @@ def _ggml_base(llama_library: str):
 # The node that holds the token embeddings, computed before layer 0: most graphs name it
 # "embd" (build_inp_embd); kimi-k3 renames that same node "inp_embd".
 LAYER_ZERO_NODES = (b"embd", b"inp_embd")
+WATCHED_NODES = (b"l_out-", b"ffn_moe_topk-")  # each followed by its layer number (their one "-")
 
 
 def _numbered(name: bytes, prefix: bytes) -> int | None:
@@ -688,7 +689,8 @@ class Engine:
             # Only the nodes themselves, never views of them: ggml names a view of l_out-5
             # "l_out-5 (reshaped)" (K3's residual attention makes one at each block boundary).
             if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
-                if name in LAYER_ZERO_NODES or _numbered(name, b"l_out-") is not None or _numbered(name, b"ffn_moe_topk-") is not None:
+                # Every node passes here: one builtin test first, the digits only for the few that match.
+                if name in LAYER_ZERO_NODES or (name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit()):
                     return True
                 # With router look-ahead, also each MoE layer's FFN input.
                 streamer = self.streamer
