@@ -34,8 +34,8 @@ tmpfs the cache is the file itself and stays): one more copy than a direct read,
 compute uses are still anonymous memory, so a file cut short (a USB cable bumped) cannot SIGBUS
 compute, and resident memory is still what the budget counts.
 
-Darwin/iOS has neither O_DIRECT nor mremap: the engine reads through the unified buffer cache
-there, and no placer is made.
+Darwin/iOS has neither O_DIRECT nor mremap: darwin_placer.py does the same there with
+F_NOCACHE and mach_vm_remap.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
+from kimitui.engine.platform import is_darwin
+
 HOOKED = ("mmap", "posix_madvise", "posix_fadvise")
 
 MAP_POPULATE = 0x8000 if sys.platform.startswith("linux") else 0
@@ -211,7 +213,7 @@ def _fd_path(fd: int) -> str:
             return os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             return f"fd:{fd}"
-    if sys.platform == "darwin":
+    if is_darwin():
         import fcntl
 
         F_GETPATH = 50
@@ -343,7 +345,7 @@ def rebind(
     if finder is None:
         if platform.startswith("linux"):
             finder, base_address = CachedSlotFinder(ElfSlotFinder(), default_slot_cache()), base_address or _elf_base_address
-        elif platform == "darwin":
+        elif is_darwin(platform):
             from kimitui.engine.macho import MachOSlotFinder, macho_base_address
 
             finder, base_address = MachOSlotFinder(), base_address or macho_base_address

@@ -12,6 +12,7 @@ import ctypes
 import platform
 import struct
 from pathlib import Path
+from typing import Callable
 
 from kimitui.engine.loadhooks import HookUnavailable, Slot
 
@@ -25,30 +26,67 @@ S_LAZY_SYMBOL_POINTERS = 0x7
 INDIRECT_SYMBOL_LOCAL = 0x80000000
 INDIRECT_SYMBOL_ABS = 0x40000000
 CPU_TYPES = {"arm64": 0x0100000C, "x86_64": 0x01000007}
+CPU_TYPE_ARM64 = CPU_TYPES["arm64"]
+CPU_SUBTYPE_MASK = 0xFF000000  # capability bits (arm64e's pointer-auth ABI version), not the slice's kind
+CPU_SUBTYPE_ARM64E = 2
 
 
-def _thin_image(data: bytes, machine: str) -> bytes:
+def _slice_kind(cputype: int, cpusubtype: int) -> tuple[int, int]:
+    return cputype, cpusubtype & ~CPU_SUBTYPE_MASK & 0xFFFFFFFF
+
+
+def loaded_header(base_address: int) -> tuple[int, int] | None:
+    """(cputype, cpusubtype) of the Mach-O header the loader mapped at ``base_address``: the
+    slice of a universal library that is really running. None where no header is there."""
+    magic, cputype, cpusubtype = struct.unpack("<Iii", ctypes.string_at(base_address, 12))
+    return (cputype & 0xFFFFFFFF, cpusubtype & 0xFFFFFFFF) if magic == MH_MAGIC_64 else None
+
+
+def _thin_image(data: bytes, running: tuple[int, int] | None, machine: str) -> bytes:
+    """The slice of ``data`` the process runs: the one whose kind matches the loaded header
+    (a library with arm64 and arm64e slices has two of CPU type arm64), else by machine name."""
     (magic,) = struct.unpack_from(">I", data, 0)
     if magic != FAT_MAGIC:
         return data
     (count,) = struct.unpack_from(">I", data, 4)
-    wanted = CPU_TYPES.get(machine)
-    for i in range(count):
-        cputype, _sub, offset, size, _align = struct.unpack_from(">iiIII", data, 8 + i * 20)
-        if cputype == wanted:
+    slices = [struct.unpack_from(">IIIII", data, 8 + i * 20) for i in range(count)]
+    if running is not None:
+        wanted = _slice_kind(*running)
+        for cputype, cpusubtype, offset, size, _align in slices:
+            if _slice_kind(cputype, cpusubtype) == wanted:
+                return data[offset : offset + size]
+        raise HookUnavailable(f"the universal library has no slice of the running kind (CPU type {wanted[0]:#x}, subtype {wanted[1]})")
+    for cputype, cpusubtype, offset, size, _align in slices:
+        if cputype == CPU_TYPES.get(machine) and _slice_kind(cputype, cpusubtype)[1] != CPU_SUBTYPE_ARM64E:
             return data[offset : offset + size]
     raise HookUnavailable(f"the universal library has no {machine} slice")
 
 
 class MachOSlotFinder:
-    def __init__(self, machine: str | None = None) -> None:
+    """``header_at`` reads the running image's header (injected by tests: their "loaded image"
+    is a buffer of their own)."""
+
+    def __init__(self, machine: str | None = None, header_at: Callable[[int], tuple[int, int] | None] = loaded_header) -> None:
         self.machine = machine or platform.machine()
+        self._header_at = header_at
 
     def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]:
         try:
-            image = _thin_image(library_path.read_bytes(), self.machine)
+            data = library_path.read_bytes()
         except OSError as exc:
             raise HookUnavailable(f"cannot read {library_path.name}: {exc.strerror}") from None
+        universal = len(data) >= 8 and struct.unpack_from(">I", data, 0)[0] == FAT_MAGIC
+        image = _thin_image(data, self._header_at(base_address) if universal else None, self.machine)
+        if len(image) >= 12 and struct.unpack_from("<I", image, 0)[0] == MH_MAGIC_64:
+            kind = _slice_kind(*struct.unpack_from("<II", image, 4))
+            if kind == (CPU_TYPE_ARM64, CPU_SUBTYPE_ARM64E):
+                # Its imports sit in __auth_got, each pointer signed with a key of this process
+                # and its own address: a plain address written there fails authentication at the
+                # first call, and Python cannot sign one.
+                raise HookUnavailable(
+                    f"{library_path.name} runs as arm64e, whose imported pointers are PAC-signed and cannot be "
+                    "rebound; build llama-cpp-python for arm64 (CMAKE_ARGS=-DCMAKE_OSX_ARCHITECTURES=arm64)"
+                )
         if len(image) < 32 or struct.unpack_from("<I", image, 0)[0] != MH_MAGIC_64:
             raise HookUnavailable(f"{library_path.name} is not a 64-bit Mach-O image")
         ncmds = struct.unpack_from("<I", image, 16)[0]

@@ -1,7 +1,10 @@
-"""How much memory this process may really use: MemAvailable capped by any cgroup limit.
+"""How much memory this process may really use: MemAvailable capped by any cgroup limit, and on
+iOS by jetsam's limit for this process.
 
 MemAvailable alone ignores container and cgroup limits, which is how naive sizing gets a
-process OOM-killed; both cgroup v1 and v2 files are read where present.
+process OOM-killed; both cgroup v1 and v2 files are read where present. On iOS the system's free
+memory is not what kills a process: jetsam does, at a per-process limit far below the phone's
+RAM, and libSystem says how far off it is (``os_proc_available_memory``, iOS 13 and later).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import ctypes
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -68,12 +72,29 @@ def cgroup_headroom(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/
     return best
 
 
+def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None) -> int | None:
+    """Bytes this process may still take before jetsam kills it (iOS); None elsewhere, or where
+    libSystem has no answer (it returns 0 for a process jetsam does not limit)."""
+    if platform != "ios":
+        return None
+    try:
+        call = (libsystem or (lambda: ctypes.CDLL(None)))().os_proc_available_memory
+    except (OSError, AttributeError):
+        return None
+    call.restype, call.argtypes = ctypes.c_size_t, ()
+    room = int(call())
+    return room or None
+
+
 def available_memory() -> int:
     avail = int(psutil.virtual_memory().available)
     cg = cgroup_headroom()
     if cg is not None:
         limit, usage = cg
         avail = min(avail, max(0, limit - usage))
+    jetsam = jetsam_headroom()
+    if jetsam is not None:
+        avail = min(avail, jetsam)
     return avail
 
 

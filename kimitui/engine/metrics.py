@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import psutil
 
+from kimitui.engine.platform import is_darwin
+
 HISTORY_SAMPLES = 120
 
 
@@ -68,6 +70,9 @@ class EngineMetrics:
         self.model_resident_source: Callable[[], int | None] | None = None
         # Set when routed experts stream: (routing counts [layer][expert], hit rate per layer).
         self.experts_source: Callable[[], tuple[list[list[int]], list[float | None]]] | None = None
+        # Set by the engine: the model bytes it has read itself (pinned set, shards, experts).
+        # What the SSD panel shows where the OS keeps no per-process I/O counters (iOS, macOS).
+        self.engine_read_source: Callable[[], int] | None = None
         self._request_start: float | None = None
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -160,6 +165,9 @@ class Snapshot:
     # every disk holding a model file, in file order, and its read rate (bytes/s; None until
     # two samples): a split set spread over drives shows each drive
     disk_rates: dict[str, float | None] = field(default_factory=dict)
+    # Who counted process_read_bytes: "process" (the OS's per-process counters), "engine" (the
+    # engine's own reads, where the OS keeps no such counters), or None (neither).
+    read_counted_by: str | None = "process"
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -172,7 +180,7 @@ class Snapshot:
 def _peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, Darwin bytes.
-    return peak if sys.platform == "darwin" else peak * 1024
+    return peak if is_darwin() else peak * 1024
 
 
 def linux_block_device_of(path: Path, sys_root: Path = Path("/sys")) -> str | None:
@@ -249,11 +257,15 @@ class Sampler:
         self.latest: Snapshot | None = None
         self._process.cpu_percent(None)  # first call primes psutil's CPU delta
 
-    def _read_bytes(self) -> int | None:
+    def _read_bytes(self) -> tuple[int | None, str | None]:
+        """(bytes read, who counted them): the OS's count for the process where it keeps one,
+        else the engine's own count of the model bytes it read (psutil has no per-process I/O
+        counters on Darwin, and iOS shows none to anyone)."""
         try:
-            return int(self._process.io_counters().read_bytes)
+            return int(self._process.io_counters().read_bytes), "process"
         except (AttributeError, psutil.Error, NotImplementedError):
-            return None  # psutil has no per-process I/O counters on Darwin
+            source = self.metrics.engine_read_source
+            return (source(), "engine") if source is not None else (None, None)
 
     def _disk_read_bytes(self) -> dict[str, int | None]:
         if not self._disks:
@@ -265,7 +277,7 @@ class Sampler:
         now = time.monotonic()
         rss = int(self._process.memory_info().rss)
         self._peak_seen = max(self._peak_seen, rss, _peak_rss_bytes() if self._process.pid == os.getpid() else 0)
-        read_bytes = self._read_bytes()
+        read_bytes, read_counted_by = self._read_bytes()
         disk_bytes = self._disk_read_bytes()
         proc_rate = None
         disk_rates: dict[str, float | None] = dict.fromkeys(self._disks)
@@ -307,6 +319,7 @@ class Sampler:
             rss_history=list(self._rss_history),
             read_rate_history=list(self._rate_history),
             disk_rates=disk_rates,
+            read_counted_by=read_counted_by,
             model_rss_bytes=self.metrics.model_resident_source() if self.metrics.model_resident_source else None,
             residency=self.metrics.residency_source() if self.metrics.residency_source else None,
             experts=self.metrics.experts_source() if self.metrics.experts_source else None,

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimitui.engine.platform import MADV_DONTNEED
+from kimitui.engine.platform import LIBC_NAME, MADV_DONTNEED
 from kimitui.model.gguf_map import ByteRange, ModelMap, Shard, merge_ranges
 
 CHUNK_BYTES = 4 * 2**20
@@ -166,7 +166,7 @@ class ParallelReader:
 
 
 def _libc() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libc.so.6" if sys.platform.startswith("linux") else None, use_errno=True)
+    lib = ctypes.CDLL(LIBC_NAME, use_errno=True)
     lib.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     lib.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

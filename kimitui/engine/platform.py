@@ -4,8 +4,9 @@ Linux: positional reads populate the page cache that the model's mapping shares;
 streamed range is MADV_DONTNEED on our mapping plus POSIX_FADV_DONTNEED on the file.
 Darwin/iOS (no O_DIRECT, no posix_fadvise, no /proc): the same positional reads, F_RDADVISE
 to start read-ahead, and dropping with MADV_DONTNEED then msync(MS_INVALIDATE), which releases
-the cached pages of a clean file range. The syscall layer is injectable so the Darwin path is
-tested on Linux.
+the cached pages of a clean file range; where the placer is made (darwin_placer.py) streamed
+bytes skip the cache altogether. The syscall layer is injectable so the Darwin path is tested
+on Linux. The limits a process meets there (descriptors, address space) are checked here too.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import resource
 import struct
 import sys
-from typing import Protocol
+from typing import Callable, Protocol
 
 MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range in, reading what is missing, no copy
@@ -27,6 +29,15 @@ F_RDAHEAD = 45  # Darwin fcntl: read-ahead on (1) or off (0) for this descriptor
 MS_INVALIDATE = 2  # Darwin msync flag
 
 
+def is_darwin(platform: str = sys.platform) -> bool:
+    """Apple's kernel under either of Python's names for it: "darwin" on macOS, "ios" on iOS
+    (CPython 3.13 and later, PEP 730). Everything the engine does on macOS applies there."""
+    return platform in ("darwin", "ios")
+
+
+LIBC_NAME = "libc.so.6" if sys.platform.startswith("linux") else None  # None: the process's own symbols (libSystem)
+
+
 class Syscalls(Protocol):
     def madvise(self, address: int, length: int, advice: int) -> int: ...
     def msync(self, address: int, length: int, flags: int) -> int: ...
@@ -36,7 +47,7 @@ class Syscalls(Protocol):
 
 class LibcSyscalls:
     def __init__(self) -> None:
-        self._libc = ctypes.CDLL("libc.so.6" if sys.platform.startswith("linux") else None, use_errno=True)
+        self._libc = ctypes.CDLL(LIBC_NAME, use_errno=True)
         self._libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         self._libc.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
@@ -90,24 +101,32 @@ class PlatformIO:
         raise OSError(err, os.strerror(err))
 
     def placer(self, paths, addresses: dict[int, int], fds: dict[int, int], capacity: int):
-        """Direct reads moved into the mapping (Linux, see direct.py); None elsewhere."""
-        if not self.platform.startswith("linux") or not capacity:
+        """Reads that bypass the page cache into anonymous memory at the mapping: O_DIRECT and
+        mremap on Linux (direct.py), F_NOCACHE and mach_vm_remap on Darwin (darwin_placer.py);
+        None elsewhere, or where this system cannot (the engine then reads through the cache)."""
+        if not capacity:
             return None
-        from kimitui.engine.direct import DirectPlacer
+        if self.platform.startswith("linux"):
+            from kimitui.engine.direct import DirectPlacer
 
-        return DirectPlacer.create([str(p) for p in paths], addresses, fds, capacity)
+            return DirectPlacer.create([str(p) for p in paths], addresses, fds, capacity)
+        if is_darwin(self.platform):
+            from kimitui.engine.darwin_placer import DarwinPlacer
+
+            return DarwinPlacer.create([str(p) for p in paths], addresses, fds, capacity)
+        return None
 
     def exact_reads(self, fd: int) -> None:
         """Reads on ``fd`` fetch what they ask for and no more: the kernel's read-ahead (8 MiB
         per read on some disks) would turn a 60 KiB expert slice into megabytes of waste."""
-        if self.platform == "darwin":
+        if is_darwin(self.platform):
             self.sys.fcntl(fd, F_RDAHEAD, 0)
         else:
             self.sys.fadvise(fd, 0, 0, POSIX_FADV_RANDOM)
 
     def advise_read(self, fd: int, offset: int, length: int) -> None:
         """Start the kernel reading a range without waiting (Darwin's F_RDADVISE)."""
-        if self.platform == "darwin":
+        if is_darwin(self.platform):
             self.sys.fcntl(fd, F_RDADVISE, struct.pack("qi4x", offset, min(length, 2**31 - 1)))
 
     def unmap_page(self, address: int) -> None:
@@ -118,7 +137,7 @@ class PlatformIO:
     def uncache(self, fd: int, offset: int, length: int) -> None:
         """Whole pages of a file out of the page cache, where the OS can be asked (not Darwin:
         its drop invalidates through the mapping)."""
-        if self.platform != "darwin":
+        if not is_darwin(self.platform):
             self.sys.fadvise(fd, offset, length, POSIX_FADV_DONTNEED)
 
     def drop(self, fd: int, mapping_address: int, offset: int, length: int) -> None:
@@ -128,7 +147,7 @@ class PlatformIO:
         if size and self.sys.madvise(start, size, MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise(MADV_DONTNEED) of {size} bytes: {os.strerror(err)}")
-        if self.platform == "darwin":
+        if is_darwin(self.platform):
             if size and self.sys.msync(start, size, MS_INVALIDATE) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"msync(MS_INVALIDATE) of {size} bytes: {os.strerror(err)}")
@@ -136,3 +155,114 @@ class PlatformIO:
             file_start, file_size = _inward(offset, length, self.page)
             if file_size:
                 self.sys.fadvise(fd, file_start, file_size, POSIX_FADV_DONTNEED)
+
+
+# -- what a process may hold: descriptors and address space ---------------------------------
+
+DARWIN_OPEN_MAX = 10240  # Darwin's setrlimit refuses a descriptor soft limit above OPEN_MAX
+
+
+def descriptors_needed(n_files: int) -> int:
+    """Descriptors a model of ``n_files`` files keeps open: llama.cpp's own, the mapping's
+    duplicate the load hooks keep, and a direct-read one per file, plus the interpreter's,
+    the UI's, the HTTP server's and the trace's."""
+    return 3 * n_files + 128
+
+
+def raise_descriptor_limit(
+    needed: int,
+    platform: str = sys.platform,
+    getrlimit: Callable[[int], tuple[int, int]] | None = None,
+    setrlimit: Callable[[int, tuple[int, int]], None] | None = None,
+) -> tuple[int, int]:
+    """Raise this process's soft descriptor limit to ``needed`` where it is lower (Darwin's is
+    256 by default: a split set of 85 files would run out). Returns (soft limit now, hard limit);
+    the caller says what to do where the soft limit is still below ``needed``."""
+    getrlimit, setrlimit = getrlimit or resource.getrlimit, setrlimit or resource.setrlimit
+    soft, hard = getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft, hard
+    ceiling = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+    if is_darwin(platform):
+        ceiling = min(ceiling, DARWIN_OPEN_MAX)
+    if ceiling <= soft:
+        return soft, hard
+    try:
+        setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+    except (ValueError, OSError):
+        return soft, hard
+    return ceiling, hard
+
+
+PROT_NONE, MAP_PRIVATE = 0, 0x2
+
+
+def _reserve_flags(platform: str) -> int:
+    if is_darwin(platform):
+        return MAP_PRIVATE | 0x1000 | 0x40  # MAP_ANON | MAP_NORESERVE
+    return MAP_PRIVATE | 0x20 | 0x4000  # MAP_ANONYMOUS | MAP_NORESERVE
+
+
+class AddressSpace(Protocol):
+    def mmap(self, address: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int | None: ...
+    def munmap(self, address: int, length: int) -> int: ...
+
+
+class LibcAddressSpace:
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(LIBC_NAME, use_errno=True)
+        self._mmap, self._munmap = libc.mmap, libc.munmap
+        self._mmap.restype = ctypes.c_void_p
+        self._mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+    def mmap(self, address, length, prot, flags, fd, offset):
+        return self._mmap(address, length, prot, flags, fd, offset)
+
+    def munmap(self, address, length):
+        return self._munmap(address, length)
+
+
+def can_reserve(nbytes: int, platform: str = sys.platform, calls: AddressSpace | None = None) -> bool:
+    """Whether this process can take ``nbytes`` of address space at once, as llama.cpp does when
+    it maps each model file whole: reserved with no access and no memory, then given back. iOS
+    caps a process's address space far below a terabyte unless its binary carries the
+    extended-virtual-addressing entitlement."""
+    calls = calls or LibcAddressSpace()
+    address = calls.mmap(None, nbytes, PROT_NONE, _reserve_flags(platform), -1, 0)
+    if address in (None, 2**64 - 1, -1):  # MAP_FAILED
+        return False
+    calls.munmap(address, nbytes)
+    return True
+
+
+EXTENDED_VA_ENTITLEMENT = "com.apple.developer.kernel.extended-virtual-addressing"
+
+
+def address_space_fix(platform: str = sys.platform, python: str = sys.executable) -> str:
+    """What to do when the model's files cannot all be mapped at once."""
+    if platform == "ios":
+        return (
+            f"sign the interpreter with the {EXTENDED_VA_ENTITLEMENT} entitlement: "
+            f"ldid -S<entitlements.plist> {os.path.realpath(python)} (README, On the iPhone)"
+        )
+    if is_darwin(platform):
+        return "check `ulimit -v` (unlimited is needed for a model larger than memory)"
+    return "check `ulimit -v` and vm.overcommit_memory (0 or 1 maps a model larger than memory)"
+
+
+def model_fits_limits(files: list, total_bytes: int, platform: str = sys.platform, reserve: Callable[[int], bool] | None = None) -> str | None:
+    """One line naming what this process's limits refuse the model, after raising what can be
+    raised; None where both fit. Checked before llama.cpp maps anything: past that, an address
+    space too small is a load that fails with no reason, and too few descriptors a read that
+    fails halfway through a reply."""
+    needed = descriptors_needed(len(files))
+    soft, hard = raise_descriptor_limit(needed, platform)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        return (
+            f"the model's {len(files)} files need about {needed} open descriptors and this process may have "
+            f"{soft} (hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}): run `ulimit -n {needed}` first"
+        )
+    if total_bytes and not (reserve or (lambda n: can_reserve(n, platform)))(total_bytes):
+        return f"this process cannot map the model's {total_bytes / 2**30:.1f} GiB of files at once: {address_space_fix(platform)}"
+    return None

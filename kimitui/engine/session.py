@@ -413,6 +413,7 @@ class Engine:
         self._pin_listener: Callable | None = None
         self._pin_placer = None  # holds the pinned set's anonymous pages (see pin)
         self.pinned_bytes = 0
+        self.pinned_read_bytes = 0  # model bytes the pinned sets read so far (every re-pin adds)
         self.hot_expert_bytes = 0  # of the pinned set: experts earlier runs' heatmap marked hot
         self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
         self.plan = None  # budget.MemoryPlan, once a streamed model is planned
@@ -421,6 +422,7 @@ class Engine:
         self.fit_note: str | None = None  # why n_ctx is smaller than configured, when it is
         self.n_ubatch = n_batch
         self.metrics = metrics or EngineMetrics()
+        self.metrics.engine_read_source = self.model_bytes_read
         self.state = EngineState.EMPTY
         self.load_progress = 0.0
         self.load_s: float | None = None
@@ -439,6 +441,11 @@ class Engine:
         self._in_c = threading.Event()  # the load thread is past its Python imports (see start_loading)
 
     # -- loading -------------------------------------------------------------------------
+
+    def model_bytes_read(self) -> int:
+        """Model bytes the engine itself has read: its pinned sets and what it streamed."""
+        streamer = self.streamer
+        return self.pinned_read_bytes + (streamer.bytes_read if streamer is not None else 0)
 
     def inspect(self) -> ModelInfo:
         """Header checks only (no llama.cpp): raises UserError with one line on a bad file."""
@@ -540,6 +547,12 @@ class Engine:
         )
         if hooks is None and not own_buffers and self.fast_load:
             self.fast_load_note += " (mapped, as it is larger than free memory: a file cut short while it runs crashes the app)"
+        from kimitui.engine.platform import model_fits_limits
+
+        files = self.info.files or (self.model_path,)
+        refused = model_fits_limits(list(files), 0 if own_buffers else sum(os.path.getsize(f) for f in files))
+        if refused:
+            raise EngineError(f"cannot load {self.model_path.name}: {refused}")
         process = psutil.Process()
         rss_before, vms_before = process.memory_info()[:2]
         mark = hooks.mark() if hooks is not None else 0
@@ -589,7 +602,6 @@ class Engine:
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
         llama_log().install()  # from here on llama.cpp's warnings and errors are kept: a failed reply says them
         self.decode_clock.attach(self._llm._ctx)
-        files = self.info.files or (self.model_path,)
         if hooks is not None:
             found = {i: hooks.claim(path, since=mark) for i, path in enumerate(files)}
             hooks.close_unclaimed(mark)
@@ -782,6 +794,7 @@ class Engine:
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
         if placer is not None:
             placer.done_reading()
+        self.pinned_read_bytes += sum(r.length for r in pages)
         self._pin_placer = placer
         if self._abort_load.is_set():
             return

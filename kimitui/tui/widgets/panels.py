@@ -101,8 +101,9 @@ class DiskPanel(Panel):
             disk = "\n".join(f"{name[:8]} {format_rate(rate)}" for name, rate in snap.disk_rates.items())
         else:
             disk = "disk —" if snap.disk_name is None else f"{snap.disk_name} {format_rate(snap.disk_read_rate)}"
+        counted = " (engine)" if snap.read_counted_by == "engine" else ""  # no OS counters (iOS)
         self.body.update(
-            f"read {format_rate(snap.process_read_rate)}\n"
+            f"read{counted} {format_rate(snap.process_read_rate)}\n"
             f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
         )
         self.query_one(Sparkline).data = snap.read_rate_history or [0.0]

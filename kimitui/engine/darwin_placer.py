@@ -1,0 +1,301 @@
+"""Darwin/iOS placement: streamed bytes reach the model's mapping without the unified buffer cache.
+
+Without it, every streamed byte on Darwin is read through the unified buffer cache (UBC) into a
+throwaway buffer, only so that compute's page faults find it cached: per 16 KiB page a cache
+insert, a copy out, later an eviction, and a fault to map it. On paper, per GiB (65,536 pages):
+the copy ~0.05-0.1 s at 10-20 GB/s, the cache's insert and eviction ~0.1 s at ~1.5 us a page,
+the faults ~0.07 s at ~1 us: ~0.2-0.3 s of CPU per GiB, against 1.0-3.3 s per GiB of USB
+transfer at 0.3-1.0 GB/s. On the iPhone's six cores (two fast, four efficiency) the reader
+threads do that work on cores compute does not use, so decode gains little, a few percent;
+on two cores, as on this development machine, it comes straight out of compute (Linux measured
+~0.3 s per GiB of system time there: direct.py). What placement buys on the phone is the
+budget and the cable:
+  - the bytes compute uses are this process's anonymous memory, which jetsam counts and the
+    budget holds, not UBC pages the kernel keeps or drops as it likes;
+  - a drive unplugged mid-reply cannot SIGBUS compute on pages already read.
+
+So each read lands in anonymous memory at its place in llama.cpp's mapping: the range is
+mapped anew (MAP_FIXED, anonymous) and read into with ``pread`` on a descriptor with F_NOCACHE,
+which moves the device's bytes into those pages without the cache. A shared end page, which a
+computing neighbour may read, is read into memory of its own and moved over its place in one
+step with ``mach_vm_remap`` (VM_FLAGS_OVERWRITE), Mach's twin of Linux's mremap; the source is
+then deallocated, so the mapping alone holds the page. Releasing maps the file there again;
+XNU puts the old entries back when an overwriting map fails, so no failure leaves a hole.
+
+There is no pool of pre-faulted buffers, as Linux has: a remap without copy shares the pages
+with the source rather than moving them, so a pooled buffer would need fresh memory after each
+move, and the zero-fill it meant to save is paid anyway; Darwin gives anonymous memory no huge
+pages for the move to keep whole either.
+
+A read that fails leaves its range as zeroed anonymous memory, recorded, until it is released:
+a node that runs on after the abort reads zeros, never the file (on a cut drive, a fault there
+is a SIGBUS). Darwin has no /proc/self/maps to find the other file-backed pages of the mapping,
+so the streamer's wider shield (``blank_file_backed``) covers nothing more here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Protocol
+
+from kimitui.engine.direct import split_pieces
+
+F_RDAHEAD, F_NOCACHE, F_GETPATH = 45, 48, 50
+PROT_READ, PROT_WRITE = 0x1, 0x2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANON = 0x1, 0x2, 0x10, 0x1000  # Darwin's values
+VM_FLAGS_FIXED, VM_FLAGS_OVERWRITE = 0x0, 0x4000
+VM_INHERIT_DEFAULT = 1
+KERN_SUCCESS = 0
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class PlacementCalls(Protocol):
+    """What the placer asks of the system; ``DarwinCalls`` is libSystem's. Each raises OSError."""
+
+    page: int
+
+    def open_uncached(self, path: str, mapped_fd: int | None) -> int: ...
+    def map_anonymous(self, address: int, length: int) -> None: ...
+    def map_file(self, address: int, length: int, fd: int, offset: int) -> None: ...
+    def allocate(self, length: int) -> int: ...
+    def free(self, address: int, length: int) -> None: ...
+    def pread(self, fd: int, address: int, length: int, offset: int) -> int: ...
+    def move(self, source: int, target: int, length: int) -> None: ...
+
+
+class DarwinCalls:
+    """libSystem through ctypes; ``lib`` and ``task`` are injectable, so the exact calls are
+    checked on Linux by recording them."""
+
+    def __init__(self, lib=None, task: int | None = None, page: int | None = None, fcntl_call=None) -> None:
+        import fcntl
+
+        self._fcntl = fcntl_call or fcntl.fcntl
+        lib = lib if lib is not None else ctypes.CDLL(None, use_errno=True)
+        self.page = page or os.sysconf("SC_PAGE_SIZE")
+        self._mmap, self._munmap, self._pread = lib.mmap, lib.munmap, lib.pread
+        self._mmap.restype = ctypes.c_void_p
+        self._mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self._pread.restype = ctypes.c_ssize_t
+        self._pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
+        self._remap, self._deallocate = lib.mach_vm_remap, lib.mach_vm_deallocate
+        u64 = ctypes.c_uint64
+        self._remap.argtypes = (
+            ctypes.c_uint, ctypes.POINTER(u64), u64, u64, ctypes.c_int, ctypes.c_uint, u64, ctypes.c_int,
+            ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_uint,
+        )
+        self._deallocate.argtypes = (ctypes.c_uint, u64, u64)
+        # mach_task_self() is a macro for this global: the port naming our own address space.
+        self._task = task if task is not None else ctypes.c_uint.in_dll(lib, "mach_task_self_").value
+
+    @staticmethod
+    def _failed(what: str) -> OSError:
+        err = ctypes.get_errno()
+        return OSError(err, f"{what}: {os.strerror(err)}")
+
+    def open_uncached(self, path: str, mapped_fd: int | None) -> int:
+        """The file the mapping holds (F_GETPATH of its descriptor: the path may name a new file
+        by now), opened again, with the cache and read-ahead off for this descriptor."""
+        if mapped_fd is not None:
+            try:
+                path = self._fcntl(mapped_fd, F_GETPATH, b"\0" * 1024).split(b"\0", 1)[0].decode()
+            except OSError:
+                pass
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._fcntl(fd, F_NOCACHE, 1)
+            self._fcntl(fd, F_RDAHEAD, 0)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def _map(self, address: int, length: int, prot: int, flags: int, fd: int, offset: int, what: str) -> None:
+        if self._mmap(address, length, prot, flags, fd, offset) != address:
+            raise self._failed(what)
+
+    def map_anonymous(self, address: int, length: int) -> None:
+        self._map(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON | MAP_FIXED, -1, 0, "mmap")
+
+    def map_file(self, address: int, length: int, fd: int, offset: int) -> None:
+        self._map(address, length, PROT_READ, MAP_SHARED | MAP_FIXED, fd, offset, "mmap of the model file")
+
+    def allocate(self, length: int) -> int:
+        address = self._mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0)
+        if address in (None, MAP_FAILED):
+            raise self._failed("mmap")
+        return address
+
+    def free(self, address: int, length: int) -> None:
+        self._munmap(address, length)
+
+    def pread(self, fd: int, address: int, length: int, offset: int) -> int:
+        got = self._pread(fd, address, length, offset)
+        if got < 0:
+            raise self._failed("pread")
+        return got
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """The pages at ``source`` become the ones at ``target`` (what was there goes), and
+        ``source`` is unmapped: shared, not copied (copy=FALSE), then the source's hold dropped."""
+        at = ctypes.c_uint64(target)
+        cur, most = ctypes.c_int(), ctypes.c_int()
+        kr = self._remap(
+            self._task, ctypes.byref(at), length, 0, VM_FLAGS_FIXED | VM_FLAGS_OVERWRITE,
+            self._task, source, 0, ctypes.byref(cur), ctypes.byref(most), VM_INHERIT_DEFAULT,
+        )
+        if kr != KERN_SUCCESS or at.value != target:
+            raise OSError(0, f"mach_vm_remap: kern_return {kr}")
+        self._deallocate(self._task, source, length)
+
+
+class DarwinPlacer:
+    """The placer interface of direct.DirectPlacer (what the streamer and the pinned set call),
+    with every read in place: see the module's text."""
+
+    def __init__(self, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int,
+                 calls: PlacementCalls | None = None) -> None:
+        self._calls = calls or DarwinCalls()
+        self.page = self._calls.page
+        self.addresses = addresses
+        self._file_fds = file_fds
+        self._capacity = capacity  # kept for the interface: there is no pool to size
+        self._lock = threading.Lock()
+        # (file, offset) -> length of anonymous memory there, ours until released
+        self._placed: dict[tuple[int, int], int] = {}
+        self._fds: dict[int, int] = {}
+        try:
+            for i, path in enumerate(paths):
+                self._fds[i] = self._calls.open_uncached(path, file_fds.get(i))
+        except OSError:
+            self.close()
+            raise
+
+    @classmethod
+    def create(cls, paths, addresses, file_fds, capacity, calls: PlacementCalls | None = None) -> "DarwinPlacer | None":
+        """None where a file cannot be opened again: the engine then reads through the cache."""
+        try:
+            return cls(paths, addresses, file_fds, capacity, calls)
+        except (OSError, AttributeError):  # AttributeError: a libSystem without mach_vm_remap
+            return None
+
+    direct = True  # F_NOCACHE on every file
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, buffers: int) -> None:
+        self._capacity = buffers
+
+    def done_reading(self) -> None:
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def _fd(self, file: int) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            raise OSError(9, "this placer reads no more (done_reading)")
+        return fd
+
+    def _read_into(self, file: int, address: int, length: int, offset: int) -> int:
+        got = 0
+        while got < length:
+            n = self._calls.pread(self._fd(file), address + got, length - got, offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def _in_place(self, file: int, offset: int, length: int) -> int:
+        """Fresh anonymous memory at [offset, offset+length) of the mapping, read into. It is
+        recorded before the read: a failed or short read leaves it zeros, never the file."""
+        self._calls.map_anonymous(self.addresses[file] + offset, length)
+        with self._lock:
+            self._placed[(file, offset)] = length
+        return self._read_into(file, self.addresses[file] + offset, length, offset)
+
+    def place(self, file: int, offset: int, length: int) -> int | None:
+        with self._lock:
+            if (file, offset) in self._placed:
+                return length  # still there: a release was cancelled by a read asked for again
+        return self._in_place(file, offset, length)
+
+    def _copy_in(self, file: int, offset: int, length: int) -> int:
+        c = self._calls
+        buf = c.allocate(length)
+        try:
+            got = self._read_into(file, buf, length, offset)
+            c.move(buf, self.addresses[file] + offset, length)
+        except OSError:
+            c.free(buf, length)
+            raise
+        with self._lock:
+            self._placed[(file, offset)] = length
+        return got
+
+    def copy_in(self, file: int, offset: int, length: int) -> int | None:
+        return self._copy_in(file, offset, length)
+
+    def place_slice(self, file: int, offset: int, length: int, inner: tuple[int, int] | None, edges: list[int]) -> int | None:
+        """[offset, offset+length): the slice's own pages ``inner`` read in place, each shared
+        end page in ``edges`` copied in. The bytes read (``length`` where the file ends inside
+        the last page), short where the file ended before."""
+        pieces = sorted([(edge, self.page, True) for edge in edges] + ([(*inner, False)] if inner else []))
+        got = 0
+        for start, size, shared in pieces:
+            n = self._copy_in(file, start, size) if shared else self._in_place(file, start, size)
+            got += n
+            if n < size:
+                break
+        if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
+            return got
+        return length
+
+    def holds(self, file: int, offset: int) -> bool:
+        with self._lock:
+            return (file, offset) in self._placed
+
+    def release_in_place(self, file: int, offset: int) -> None:
+        self._unplace(file, offset)
+
+    def release(self, file: int, offset: int, length: int) -> None:
+        for start, _size, placed in split_pieces(offset, offset + length, self.page):
+            if placed:
+                self._unplace(file, start)
+
+    def _unplace(self, file: int, offset: int) -> None:
+        with self._lock:
+            length = self._placed.pop((file, offset), None)
+        if length is None:
+            return
+        try:
+            self._calls.map_file(self.addresses[file] + offset, length, self._file_fds[file], offset)
+        except OSError:
+            with self._lock:
+                self._placed[(file, offset)] = length
+            raise
+
+    def blank_file_backed(self) -> list[tuple[int, int, int]]:
+        return []  # no /proc/self/maps on Darwin: see the module's text
+
+    def map_file(self, file: int, offset: int, length: int) -> None:
+        self._calls.map_file(self.addresses[file] + offset, length, self._file_fds[file], offset)
+
+    @property
+    def placed_bytes(self) -> int:
+        with self._lock:
+            return sum(self._placed.values())
+
+    def close(self) -> None:
+        for file, offset in list(self._placed):
+            try:
+                self._unplace(file, offset)
+            except OSError:
+                pass
+        self.done_reading()

@@ -1,0 +1,370 @@
+"""The iPhone path, tested on Linux by injection: iOS's platform name, a universal libllama with
+arm64 and arm64e slices, jetsam's memory limit, the descriptor limit, the address space llama.cpp
+maps, the SSD panel's engine-counted bytes, and the Darwin placer (F_NOCACHE reads moved in with
+mach_vm_remap) running the real engine with an mremap stand-in for Mach."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine import loadhooks, memory, platform as plat
+from kimitui.engine.darwin_placer import (
+    F_NOCACHE, F_RDAHEAD, MAP_ANON, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, VM_FLAGS_OVERWRITE, DarwinCalls, DarwinPlacer,
+)
+from kimitui.engine.macho import CPU_SUBTYPE_ARM64E, CPU_TYPE_ARM64, FAT_MAGIC, MachOSlotFinder
+from kimitui.engine.platform import F_RDADVISE, PlatformIO, is_darwin
+
+from test_fast_start import macho_image
+from test_streaming import RecordingSyscalls
+
+
+def test_ios_is_darwin_for_every_platform_path():
+    assert is_darwin("ios") and is_darwin("darwin") and not is_darwin("linux")
+    calls = RecordingSyscalls()
+    io = PlatformIO("ios", calls)
+    io.exact_reads(5)
+    io.advise_read(5, 0, 4096)
+    assert [c[2] for c in calls.calls] == [F_RDAHEAD, F_RDADVISE]
+
+
+def test_ios_fast_start_takes_the_macho_path(tmp_path):
+    image, got = macho_image(["_mmap", "_posix_madvise"])
+    lib_file = tmp_path / "libllama.dylib"
+    lib_file.write_bytes(image)
+    memory_ = ctypes.create_string_buffer(got + 3 * os.sysconf("SC_PAGE_SIZE"))
+
+    class FakeLibrary:
+        _name = str(lib_file)
+        _handle = 0
+
+    hooks = loadhooks.rebind(FakeLibrary, finder=MachOSlotFinder("arm64"), base_address=lambda _h: ctypes.addressof(memory_), platform="ios")
+    assert struct.unpack_from("<Q", memory_.raw, got)[0] == hooks.pointer_for("mmap")
+
+
+def _with_kind(image: bytes, cpusubtype: int) -> bytes:
+    return image[:8] + struct.pack("<I", cpusubtype) + image[12:]
+
+
+def universal(slices: list[tuple[int, bytes]]) -> bytes:
+    """A fat file of arm64 slices (cpusubtype, thin image), each on a 16 KiB boundary."""
+    header = struct.pack(">II", FAT_MAGIC, len(slices))
+    offset = 0x4000
+    arch, body = b"", b""
+    for subtype, image in slices:
+        arch += struct.pack(">IIIII", CPU_TYPE_ARM64, subtype, offset, len(image), 14)
+        pad = -(offset + len(image)) % 0x4000
+        body += image + b"\0" * pad
+        offset += len(image) + pad
+    head = header + arch
+    return head + b"\0" * (0x4000 - len(head)) + body
+
+
+@pytest.fixture
+def fat_library(tmp_path) -> Path:
+    """arm64 (subtype 0) first, arm64e (subtype 2, with the pointer-auth ABI bits set, as
+    Apple's tools write it) second; their symbol pointers sit in different orders, so the slot
+    addresses tell which slice was read."""
+    arm64, _ = macho_image(["_mmap", "_posix_madvise"])
+    arm64e, _ = macho_image(["_posix_madvise", "_mmap"])
+    path = tmp_path / "libllama.dylib"
+    path.write_bytes(universal([(0, arm64), (0x80000000 | CPU_SUBTYPE_ARM64E, _with_kind(arm64e, 0x80000000 | CPU_SUBTYPE_ARM64E))]))
+    return path
+
+
+def test_a_universal_library_is_read_at_the_slice_that_runs(fat_library):
+    base = 0x10_0000_0000
+    finder = MachOSlotFinder("arm64", header_at=lambda address: (CPU_TYPE_ARM64, 0) if address == base else None)
+    found = finder.find(fat_library, base, loadhooks.HOOKED)
+    assert [s.address for s in found["mmap"]] == [base + 0x4000]  # arm64's order, not arm64e's
+    assert [s.address for s in found["posix_madvise"]] == [base + 0x4000 + 8]
+
+
+def test_arm64e_is_refused_with_how_to_build_for_arm64(fat_library):
+    finder = MachOSlotFinder("arm64", header_at=lambda _a: (CPU_TYPE_ARM64, 0x80000000 | CPU_SUBTYPE_ARM64E))
+    with pytest.raises(loadhooks.HookUnavailable, match="arm64e.*PAC-signed.*CMAKE_OSX_ARCHITECTURES=arm64"):
+        finder.find(fat_library, 0x10_0000_0000, loadhooks.HOOKED)
+
+
+def test_by_machine_name_a_universal_library_never_picks_arm64e(tmp_path):
+    arm64e, _ = macho_image(["_mmap", "_posix_madvise"])
+    path = tmp_path / "libllama.dylib"
+    path.write_bytes(universal([(CPU_SUBTYPE_ARM64E, _with_kind(arm64e, CPU_SUBTYPE_ARM64E))]))
+    with pytest.raises(loadhooks.HookUnavailable, match="no arm64 slice"):
+        MachOSlotFinder("arm64", header_at=lambda _a: None).find(path, 0, loadhooks.HOOKED)
+
+
+def test_jetsam_caps_the_memory_the_budget_comes_from(monkeypatch):
+    class LibSystem:
+        @staticmethod
+        def os_proc_available_memory():
+            return 3 * 2**30
+
+    assert memory.jetsam_headroom("linux", lambda: LibSystem) is None
+    assert memory.jetsam_headroom("ios", lambda: LibSystem) == 3 * 2**30
+    assert memory.jetsam_headroom("ios", lambda: object()) is None  # an iOS before 13: no such call
+    monkeypatch.setattr(memory, "jetsam_headroom", lambda: 3 * 2**30)
+    monkeypatch.setattr(memory, "cgroup_headroom", lambda: None)
+    assert memory.available_memory() <= 3 * 2**30
+    assert memory.default_budget() <= int(3 * 2**30 * memory.SAFE_SHARE)
+
+
+class Limits:
+    def __init__(self, soft, hard, refuse_above=None):
+        self.soft, self.hard, self.refuse_above, self.set = soft, hard, refuse_above, []
+
+    def get(self, _which):
+        return self.soft, self.hard
+
+    def put(self, _which, limits):
+        if self.refuse_above is not None and limits[0] > self.refuse_above:
+            raise ValueError("not allowed to raise maximum limit")
+        self.set.append(limits)
+        self.soft = limits[0]
+
+
+def test_darwins_256_descriptors_are_raised_for_a_split_set():
+    needed = plat.descriptors_needed(85)  # a K3 release split in 85 files
+    limits = Limits(256, resource.RLIM_INFINITY)
+    assert plat.raise_descriptor_limit(needed, "ios", limits.get, limits.put) == (needed, resource.RLIM_INFINITY)
+    assert limits.set == [(needed, resource.RLIM_INFINITY)]
+    huge = Limits(256, resource.RLIM_INFINITY)  # Darwin refuses more than OPEN_MAX
+    assert plat.raise_descriptor_limit(20000, "darwin", huge.get, huge.put)[0] == plat.DARWIN_OPEN_MAX
+    kept = Limits(1024, 4096)
+    assert plat.raise_descriptor_limit(300, "linux", kept.get, kept.put) == (1024, 4096) and not kept.set
+
+
+def test_a_descriptor_limit_that_cannot_be_raised_is_one_line_saying_what_to_run(monkeypatch):
+    limits = Limits(256, 300)
+    monkeypatch.setattr(plat.resource, "getrlimit", limits.get)
+    monkeypatch.setattr(plat.resource, "setrlimit", limits.put)
+    line = plat.model_fits_limits([f"k3-{i:05d}.gguf" for i in range(85)], 0, "ios")
+    assert limits.set == [(300, 300)]  # raised as far as the hard limit lets it
+    assert line == (
+        "the model's 85 files need about 383 open descriptors and this process may have 300 (hard limit 300): "
+        "run `ulimit -n 383` first"
+    )
+
+
+class RefusingAddressSpace:
+    def __init__(self):
+        self.asked = []
+
+    def mmap(self, address, length, prot, flags, fd, offset):
+        self.asked.append((length, prot, flags))
+        return ctypes.c_void_p(-1).value
+
+    def munmap(self, address, length):
+        raise AssertionError("nothing was mapped")
+
+
+def test_an_address_space_too_small_names_the_entitlement_and_ldid():
+    space = RefusingAddressSpace()
+    assert plat.can_reserve(1_560 * 10**9, "ios", space) is False
+    assert space.asked == [(1_560 * 10**9, plat.PROT_NONE, plat.MAP_PRIVATE | 0x1000 | 0x40)]  # Darwin's MAP_ANON | MAP_NORESERVE
+    line = plat.model_fits_limits(["k3.gguf"], 1_560 * 10**9, "ios", reserve=lambda n: False)
+    assert "cannot map the model's 1452.9 GiB" in line
+    assert plat.EXTENDED_VA_ENTITLEMENT in line and "ldid -S" in line
+
+
+def test_this_machine_reserves_a_terabyte_and_a_half():
+    assert plat.can_reserve(1_560 * 10**9)  # what a 64-bit Linux gives; iOS without the entitlement does not
+
+
+def test_the_engine_refuses_in_one_line_where_descriptors_run_out(model_path):
+    """A real load in a child whose hard descriptor limit is below what the model needs."""
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))\n"
+        "from kimitui.engine.session import Engine, EngineError\n"
+        "try:\n"
+        f"    Engine({str(model_path)!r}, n_ctx=128).load()\n"
+        "except EngineError as exc:\n"
+        "    print(exc); sys.exit(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "need about 131 open descriptors" in proc.stdout and "ulimit -n 131" in proc.stdout
+
+
+def test_the_ssd_panel_counts_the_engines_own_reads_where_the_os_has_none():
+    import psutil
+
+    from kimitui.engine.metrics import EngineMetrics, Sampler
+
+    class NoCounters:
+        pid = -1
+
+        def __init__(self):
+            self._real = psutil.Process()
+
+        def io_counters(self):
+            raise AttributeError("io_counters")  # psutil on Darwin
+
+        def memory_info(self):
+            return self._real.memory_info()
+
+        def cpu_percent(self, interval):
+            return 0.0
+
+    metrics = EngineMetrics()
+    read = [0]
+    metrics.engine_read_source = lambda: read[0]
+    sampler = Sampler(metrics, process=NoCounters(), device_of=lambda p: None)
+    first = sampler.sample()
+    read[0] = 64 * 2**20
+    second = sampler.sample()
+    assert first.read_counted_by == second.read_counted_by == "engine"
+    assert second.process_read_bytes == 64 * 2**20 and second.process_read_rate > 0
+
+
+# -- the Darwin placer -------------------------------------------------------------------------
+
+
+class RecordingLib:
+    """libSystem as DarwinCalls sees it: every call recorded, memory from the real libc."""
+
+    def __init__(self):
+        self.calls = []
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        self._libc_mmap = libc.mmap
+        self._libc_mmap.restype = ctypes.c_void_p
+        self._libc_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        lib = self
+
+        class Fn:
+            def __init__(self, name, body):
+                self.name, self.body = name, body
+
+            def __call__(self, *args):
+                lib.calls.append((self.name, *[getattr(a, "_obj", a) for a in args]))
+                return self.body(*args)
+
+        def mmap(address, length, prot, flags, fd, offset):
+            return address if flags & MAP_FIXED else 0x7000_0000
+
+        def remap(task, target, size, mask, flags, src_task, src, copy, cur, most, inherit):
+            return 0
+
+        self.mmap = Fn("mmap", mmap)
+        self.munmap = Fn("munmap", lambda a, n: 0)
+        self.pread = Fn("pread", lambda fd, address, n, offset: n)
+        self.mach_vm_remap = Fn("mach_vm_remap", remap)
+        self.mach_vm_deallocate = Fn("mach_vm_deallocate", lambda task, a, n: 0)
+
+
+def test_darwin_calls_are_libsystems_with_darwins_flags(tmp_path):
+    lib, fcntls = RecordingLib(), []
+    calls = DarwinCalls(lib, task=0x203, page=16384, fcntl_call=lambda fd, cmd, arg: fcntls.append((cmd, arg)) or arg)
+    model = tmp_path / "k3.gguf"
+    model.write_bytes(b"\0" * 65536)
+    fd = calls.open_uncached(str(model), None)
+    os.close(fd)
+    assert fcntls == [(F_NOCACHE, 1), (F_RDAHEAD, 0)]  # the cache off, read-ahead off
+    calls.map_anonymous(0x1_0000_0000, 32768)
+    calls.map_file(0x1_0000_0000, 32768, 9, 16384)
+    assert lib.calls[0] == ("mmap", 0x1_0000_0000, 32768, 3, MAP_PRIVATE | MAP_ANON | MAP_FIXED, -1, 0)
+    assert lib.calls[1] == ("mmap", 0x1_0000_0000, 32768, 1, MAP_SHARED | MAP_FIXED, 9, 16384)
+    lib.calls.clear()
+    calls.move(0x7000_0000, 0x1_0000_4000, 16384)
+    (name, task, _target, size, mask, flags, src_task, src, copy, *_rest, inherit), dealloc = lib.calls
+    assert (name, task, size, mask, flags, src_task, src, copy) == ("mach_vm_remap", 0x203, 16384, 0, VM_FLAGS_OVERWRITE, 0x203, 0x7000_0000, 0)
+    assert dealloc == ("mach_vm_deallocate", 0x203, 0x7000_0000, 16384)  # the source's hold dropped: a move
+
+
+class MremapStandIn:
+    """The placer's calls on Linux: mremap in Mach's place, a plain descriptor for F_NOCACHE's.
+    Records what it is asked, to show the placer moved shared pages and read the rest in place."""
+
+    def __init__(self):
+        from kimitui.engine.direct import MREMAP_FIXED, MREMAP_MAYMOVE, Libc
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self._c, self._move = Libc(), MREMAP_MAYMOVE | MREMAP_FIXED
+        self.counts = {"in place": 0, "moved": 0, "file": 0, "opened": 0}
+
+    def open_uncached(self, path, mapped_fd):
+        self.counts["opened"] += 1
+        return os.open(path, os.O_RDONLY)
+
+    def map_anonymous(self, address, length):
+        self.counts["in place"] += 1
+        self._c.check(self._c.mmap(address, length, 3, 0x22 | 0x10, -1, 0), "mmap")
+
+    def map_file(self, address, length, fd, offset):
+        self.counts["file"] += 1
+        self._c.check(self._c.mmap(address, length, 1, 0x01 | 0x10, fd, offset), "mmap")
+
+    def allocate(self, length):
+        return self._c.check(self._c.mmap(None, length, 3, 0x22, -1, 0), "mmap")
+
+    def free(self, address, length):
+        self._c.munmap(address, length)
+
+    def pread(self, fd, address, length, offset):
+        return os.preadv(fd, [memoryview((ctypes.c_char * length).from_address(address)).cast("B")], offset)
+
+    def move(self, source, target, length):
+        self.counts["moved"] += 1
+        self._c.check(self._c.mremap(source, length, length, self._move, target), "mremap")
+
+
+def test_the_darwin_placer_streams_k3_with_the_stock_greedy_tokens(monkeypatch, tmp_path):
+    """The real engine on a K3 cut under a budget a third of it, every streamed byte placed by
+    the Darwin placer (mremap standing in for mach_vm_remap): the stock tokens, the budget held."""
+    from kimitui.engine.budget import minimum_budget
+    from kimitui.model import synth
+    from kimitui.model.gguf_map import load_model_map
+
+    from test_kimi_k3 import reply_tokens, stock_reply
+
+    # At three fiftieths of K3's widths an expert's slices span pages: read in place, with
+    # shared end pages moved in.
+    spec = synth.plan_like("kimi-k3", None, 0.06, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))
+    path = synth.write_model(spec, tmp_path / "k3.gguf", seed=5, progress=False).paths[0]
+    expected = stock_reply(path)
+    stand_in, made = MremapStandIn(), []
+
+    def darwin_placer(self, paths, addresses, fds, capacity):
+        placer = DarwinPlacer.create([str(p) for p in paths], addresses, fds, capacity, calls=stand_in) if capacity else None
+        made.append(placer)
+        return placer
+
+    monkeypatch.setattr(PlatformIO, "placer", darwin_placer)
+    from kimitui.engine.session import Engine
+
+    model = load_model_map(path)
+    budget = minimum_budget(model) + 2 * 2**20
+    engine = Engine(path, n_ctx=256, budget=budget)
+    engine.load()
+    engine.pin()
+    try:
+        assert engine.streamer.placer is not None and isinstance(engine.streamer.placer, DarwinPlacer)
+        source, peak, stop = engine.metrics.model_resident_source, [0], threading.Event()
+
+        def sample():
+            while not stop.wait(0.002):
+                peak[0] = max(peak[0], source())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            assert reply_tokens(engine) == expected
+        finally:
+            stop.set()
+            sampler.join()
+        assert stand_in.counts["in place"] > 0 and stand_in.counts["moved"] > 0 and stand_in.counts["file"] > 0, stand_in.counts
+        assert engine.streamer.counters()["placement"] == "direct"
+        assert 0 < peak[0] <= budget
+        assert reply_tokens(engine) == expected  # released pages are the file's again, read anew
+    finally:
+        engine.close()
+    assert all(p is None or p.placed_bytes == 0 for p in made)  # everything given back to the file
