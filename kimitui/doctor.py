@@ -1,0 +1,266 @@
+"""`kimitui doctor [--model M]`: whether this machine can stream the model, one line per
+prerequisite, each failure with its fix. Written for the phone (iOS hides most of these until
+something dies), useful anywhere. Exit 0 when every check passes, 1 when one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform as host
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kimitui.engine.platform import (
+    F_RDAHEAD, address_space_fix, can_reserve, descriptors_needed, is_darwin, raise_descriptor_limit,
+)
+from kimitui.units import format_bytes, format_rate
+
+READ_CHUNK = 8 * 2**20  # uncached reads of this size, as the engine streams shards and expert slices
+READ_THREADS = 4  # the engine's default I/O threads
+F_NOCACHE = 48
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    text: str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kimitui.cli import add_common
+
+    add_common(parser)
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long to measure the model drive's read rate (default 10)")
+
+
+def check_platform() -> Check:
+    text = f"{sys.platform} {host.machine()}, {host.python_implementation()} {host.python_version()}"
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return Check("platform", False, f"{text}; llama-cpp-python does not import ({exc}): pip install llama-cpp-python")
+    supported = sys.platform.startswith("linux") or is_darwin()
+    if sys.version_info < (3, 10):
+        return Check("platform", False, f"{text}: kimitui needs Python 3.10 or later")
+    return Check(
+        "platform", supported,
+        f"{text}, llama-cpp-python {llama_cpp.__version__}" + ("" if supported else ": streaming is built for Linux, macOS and iOS"),
+    )
+
+
+def check_fast_start() -> Check:
+    from kimitui.engine import loadhooks
+
+    try:
+        loadhooks.install()
+    except loadhooks.HookUnavailable as exc:
+        return Check("fast start", False, f"{exc}; without it llama.cpp reads the whole model at start")
+    return Check("fast start", True, "libllama's mmap and posix_madvise rebound: the load reads only the file's header")
+
+
+def check_address_space(files: list[Path]) -> Check:
+    total = sum(os.path.getsize(f) for f in files)
+    what = f"{format_bytes(total)} for {files[0].name}" + (f" ({len(files)} files)" if len(files) > 1 else "")
+    if can_reserve(total):
+        return Check("address space", True, f"{what} can be mapped at once")
+    return Check("address space", False, f"{what} cannot be mapped at once: {address_space_fix()}")
+
+
+def check_descriptors(files: list[Path]) -> Check:
+    import resource
+
+    needed = descriptors_needed(len(files))
+    soft, hard = raise_descriptor_limit(needed)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return Check("descriptors", True, f"limit {shown}, about {needed} needed (raised at start where lower)")
+    return Check("descriptors", False, f"limit {shown} (hard {hard}), about {needed} needed: run `ulimit -n {needed}` first")
+
+
+def _open_uncached(path: Path) -> tuple[int, str]:
+    """A descriptor whose reads skip the page cache, and how: O_DIRECT (Linux), F_NOCACHE
+    (Darwin), or "" where neither is had (reads then go through the cache)."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), "O_DIRECT"
+        except OSError:
+            pass
+    fd = os.open(path, os.O_RDONLY)
+    if is_darwin():
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, F_NOCACHE, 1)
+            fcntl.fcntl(fd, F_RDAHEAD, 0)
+            return fd, "F_NOCACHE"
+        except OSError:
+            pass
+    return fd, ""
+
+
+def _buffer(size: int) -> memoryview:
+    """Page-aligned memory (O_DIRECT's rule), faulted in, filled with a poison byte."""
+    import mmap
+
+    buf = mmap.mmap(-1, size)
+    view = memoryview(buf)
+    view[:] = b"\xa5" * size
+    return view
+
+
+def check_direct_reads(files: list[Path]) -> Check:
+    """The engine's reads skip the page cache, and they return the file's bytes: on some file
+    systems a direct read reports success without filling the buffer (seen on Android's FUSE),
+    so one is checked against an ordinary read of the same bytes."""
+    path = max(files, key=os.path.getsize)
+    size = os.path.getsize(path)
+    length = min(READ_CHUNK, size // 4096 * 4096)
+    offset = (size - length) // 2 // 4096 * 4096
+    fd, how = _open_uncached(path)
+    try:
+        view = _buffer(max(length, 4096))
+        try:
+            got = os.preadv(fd, [view[:length]], offset)
+        except OSError as exc:
+            if how != "O_DIRECT":
+                raise
+            return Check("direct reads", False, f"{path.name}: the file system takes O_DIRECT at open and refuses its reads ({exc.strerror}); "
+                         "the engine reads through the page cache there, one copy more")
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        expected = f.read(length)
+    if bytes(view[:got]) != expected:
+        return Check("direct reads", False, f"{path.name}: {how} reads returned wrong bytes at {offset}: move the model to another file system")
+    if not how:
+        return Check("direct reads", False, f"{path.name}: no O_DIRECT or F_NOCACHE here; reads go through the page cache (slower, one copy more)")
+    return Check("direct reads", True, f"{how} on {path.name}, its bytes checked against a cached read")
+
+
+def memory_sources() -> list[tuple[str, int]]:
+    """What each source says this process may still take: the OS's free memory, a cgroup's
+    limit, jetsam's (iOS). The smallest is what the budget may use."""
+    import psutil
+
+    from kimitui.engine.memory import cgroup_headroom, jetsam_headroom
+
+    sources = [("free memory", int(psutil.virtual_memory().available))]
+    cg = cgroup_headroom()
+    if cg is not None:
+        sources.append(("memory cgroup", max(0, cg[0] - cg[1])))
+    jetsam = jetsam_headroom()
+    if jetsam is not None:
+        sources.append(("jetsam", jetsam))
+    return sources
+
+
+def check_memory(model, budget_setting) -> tuple[Check, int]:
+    from kimitui.engine.budget import budget_shortfall, minimum_budget
+    from kimitui.engine.memory import SAFE_SHARE
+
+    sources = memory_sources()
+    name, room = min(sources, key=lambda s: s[1])
+    budget = int(room * SAFE_SHARE) if budget_setting == "auto" else int(budget_setting)
+    shown = f"budget {'auto ' if budget_setting == 'auto' else ''}{format_bytes(budget)}"
+    head = f"{format_bytes(room)} this process may take (the least of: {', '.join(f'{n} {format_bytes(v)}' for n, v in sources)})"
+    if budget > room:
+        return Check("memory", False, f"{head}; {shown} is more than that: lower --budget to {format_bytes(int(room * SAFE_SHARE))}"), budget
+    if budget >= model.tensor_bytes:
+        return Check("memory", True, f"{head}; {shown} holds the whole model"), budget
+    shortfall = budget_shortfall(model, budget)
+    if shortfall:
+        return Check("memory", False, f"{head}; {shortfall}"), budget
+    return Check("memory", True, f"{head}; {shown} is above the working set, {format_bytes(minimum_budget(model))}"), budget
+
+
+def measure_read_rate(files: list[Path], seconds: float, threads: int = READ_THREADS) -> tuple[int, float, str]:
+    """(bytes, seconds, how) of uncached reads of READ_CHUNK at scattered aligned offsets over
+    the model's files, from ``threads`` threads, for about ``seconds``."""
+    chunks = [(i, offset) for i, f in enumerate(files) for offset in range(0, os.path.getsize(f) - READ_CHUNK + 1, READ_CHUNK)]
+    if not chunks:
+        chunks = [(0, 0)]
+    random.Random(0).shuffle(chunks)
+    opened = [_open_uncached(f) for f in files]
+    if not any(how for _, how in opened):
+        for fd, _ in opened:  # through the cache: start cold
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    deadline = time.perf_counter() + seconds
+    lock, total, cursor = threading.Lock(), [0], iter(chunks)
+    local = threading.local()
+
+    def worker() -> None:
+        view = local.view = _buffer(READ_CHUNK)
+        while time.perf_counter() < deadline:
+            with lock:
+                chunk = next(cursor, None)
+            if chunk is None:
+                return
+            got = os.preadv(opened[chunk[0]][0], [view], chunk[1])
+            with lock:
+                total[0] += got
+
+    started = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(worker) for _ in range(threads)]:
+                future.result()
+    finally:
+        for fd, _ in opened:
+            os.close(fd)
+    return total[0], time.perf_counter() - started, next((how for _, how in opened if how), "through the page cache")
+
+
+def _sparse(files: list[Path]) -> bool:
+    return sum(os.stat(f).st_blocks * 512 for f in files) < 0.5 * sum(os.path.getsize(f) for f in files)
+
+
+def check_drive(files: list[Path], model, budget: int, seconds: float) -> Check:
+    from kimitui.engine.budget import plan_memory, plan_reads
+    from kimitui.engine.settings import StreamSettings
+
+    try:
+        got, elapsed, how = measure_read_rate(files, seconds)
+    except OSError as exc:
+        return Check("drive", False, f"cannot read {files[0].name}: {exc.strerror or exc} (drive removed or failing?)")
+    rate = got / elapsed if elapsed > 0 else 0.0
+    text = f"{format_rate(rate)} over {elapsed:.1f} s ({format_bytes(got)} in {READ_CHUNK // 2**20} MiB reads, {how})"
+    if _sparse(files):
+        text += "; the files are mostly holes, so this is not the drive's rate"
+    if budget >= model.tensor_bytes:
+        return Check("drive", got > 0, f"{text}; the whole model fits the budget: no reads per token")
+    plan = plan_memory(model, budget, StreamSettings().prefetch_depth, 512)
+    reads = plan_reads(model, plan)
+    per_token = reads["trunk_bytes_per_token"] + reads["expert_bytes_per_token"]
+    floor = f"{rate / per_token:.3g} tok/s" if per_token else "compute-bound"
+    return Check("drive", got > 0, f"{text}; at {format_bytes(budget)} a token reads {format_bytes(per_token)}: at most {floor}")
+
+
+def _report(check: Check) -> Check:
+    print(f"{check.name:<14} {'ok  ' if check.ok else 'FAIL'}  {check.text}", flush=True)
+    return check
+
+
+def run(args: argparse.Namespace) -> int:
+    from kimitui.cli import resolve_model, resolve_settings
+    from kimitui.model.gguf_map import load_model_map, split_set
+
+    settings = resolve_settings(args)
+    checks = [_report(check_platform())]  # before the model: a missing llama-cpp-python says so first
+    model_path = resolve_model(settings)
+    files = split_set(model_path)
+    model = load_model_map(model_path, shard_size=settings["engine.shard_size"])
+    for step in (check_fast_start, check_address_space, check_descriptors, check_direct_reads):
+        checks.append(_report(step() if step is check_fast_start else step(files)))
+    memory, budget = check_memory(model, settings["engine.budget"])
+    checks.append(_report(memory))
+    checks.append(_report(check_drive(files, model, budget, args.seconds)))
+    return 0 if all(c.ok for c in checks) else 1
