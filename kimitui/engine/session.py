@@ -780,8 +780,8 @@ class Engine:
         mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
         # The pinned set goes into anonymous memory at its place in the mapping, as streamed
         # shards do: a file cut short (a USB cable bumped) then cannot SIGBUS compute there,
-        # and the set stays whole when the file comes back. Where that cannot be done (no
-        # O_DIRECT or mremap: Darwin, some file systems) it stays in the page cache, locked.
+        # and the set stays whole when the file comes back. Where that cannot be done (a
+        # Linux before 5.7, a file that cannot be opened again) it stays in the page cache, locked.
         placer = PlatformIO().placer(model.files, addresses, mapping_fds, 1)
         pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
         try:

@@ -212,9 +212,9 @@ class Streamer:
         # that compute is waiting for.
         self._guess_pool = ThreadPoolExecutor(max(1, settings.io_threads // 2), thread_name_prefix="kimitui-guess")
         self.predictor: RouterPredictor | None = None
-        # Linux: shard pages are read (with O_DIRECT where the file system takes it) into anonymous
-        # memory moved into the mapping (see direct.py); None elsewhere (Darwin, old kernels),
-        # and compute uses the file's own pages.
+        # Shard pages are read past the page cache into anonymous memory at their place in the
+        # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
+        # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
         self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
         # The eval callback's calls and the time spent in them (counted by the engine's callback,
@@ -500,7 +500,8 @@ class Streamer:
     def _submit(self, shard: Shard) -> None:
         """Queue a shard's chunks; caller holds no lock and the shard is COLD."""
         kept = self._dropper.keep(("shard", shard.index))  # its end pages are still held then
-        self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
+        if self.placer is None:  # a placer reads past the cache: read-ahead into it would read twice
+            self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
         self._futures[shard.index] = self._read_ranges(shard, [shard.range], hold=not kept)
         self.state[shard.index] = Residency.INFLIGHT
         self._resident_bytes += shard.length
