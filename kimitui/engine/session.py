@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import psutil
 
+from kimitui.engine.interface import PinOutcome, TuningValues
 from kimitui.engine.memory import cap_malloc_arenas
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.settings import StreamSettings
@@ -732,7 +733,7 @@ class Engine:
         self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
         return self._callbacks
 
-    def pin(self, on_progress: Callable | None = None) -> None:
+    def pin(self, on_progress: Callable | None = None) -> PinOutcome:
         """Read the pinned set with parallel reads and lock it; call from a worker after load.
 
         It holds the engine's turn: a reply asked for meanwhile waits in the queue until the
@@ -744,6 +745,22 @@ class Engine:
             self._pin_listener = on_progress  # a later re-pin (live tuning) reports to it too
         with self.turns.turn():
             self._pin()
+        return PinOutcome(self.pinned_bytes, self.pin_note, self.pinned_bytes >= self.inspect().tensor_bytes)
+
+    # -- what a user interface asks (interface.ChatEngine) ---------------------------------
+
+    def label(self) -> tuple[str, int | None]:
+        info = self.inspect()
+        return info.name, info.file_bytes
+
+    def notices(self) -> list[str]:
+        return [note for note in (self.fast_load_note, self.fit_note, self.template_error) if note]
+
+    def tuning(self) -> TuningValues:
+        s = self.stream_settings
+        return TuningValues(
+            self.budget or 0, s.prefetch_depth, self.shard_size, s.policy, s.expert_policy, s.io_threads, s.expert_lookahead,
+        )
 
     def _pin(self) -> None:
         on_progress = self._pin_listener

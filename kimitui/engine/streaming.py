@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Callable
 
 from kimitui.engine.direct import PIECE_BYTES, split_pieces
-from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
+from kimitui.engine.experts import EXPERT_POLICIES, ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
 from kimitui.engine.settings import POLICIES, StreamSettings
@@ -725,10 +725,27 @@ class Streamer:
         """Live tuning: applied when the next token starts."""
         if "policy" in changes and changes["policy"] not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        if "expert_policy" in changes and changes["expert_policy"] not in EXPERT_POLICIES:
+            raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
+        if "io_threads" in changes and not 1 <= changes["io_threads"] <= 64:
+            raise ValueError("I/O threads must be 1..64")
         self._pending = replace(self._pending or self.settings, **changes)
 
     def _apply_pending(self) -> None:
-        self.settings, self._pending = self._pending, None
+        before, (self.settings, self._pending) = self.settings, (self._pending, None)
+        if self.settings.io_threads != before.io_threads:
+            # Reads already queued finish on the old pools; new ones go to pools of the new size.
+            old = (self._pool, self._guess_pool)
+            self._pool = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="kimitui-stream")
+            self._guess_pool = ThreadPoolExecutor(max(1, self.settings.io_threads // 2), thread_name_prefix="kimitui-guess")
+            for pool in old:
+                pool.shutdown(wait=False)
+        if self.experts is not None:
+            self.experts.policy = self.settings.expert_policy
+            if self.settings.expert_lookahead and self.predictor is None:
+                self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
+            elif not self.settings.expert_lookahead:
+                self.predictor = None
         self._evict_lru(keep=set())
         if self.placer is not None:
             self.placer.capacity = self._pool_pieces()

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator
 import httpx
 
 from kimitui import __version__
+from kimitui.engine.interface import PinOutcome
 from kimitui.engine.metrics import HISTORY_SAMPLES, EngineMetrics, Sampler, Snapshot, StreamingCounters, percentile
 from kimitui.engine.session import EngineError, EngineState, GenerationResult, Sampling, TokenEvent
 from kimitui.server import prom
@@ -78,7 +79,8 @@ def _error_message(response: httpx.Response) -> str:
 
 
 class RemoteEngine:
-    """Quacks like ``kimitui.engine.session.Engine`` for the TUI: load, chat, state, info, metrics."""
+    """A server's engine for the app (engine.interface.ChatEngine): load, chat, metrics; its
+    pinned set and its tuning are the server's own."""
 
     def __init__(
         self,
@@ -191,6 +193,23 @@ class RemoteEngine:
 
     def abort_load(self) -> None:
         self._abort.set()
+
+    def label(self) -> tuple[str, int | None]:
+        if self.info is None:
+            return f"remote {self.url}", None
+        return f"{self.info.name} @ {self.url}", self.info.file_bytes
+
+    def notices(self) -> list[str]:
+        return []
+
+    def pin(self, on_progress=None) -> PinOutcome:
+        return PinOutcome(0, None, whole_model=False)  # the server pins its own
+
+    def tuning(self) -> None:
+        return None  # tuned on the server
+
+    def retune(self, **changes) -> str:
+        raise EngineError("remote mode: the server's engine is tuned on the server")
 
     def close(self) -> None:
         self.abort_load()
