@@ -158,9 +158,7 @@ def _build_app(args: argparse.Namespace):
         if not args.remote.startswith(("http://", "https://")):
             raise UserError(f"--remote: expected a URL such as http://192.168.1.20:8080, got {args.remote!r}")
         check_theme(settings)
-        from kimitui.tui.app import KimituiApp
-
-        return KimituiApp(settings, None, remote=(args.remote, api_key))
+        return make_app(settings, remote=(args.remote, api_key))
     model_path = resolve_model(settings)
     check_budget(settings, model_path)
     api_socket = None
@@ -178,12 +176,56 @@ def _build_app(args: argparse.Namespace):
     try:
         engine.wait_until_loading_in_c()
         check_theme(settings)  # imports Textual's themes: after the load has started
-        from kimitui.tui.app import KimituiApp
-
-        return KimituiApp(settings, model_path, engine=engine, api_socket=api_socket, api_key=api_key)
+        return make_app(settings, model_path, engine=engine, api_socket=api_socket, api_key=api_key)
     except BaseException:
         engine.cancel_loading()  # never leave llama.cpp running in a thread at exit
         raise
+
+
+def make_app(settings: Settings, model_path: Path | None = None, *, remote: tuple[str, str | None] | None = None,
+             engine=None, api_socket=None, api_key: str | None = None):
+    """The app, handed what it shows: the engine (in-process on ``model_path``, or a server's
+    for ``remote`` = (url, api key)), its metrics sampler, the history store, the trace the
+    settings ask for, and the HTTP API on ``api_socket`` (already listening; ``api_key``
+    required when given). ``engine``, from the same settings, may already be loading."""
+    from kimitui.config import data_dir
+    from kimitui.engine.metrics import Sampler
+    from kimitui.history import HistoryStore
+    from kimitui.tui.app import KimituiApp
+
+    store = HistoryStore(data_dir() / "history.sqlite3")
+    if remote is not None:
+        from kimitui.server.client import RemoteEngine, RemoteSampler
+
+        url, key = remote
+        remote_engine = RemoteEngine(url, api_key=key)
+        sampler = RemoteSampler(remote_engine, interval=max(1.0, settings["metrics.interval"]))
+        return KimituiApp(settings, remote_engine, sampler, store, on_exit=remote_engine.close)
+    from kimitui.engine.session import engine_from_settings
+    from kimitui.trace import open_trace
+
+    engine = engine or engine_from_settings(settings, model_path)
+    sampler = Sampler(engine.metrics, interval=settings["metrics.interval"], model_path=model_path)
+    trace = open_trace(settings, list(engine.inspect().files))
+    if trace is not None:
+        trace.attach(engine)
+    servers = []
+
+    def serve(on_request) -> str:
+        from kimitui.server.app import create_app
+        from kimitui.server.runner import ServerThread
+
+        app = create_app(engine, settings, api_key=api_key, on_request=on_request, bind_host=api_socket.getsockname()[0])
+        servers.append(ServerThread(app, api_socket, quiet=True).start())
+        return servers[-1].url
+
+    def on_exit() -> None:
+        for server in servers:
+            server.stop()
+        if trace is not None:
+            trace.close()
+
+    return KimituiApp(settings, engine, sampler, store, trace=trace, api=serve if api_socket is not None else None, on_exit=on_exit)
 
 
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.

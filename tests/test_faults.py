@@ -250,28 +250,27 @@ def test_a_template_that_does_not_compile_leaves_completions_working(uncompiled,
 
 
 async def test_the_app_survives_a_refusing_template_and_chats_once_the_cause_is_gone(refusing, tmp_path, monkeypatch):
-    from kimitui.cli import build_parser, resolve_model, resolve_settings
+    from kimitui.cli import build_parser, make_app, resolve_model, resolve_settings
     from kimitui.config import data_dir
     from kimitui.history import HistoryStore
-    from kimitui.tui.app import KimituiApp
     from kimitui.tui.widgets.chat import MessageView, PromptInput
 
     config = tmp_path / "app.toml"
     config.write_text('[sampling]\ntemperature = 0.0\nmax_tokens = 6\nsystem_prompt = "Be brief."\n')
     monkeypatch.setenv("KIMITUI_CONFIG", str(config))
     settings = resolve_settings(build_parser().parse_args(["--model", str(refusing)]))
-    app = KimituiApp(settings, resolve_model(settings))
+    app = make_app(settings, resolve_model(settings))
 
     async def send(pilot, text):
         waited = 0.0
-        while not app.ready or app.reply is not None:
+        while not app.main.ready or app.main.reply is not None:
             await pilot.pause(0.05)
             waited += 0.05
             assert waited < 120
         app.query_one(PromptInput).focus()
         await pilot.press(*text)
         await pilot.press("enter")
-        while app.reply is not None or not app.query(MessageView).last().border_subtitle:
+        while app.main.reply is not None or not app.query(MessageView).last().border_subtitle:
             await pilot.pause(0.05)
             waited += 0.05
             assert waited < 240

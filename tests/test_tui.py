@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from kimitui import cli
 from kimitui.cli import build_parser, resolve_model, resolve_settings
 from kimitui.history import HistoryStore
 from kimitui.config import data_dir
@@ -30,7 +31,7 @@ def short_replies(tmp_path, monkeypatch):
 
 def make_app(*flags: str) -> KimituiApp:
     settings = resolve_settings(build_parser().parse_args(list(flags)))
-    return KimituiApp(settings, resolve_model(settings))
+    return cli.make_app(settings, resolve_model(settings))
 
 
 async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
@@ -43,11 +44,11 @@ async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
 
 
 async def ask(pilot, app: KimituiApp, text: str) -> None:
-    await wait_for(pilot, lambda: app.ready)
+    await wait_for(pilot, lambda: app.main.ready)
     app.query_one(PromptInput).focus()
     await pilot.press(*text)
     await pilot.press("enter")
-    await wait_for(pilot, lambda: app.reply is None and app.query(MessageView) and app.query(MessageView).last().border_subtitle)
+    await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView) and app.query(MessageView).last().border_subtitle)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -95,7 +96,7 @@ async def test_status_bar_reports_the_engines_load_time_when_the_load_started_ea
     loaded = []
     try:
         async with app.run_test(size=(120, 40), message_hook=lambda m: loaded.append(m) if isinstance(m, LoadFinished) else None) as pilot:
-            await wait_for(pilot, lambda: app.ready)
+            await wait_for(pilot, lambda: app.main.ready)
             assert loaded[0].seconds == app.engine.load_s > 0
             assert gc.isenabled()  # ...and the app turns it back on once it is up
     finally:
@@ -131,17 +132,17 @@ async def test_status_bar_shows_pinning_progress_then_what_was_pinned():
 async def test_escape_cancels_a_reply_and_keeps_history():
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready)
-        app.sampling.max_tokens = 400
+        await wait_for(pilot, lambda: app.main.ready)
+        app.main.sampling.max_tokens = 400
         await pilot.press(*"Write a long story about a lighthouse")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.view.text) > 10)
+        await wait_for(pilot, lambda: app.main.reply is not None and len(app.main.reply.view.text) > 10)
         await pilot.press("escape")
-        await wait_for(pilot, lambda: app.reply is None)
+        await wait_for(pilot, lambda: app.main.reply is None)
         reply = app.query(MessageView).last()
         assert "cancelled" in str(reply.border_subtitle)
         assert reply.text
-        conv = app.conversation_id
+        conv = app.main.conversation_id
     store = HistoryStore(data_dir() / "history.sqlite3")
     msgs = store.messages(conv)
     assert [m.role for m in msgs] == ["user", "assistant"]
@@ -155,7 +156,7 @@ async def test_history_reopens_after_restart():
         texts = [v.text for v in first.query(MessageView)]
     second = make_app()
     async with second.run_test(size=(50, 30)) as pilot:
-        await wait_for(pilot, lambda: second.ready)
+        await wait_for(pilot, lambda: second.main.ready)
         assert not second.query(MessageView)
         await pilot.press("ctrl+o")
         await wait_for(pilot, lambda: isinstance(second.screen, HistoryScreen))
@@ -175,9 +176,9 @@ async def test_history_lists_markup_titles_and_survives_deleting_the_open_chat()
         await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
         await pilot.press("d", "escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen) and not app.query(MessageView))
-        assert app.conversation_id is None
+        assert app.main.conversation_id is None
         await ask(pilot, app, "Hi")  # a new conversation, not the deleted one
-        messages = app.store.messages(app.conversation_id)
+        messages = app.store.messages(app.main.conversation_id)
         assert [(m.role, m.content) for m in messages][:1] == [("user", "Hi")] and len(messages) == 2
 
 
@@ -188,7 +189,7 @@ async def test_regenerate_new_chat_copy_and_panel_keys():
         first_reply = app.query(MessageView).last()
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: app.query(MessageView).last() is not first_reply)
-        await wait_for(pilot, lambda: app.reply is None and app.query(MessageView).last().border_subtitle)
+        await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
         assert len(app.query(MessageView)) == 2
         await pilot.press("ctrl+y")
         assert app.clipboard == app.query(MessageView).last().text
@@ -199,11 +200,11 @@ async def test_regenerate_new_chat_copy_and_panel_keys():
         assert not app.query_one("#panel-1").display
         await pilot.press("1")
         assert app.query_one("#panel-1").display
-        interval = app.sampler.interval
+        interval = app.main.sampler.interval
         await pilot.press("minus")
-        assert app.sampler.interval == interval * 2
+        assert app.main.sampler.interval == interval * 2
         await pilot.press("p")
-        assert app.sampler.paused
+        assert app.main.sampler.paused
         await pilot.press("z")
         assert app.screen.maximized is not None
         await pilot.press("escape")
@@ -211,7 +212,7 @@ async def test_regenerate_new_chat_copy_and_panel_keys():
 
         await pilot.press("ctrl+n")
         await pilot.pause()
-        assert not app.query(MessageView) and app.conversation_id is None
+        assert not app.query(MessageView) and app.main.conversation_id is None
 
 
 async def test_sampling_screen_validates_and_applies():
@@ -229,7 +230,7 @@ async def test_sampling_screen_validates_and_applies():
         app.screen.query_one("#field-max_tokens").value = "7"
         await pilot.click("#apply")
         await wait_for(pilot, lambda: not isinstance(app.screen, SamplingScreen))
-        assert app.sampling.temperature == 0.0 and app.sampling.max_tokens == 7
+        assert app.main.sampling.temperature == 0.0 and app.main.sampling.max_tokens == 7
         await ask(pilot, app, "Count to twenty")
         assert app.query(MessageView).last().border_subtitle.startswith("7 tok")
 
@@ -262,7 +263,7 @@ async def test_message_typed_while_loading_is_kept():
         assert not app.query(MessageView)
         assert "loading" in str(app.query_one(StatusBar).render())
         gate.set()
-        await wait_for(pilot, lambda: app.ready)
+        await wait_for(pilot, lambda: app.main.ready)
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.query(MessageView)) == 2)
 
@@ -276,8 +277,8 @@ async def test_serve_inside_the_app_shares_the_engine():
     # As `kimitui --serve 127.0.0.1:0 --api-key KEY` builds it: the key guards the app's API.
     app = build_app(build_parser().parse_args(["--serve", "127.0.0.1:0", "--api-key", "app-key"]))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready)
-        url = app.api_server.url
+        await wait_for(pilot, lambda: app.main.ready)
+        url = app.main.api_url
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             body = {"prompt": "The sea is", "n_predict": 8, "temperature": 0}
             assert (await client.post("/completion", json=body)).status_code == 401
@@ -302,7 +303,7 @@ async def test_remote_mode_chats_through_our_server(model_path):
     engine.load()
     server = ServerThread(create_app(engine, settings), bind_socket("127.0.0.1", 0)).start()
     try:
-        app = KimituiApp(settings, None, remote=(server.url, None))
+        app = cli.make_app(settings, remote=(server.url, None))
         async with app.run_test(size=(50, 30)) as pilot:
             await ask(pilot, app, "Say hi")
             reply = app.query(MessageView).last()
@@ -316,13 +317,13 @@ async def test_remote_mode_chats_through_our_server(model_path):
 
 
 async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
+    """Tuned from the strip beside the panels (no dialog): each key steps a value, Enter
+    applies, and the strip shows when it applies and the figures before and after."""
     from kimitui.model import synth
-    from kimitui.tui.screens.tuning import TuningScreen
     from kimitui.tui.widgets.panels import CachePanel, PrefetchPanel, ResidencyPanel
+    from kimitui.tui.widgets.tuning import TuningPanel
 
     model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
-    whole = model.read_bytes()
-    half = whole[: len(whole) // 2]
     app = make_app("--model", str(model), "--budget", "150MiB")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.streamer is not None)
@@ -332,17 +333,29 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
         cells = str(app.query_one(ResidencyPanel).body.render())
         assert "█" in cells or "▓" in cells or "░" in cells
         await pilot.press("ctrl+e")
-        await wait_for(pilot, lambda: isinstance(app.screen, TuningScreen))
-        app.screen.query_one("#tune-prefetch_depth").value = "x"
-        await pilot.click("#apply")
-        await pilot.pause(0.2)
-        assert "prefetch_depth" in str(app.screen.query_one("#tuning-error").render())
-        app.screen.query_one("#tune-prefetch_depth").value = "1"
-        await pilot.click("#apply")
-        await wait_for(pilot, lambda: not isinstance(app.screen, TuningScreen))
-        assert app.engine.stream_settings.prefetch_depth == 1
+        strip = app.query_one(TuningPanel)
+        assert strip.display and strip.has_focus and app.screen is app.main  # beside the panels, not over them
+        assert all(panel.region.width > 0 for panel in app.query(CachePanel))
+        depth = app.engine.stream_settings.prefetch_depth
+        await pilot.press("down", "left")  # the prefetch row, one less
+        assert f"{depth} → {depth - 1}" in str(strip.render())
+        assert app.engine.stream_settings.prefetch_depth == depth  # not until Enter
+        await pilot.press("enter")
+        assert app.engine.stream_settings.prefetch_depth == depth - 1
+        assert "prefetch depth: applies from the next token" in str(strip.render())
         await ask(pilot, app, "Again")
-        assert app.engine.streamer.settings.prefetch_depth == 1
+        assert app.engine.streamer.settings.prefetch_depth == depth - 1
+        await wait_for(pilot, lambda: "after" in str(strip.render()) and " 0 tok" not in str(strip.render()).split("after")[1])
+        shown = str(strip.render())
+        assert "before" in shown and "tok/s" in shown and "read/tok" in shown
+        await pilot.press("ctrl+e")  # the chat had the keys: back to the strip, on the row it was at
+        assert strip.has_focus
+        await pilot.press("down", "down", "down", "down", "right", "right", "enter")  # I/O threads, two more
+        assert app.engine.stream_settings.io_threads == 6
+        await pilot.press("up", "right", "escape")  # a step dropped with Esc
+        assert "→" not in str(strip.render()) and app.engine.stream_settings.expert_policy == "lfu"
+        await pilot.press("ctrl+e")
+        assert not strip.display and app.query_one(PromptInput).has_focus
         placer = app.engine.streamer.placer
         if placer is not None:  # direct reads: a spent buffer pool is shown, not hidden
             placer.WAIT_FOR_BUFFER_S = 0
@@ -363,10 +376,10 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
     app = make_app("--model", str(model), "--budget", "150MiB")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.streamer is not None)
-        app.sampling.max_tokens = 200
+        app.main.sampling.max_tokens = 200
         await pilot.press(*"Tell me a story")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.view.text)
+        await wait_for(pilot, lambda: app.main.reply is not None and app.main.reply.view.text)
         # The drive goes away mid-reply, here at a layer start so that the cut surely lands
         # mid-reply (test_faults.py cuts at any moment, in a child process).
         streamer = app.engine.streamer
@@ -382,10 +395,10 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
 
         streamer.on_layer_start = cut_then_start
         # The reply ends, then its note is written (after the markdown stream stops).
-        await wait_for(pilot, lambda: app.reply is None and app.query(MessageView).last().border_subtitle)
+        await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
         reply = app.query(MessageView).last()
         assert str(reply.border_subtitle).startswith("error:") and "m.gguf" in str(reply.border_subtitle)
-        conv = app.conversation_id
+        conv = app.main.conversation_id
         # The app goes on: typing still works and the chat is saved.
         await pilot.press(*"still here")
         assert app.query_one(PromptInput).text == "still here"
@@ -393,9 +406,9 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
         with open(model, "r+b") as f:
             f.seek(len(half))
             f.write(whole[len(half):])
-        app.sampling.max_tokens = 8
+        app.main.sampling.max_tokens = 8
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
+        await wait_for(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
         again = app.query(MessageView).last()
         assert again.text and not str(again.border_subtitle).startswith("error:")
     msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)

@@ -444,7 +444,7 @@ def phase_app_load(spec: dict) -> None:
     """The real app, headless, from its own command line until the model is loaded.
 
     "ready" is sent from Textual's message hook when the app dispatches LoadFinished: the
-    handler that runs next sets ``app.ready`` and starts reading the pinned set, so storage
+    handler that runs next sets the main screen's ``ready`` and starts reading the pinned set, so storage
     reads sampled here are the load's alone. The pinned set is not part of start-to-ready.
     """
     import asyncio
@@ -454,7 +454,9 @@ def phase_app_load(spec: dict) -> None:
     app = build_app(build_parser().parse_args(spec["argv"]))  # exactly what `kimitui ARGV` builds
     model_path = app.engine.model_path
     from kimitui.benchmarks.common import cached_bytes
-    from kimitui.tui.messages import LoadFailed, LoadFinished
+    from textual.worker import Worker, WorkerState
+
+    from kimitui.tui.messages import LoadFinished
 
     failed = []
 
@@ -463,15 +465,15 @@ def phase_app_load(spec: dict) -> None:
             read = _read_bytes()
             emit("ready", read_bytes=read, load_s=app.engine.load_s, fast_load_note=app.engine.fast_load_note)
             emit("resident", model_cached_bytes=cached_bytes(model_path), peak_rss_bytes=_peak_rss())
-        elif isinstance(message, LoadFailed):
-            failed.append(message.error)
-            emit("error", message=message.error)
+        elif isinstance(message, Worker.StateChanged) and message.state is WorkerState.ERROR and message.worker.group == "load":
+            failed.append(str(message.worker.error))
+            emit("error", message=failed[-1])
 
     async def main() -> None:
         async with app.run_test(size=(120, 40), message_hook=hook) as pilot:
-            while not app.ready and not failed:
+            while not app.main.ready and not failed:
                 await pilot.pause(0.01)
-            if app.ready:
+            if app.main.ready:
                 emit("result", ready=True)
 
     asyncio.run(main())

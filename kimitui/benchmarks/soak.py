@@ -154,19 +154,19 @@ async def _soak(app, args, drive: Drive) -> dict:
     figures: dict = {"requests": Counter(), "statuses": Counter(), "unexpected": [], "chats": []}
     async with app.run_test(size=(120, 40)) as pilot:
         deadline = time.monotonic() + 600
-        while not (app.ready and app.api_server is not None and app.engine.streamer is not None):
+        while not (app.main.ready and app.main.api_url is not None and app.engine.streamer is not None):
             if time.monotonic() > deadline:
                 raise UserError("the app did not get ready in 10 minutes")
             await pilot.pause(0.1)
-        url = app.api_server.url
-        app.sampling.max_tokens = 12
+        url = app.main.api_url
+        app.main.sampling.max_tokens = 12
 
         async def chat_in_app(text: str) -> None:
             app.query_one(PromptInput).focus()
             await pilot.press(*text)
             await pilot.press("enter")
             waited = 0.0
-            while app.reply is not None or not app.query(MessageView).last().border_subtitle:
+            while app.main.reply is not None or not app.query(MessageView).last().border_subtitle:
                 await pilot.pause(0.05)
                 waited += 0.05
                 if waited > 300:

@@ -32,21 +32,21 @@ async def _measure(app, presses: int, size: tuple[int, int]) -> dict:
     latencies: list[float] = []
     tokens_during = 0
     async with app.run_test(size=size) as pilot:
-        while not app.ready:
+        while not app.main.ready:
             await pilot.pause(0.05)
         prompt = app.query_one(PromptInput)
         prompt.focus()
         prompt.insert("Write a very long story about the sea, chapter by chapter.")
         await pilot.press("enter")
-        while app.reply is None or not app.reply.view.text:
+        while app.main.reply is None or not app.main.reply.view.text:
             await pilot.pause(0.01)
-        start_tokens = app.metrics.view()["tokens_total"]
+        start_tokens = app.engine.metrics.view()["tokens_total"]
         for i in range(presses):
-            if app.reply is None:  # the reply ended: start another so every probe runs under load
+            if app.main.reply is None:  # the reply ended: start another so every probe runs under load
                 prompt.clear()
                 prompt.insert("Tell me another long story.")
                 await pilot.press("enter")
-                while app.reply is None:
+                while app.main.reply is None:
                     await pilot.pause(0.01)
             before = prompt.text
             sent = time.perf_counter()
@@ -55,10 +55,10 @@ async def _measure(app, presses: int, size: tuple[int, int]) -> dict:
                 await asyncio.sleep(0.0005)
             latencies.append(time.perf_counter() - sent)
             await pilot.pause(0.1 + (i % 3) * 0.05)  # spread the probes over the token cadence
-        tokens_during = app.metrics.view()["tokens_total"] - start_tokens
-        if app.reply is not None and app.reply.generation is not None:
-            app.reply.generation.cancel()
-        while app.reply is not None:
+        tokens_during = app.engine.metrics.view()["tokens_total"] - start_tokens
+        if app.main.reply is not None and app.main.reply.generation is not None:
+            app.main.reply.generation.cancel()
+        while app.main.reply is not None:
             await pilot.pause(0.05)
     return {
         "presses": len(latencies),
@@ -70,9 +70,8 @@ async def _measure(app, presses: int, size: tuple[int, int]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kimitui.cli import resolve_model, resolve_settings
+    from kimitui.cli import make_app, resolve_model, resolve_settings
     from kimitui.errors import UserError
-    from kimitui.tui.app import KimituiApp
 
     try:
         width, height = (int(v) for v in args.size.lower().split("x"))
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--size: expected WxH such as 120x40, got {args.size!r}") from None
     settings = resolve_settings(args)
     settings["sampling.max_tokens"] = 2048
-    app = KimituiApp(settings, resolve_model(settings))
+    app = make_app(settings, resolve_model(settings))
     figures = asyncio.run(_measure(app, args.presses, (width, height)))
     if args.json:
         print(json.dumps(figures))

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimitui.config import replace_file
+from kimitui.engine.settings import EXPERT_POLICIES
 from kimitui.model.gguf_map import ModelMap
 
-EXPERT_POLICIES = ("lru", "lfu")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

@@ -70,6 +70,8 @@ class EngineMetrics:
         self.model_resident_source: Callable[[], int | None] | None = None
         # Set when routed experts stream: (routing counts [layer][expert], hit rate per layer).
         self.experts_source: Callable[[], tuple[list[list[int]], list[float | None]]] | None = None
+        # Set when routed experts stream: per layer, (experts resident, cached or pinned; experts).
+        self.expert_residency_source: Callable[[], list[tuple[int, int]]] | None = None
         # Set by the engine: the model bytes it has read itself (pinned set, shards, experts).
         # What the SSD panel shows where the OS keeps no per-process I/O counters (iOS, macOS).
         self.engine_read_source: Callable[[], int] | None = None
@@ -161,6 +163,8 @@ class Snapshot:
     model_rss_bytes: int | None = None
     read_rate_history: list[float] = field(default_factory=list)
     residency: list[str] | None = None
+    # per layer: (routed experts in memory, cached or pinned; the layer's routed experts), (0, 0) for a dense one
+    experts_resident: list[tuple[int, int]] | None = None
     experts: tuple[list[list[int]], list[float | None]] | None = None
     # every disk holding a model file, in file order, and its read rate (bytes/s; None until
     # two samples): a split set spread over drives shows each drive
@@ -322,6 +326,7 @@ class Sampler:
             read_counted_by=read_counted_by,
             model_rss_bytes=self.metrics.model_resident_source() if self.metrics.model_resident_source else None,
             residency=self.metrics.residency_source() if self.metrics.residency_source else None,
+            experts_resident=self.metrics.expert_residency_source() if self.metrics.expert_residency_source else None,
             experts=self.metrics.experts_source() if self.metrics.experts_source else None,
         )
         self.latest = snap

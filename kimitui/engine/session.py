@@ -834,6 +834,14 @@ class Engine:
                 streamer.attach_experts(plan.expert_bytes - self.hot_expert_bytes, hot, counts)
                 experts = streamer.experts
                 self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
+
+                def resident_per_layer(sizes=[layer.n_expert for layer in model.layers]) -> list[tuple[int, int]]:
+                    per_layer = [0] * len(sizes)
+                    for layer, _expert in experts.resident_keys():
+                        per_layer[layer] += 1
+                    return list(zip(per_layer, sizes))
+
+                self.metrics.expert_residency_source = resident_per_layer
             self.metrics.residency_source = streamer.residency_by_layer
             self.streamer = streamer  # complete, experts attached, before the eval callback sees it
             self.set_tracer(self.tracer)
@@ -889,7 +897,7 @@ class Engine:
             self.streamer.on_read = tracer.read if tracer is not None else None
             self.streamer.on_route = tracer.route if tracer is not None else None
 
-    def tuning(self) -> dict:
+    def trace_settings(self) -> dict:
         """The settings a trace records with each request."""
         return {
             "budget": self.budget,
@@ -929,9 +937,12 @@ class Engine:
                 raise EngineError(shortfall)
         changes = {k: v for k, v in stream.items() if v is not None}
         if changes:
-            self.stream_settings = replace(self.stream_settings, **changes)
             if self.streamer is not None:
-                self.streamer.reconfigure(**changes)
+                try:
+                    self.streamer.reconfigure(**changes)
+                except ValueError as exc:  # refused before anything changes
+                    raise EngineError(str(exc)) from None
+            self.stream_settings = replace(self.stream_settings, **changes)
         repin = (budget is not None and budget != self.budget) or (shard_size is not None and shard_size != self.shard_size)
         if budget is not None:
             self.budget = budget
@@ -1312,7 +1323,7 @@ class Generation:
         log = llama_log()
         log.lines.clear()
         if tracer is not None:
-            tracer.request_started(self.id, engine.model_path.name, engine.tuning())
+            tracer.request_started(self.id, engine.model_path.name, engine.trace_settings())
         text, emitted, cut = "", 0, -1
         last = started
         finish = "length"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("pin-stream", "lru")
+EXPERT_POLICIES = ("lru", "lfu")  # the routed-expert cache's
 
 
 @dataclass(frozen=True)

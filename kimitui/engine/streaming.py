@@ -31,10 +31,10 @@ from dataclasses import replace
 from typing import Callable
 
 from kimitui.engine.direct import PIECE_BYTES, split_pieces
-from kimitui.engine.experts import EXPERT_POLICIES, ExpertCache, ExpertUnit, RouterPredictor
+from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
-from kimitui.engine.settings import POLICIES, StreamSettings
+from kimitui.engine.settings import EXPERT_POLICIES, POLICIES, StreamSettings
 from kimitui.model.gguf_map import ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20

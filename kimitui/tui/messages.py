@@ -1,4 +1,4 @@
-"""Messages that worker threads post back to the app's event loop."""
+"""Messages that worker threads post back to the main screen (they stop there: no bubbling to the app)."""
 
 from __future__ import annotations
 
@@ -12,50 +12,39 @@ from kimitui.engine.session import GenerationResult, TokenEvent
 
 
 @dataclass
-class LoadProgress(Message):
+class LoadProgress(Message, bubble=False):
     fraction: float
 
 
 @dataclass
-class LoadFinished(Message):
+class LoadFinished(Message, bubble=False):
     seconds: float
 
 
 @dataclass
-class LoadFailed(Message):
-    error: str
-
-
-@dataclass
-class PinProgressed(Message):
+class PinProgressed(Message, bubble=False):
     progress: PinProgress
 
 
 @dataclass
-class PinFinished(Message):
+class PinFinished(Message, bubble=False):
     pinned_bytes: int
     note: str | None
+    whole_model: bool
 
 
 @dataclass
-class TokenReceived(Message):
+class TokenReceived(Message, bubble=False):
     reply_id: int
     event: TokenEvent
 
 
 @dataclass
-class ReplyFinished(Message):
+class ReplyFinished(Message, bubble=False):
     reply_id: int
     result: GenerationResult
 
 
 @dataclass
-class ReplyFailed(Message):
-    reply_id: int
-    error: str
-    result: GenerationResult
-
-
-@dataclass
-class SnapshotReady(Message):
+class SnapshotReady(Message, bubble=False):
     snapshot: Snapshot

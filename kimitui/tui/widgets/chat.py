@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from textual import events
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.markup import escape
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
@@ -43,12 +44,27 @@ class MessageView(Markdown):
 
 
 class ChatLog(VerticalScroll, can_focus=True):
-    """Stays at the bottom while replies stream, unless the user scrolls up (Textual's anchor)."""
+    """Stays at the bottom while replies stream, unless the user scrolls up (Textual's anchor).
+    Empty, it says what to do and which model answers."""
 
     def on_mount(self) -> None:
         self.anchor()
 
+    def show_hint(self, model: str) -> None:
+        if self.query(MessageView):
+            return
+        text = (
+            f"Ask [b]{escape(model)}[/b] anything: type below, Enter sends, ctrl+j for a new line.\n"
+            "[dim]ctrl+e tune the engine · ctrl+o history · ctrl+t sampling · ctrl+p all commands[/dim]"
+        )
+        hints = self.query(".chat-hint")
+        if hints:
+            hints.first(Static).update(text)
+        else:
+            self.mount(Static(text, classes="chat-hint"))
+
     async def add(self, view: MessageView | Static) -> None:
+        await self.query(".chat-hint").remove()
         await self.mount(view)
         self.anchor()
 

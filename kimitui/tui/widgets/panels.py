@@ -7,6 +7,7 @@ from rich.progress_bar import ProgressBar
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.reactive import reactive
 from textual.widgets import Sparkline, Static
 
 from kimitui.engine.metrics import Snapshot
@@ -23,12 +24,14 @@ def _level(fraction: float | None) -> str:
 
 
 class Panel(Vertical, can_focus=True):
-    """A bordered panel: a text body and, for some, a sparkline under it."""
+    """A bordered panel: a text body and, for some, a sparkline under it. Fed by its screen:
+    ``snapshot`` and ``idle_note`` are bound to the screen's (``data_bind``)."""
 
     TITLE = ""
     KEY = ""
     HAS_SPARKLINE = False
-    idle_note = NOT_STREAMING
+    snapshot: reactive[Snapshot | None] = reactive(None, init=False, always_update=True)
+    idle_note = reactive(NOT_STREAMING, init=False)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -41,6 +44,10 @@ class Panel(Vertical, can_focus=True):
         yield self.note
         if self.HAS_SPARKLINE:
             yield Sparkline([], summary_function=max, classes="panel-spark")
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if snap is not None and self.display:
+            self.render_snapshot(snap)
 
     def render_snapshot(self, snap: Snapshot) -> None:
         raise NotImplementedError
@@ -57,15 +64,15 @@ class CachePanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         s = snap.streaming
         if s is None:
-            self.body.update("hits —  misses —\nhit rate —")
+            self.body.update("hits — miss —\nhit rate —")
             self.note.update(self.idle_note)
             return
         rate = snap.cache_hit_rate
         experts = ""
         if s.expert_hits is not None:
-            experts = f"\nexperts {s.expert_hits:,}/{s.expert_hits + s.expert_misses:,} hit"
+            experts = f"\nexperts {s.expert_hits:,}/{s.expert_hits + s.expert_misses:,}"
         self.body.update(
-            f"hits {s.cache_hits:,}  misses {s.cache_misses:,}\n"
+            f"hits {s.cache_hits:,} miss {s.cache_misses:,}\n"
             f"hit rate {'—' if rate is None else f'{rate:.0%}'}{experts}"
         )
         self.note.update("")
@@ -78,13 +85,13 @@ class PrefetchPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         s = snap.streaming
         if s is None:
-            self.body.update("queue —  stall —\nin flight —\nused —  wasted —")
+            self.body.update("queue —\nstall —\nused — wasted —")
             self.note.update(self.idle_note)
             return
         self.body.update(
-            f"queue {s.prefetch_queue_depth}  stall {format_ms(s.stall_s)}\n"
-            f"in flight {format_bytes(s.prefetch_inflight_bytes)}\n"
-            f"used {s.prefetch_used}  wasted {format_bytes(s.prefetch_wasted_bytes)}"
+            f"queue {s.prefetch_queue_depth}, {format_bytes(s.prefetch_inflight_bytes)}\n"
+            f"stall {format_ms(s.stall_s)}\n"
+            f"used {s.prefetch_used} wasted {format_bytes(s.prefetch_wasted_bytes)}"
         )
         # Direct reads ran out of buffers (a window larger than the pool): slower, so say so.
         spilled = s.page_cache_fallback_bytes
@@ -106,7 +113,7 @@ class DiskPanel(Panel):
             f"read{counted} {format_rate(snap.process_read_rate)}\n"
             f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
         )
-        self.query_one(Sparkline).data = snap.read_rate_history or [0.0]
+        self.query_one(Sparkline).data = snap.read_rate_history  # empty until a second sample: blank, not a bar
 
 
 class MemoryPanel(Panel):
@@ -127,7 +134,7 @@ class MemoryPanel(Panel):
         else:
             self.summary = (
                 f"model {format_bytes(model)}\nof {format_bytes(budget)}{share}\n"
-                f"other {format_bytes(max(0, snap.rss_bytes - model))}, peak RSS {format_bytes(snap.rss_peak_bytes)}"
+                f"other {format_bytes(max(0, snap.rss_bytes - model))}\npeak RSS {format_bytes(snap.rss_peak_bytes)}"
             )
         text = Text(self.summary)
         # Rich's bar takes the width it is given at render time, whatever the layout.
@@ -145,16 +152,18 @@ class LatencyPanel(Panel):
         tok_s = "—" if snap.decode_tok_s is None else f"{snap.decode_tok_s:.1f}"
         self.body.update(
             f"p50 {format_ms(snap.p50_s)}\np95 {format_ms(snap.p95_s)}\n"
-            f"TTFT {format_ms(snap.ttft_s)} · {tok_s} tok/s"
+            f"TTFT {format_ms(snap.ttft_s)}\n{tok_s} tok/s"
         )
-        self.query_one(Sparkline).data = [x * 1000 for x in snap.latencies] or [0.0]
+        self.query_one(Sparkline).data = [x * 1000 for x in snap.latencies]  # none yet: blank, not a bar
 
 
 RESIDENCY_STYLE = {"pinned": ("█", "bold"), "resident": ("▓", ""), "in flight": ("▒", "italic"), "cold": ("░", "dim")}
 
 
 class ResidencyPanel(Panel):
-    """One cell per layer: █ pinned, ▓ resident, ▒ in flight, ░ cold."""
+    """One cell per layer: the trunk (█ pinned, ▓ resident, ▒ in flight, ░ cold) and, for a
+    streamed MoE model, a second row with the share of each layer's experts in memory, where
+    the bytes are."""
 
     TITLE = "residency"
     KEY = "7"
@@ -164,14 +173,27 @@ class ResidencyPanel(Panel):
             self.body.update("every layer pinned" if snap.streaming is None else "—")
             self.note.update(self.idle_note if snap.streaming is None else "")
             return
-        cells = Text()
-        for state in snap.residency:
+        width = max(8, self.body.size.width - 8)
+        per_cell = max(1, -(-len(snap.residency) // width))  # K3's 93 layers fit 50 columns in pairs
+        order = list(RESIDENCY_STYLE)
+        trunk = Text("trunk   ")
+        for i in range(0, len(snap.residency), per_cell):
+            state = max(snap.residency[i : i + per_cell], key=order.index)  # the least ready wins
             char, style = RESIDENCY_STYLE[state]
-            cells.append(char, style=style)
-        counts = {state: snap.residency.count(state) for state in RESIDENCY_STYLE}
-        legend = " ".join(f"{RESIDENCY_STYLE[k][0]}{v}" for k, v in counts.items())
-        self.body.update(Text.assemble(cells, "\n", legend))
-        self.note.update("█ pinned ▓ resident ▒ in flight ░ cold")
+            trunk.append(char, style=style)
+        lines = [trunk]
+        resident = snap.experts_resident
+        if resident is not None:
+            row = Text("experts ")
+            for i in range(0, len(resident), per_cell):
+                cell = [r / n for r, n in resident[i : i + per_cell] if n]
+                share = max(cell, default=None)
+                row.append(" " if share is None else "·" if share == 0 else HEAT[min(4, 1 + int(share * 4))])
+            lines.append(row)
+            held, total = sum(r for r, _ in resident), sum(n for _, n in resident)
+            lines.append(Text(f"{held:,} of {total:,} experts in memory"))
+        self.body.update(Text("\n").join(lines))
+        self.note.update("█ pinned ▓ resident ▒ in flight ░ cold" + ("; experts: share in memory" if resident is not None else ""))
 
 
 HEAT = " ░▒▓█"

@@ -1,0 +1,486 @@
+"""The main screen: the chat beside the live panels and the tuning strip, and their keys.
+
+It owns what they show (reactives bound to the widgets with ``data_bind``), the engine's
+load, pin and replies (thread workers whose failures all end in ``on_worker_state_changed``),
+and the chat's history (written through a thread of its own).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Footer
+from textual.worker import Worker, WorkerState
+
+from kimitui.engine.interface import ChatEngine
+from kimitui.engine.metrics import Sampler, Snapshot
+from kimitui.engine.session import EngineError, GenerationResult, Sampling
+from kimitui.tui.history_writer import HistoryWriter
+from kimitui.tui.messages import LoadFinished, LoadProgress, PinFinished, PinProgressed, ReplyFinished, SnapshotReady, TokenReceived
+from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
+from kimitui.tui.widgets.panels import NOT_STREAMING, PANEL_TYPES, ApiPanel, Panel
+from kimitui.tui.widgets.status import StatusBar
+from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
+from kimitui.tui.widgets.tuning import TuningPanel
+from kimitui.units import format_bytes
+
+PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history database
+
+
+@dataclass
+class Reply:
+    """A reply in flight: its widget, its database row and the engine's generation."""
+
+    id: int
+    view: MessageView
+    message_id: int
+    generation: object = None
+    last_saved: float = field(default_factory=time.monotonic)
+
+
+def _failure(error: BaseException) -> str:
+    """An engine's own error is its one line; anything else is a bug, named as such."""
+    return str(error) if isinstance(error, EngineError) else f"{type(error).__name__}: {error}"
+
+
+class MainScreen(Screen):
+    CSS_PATH = "main.tcss"
+
+    BINDINGS = [
+        # Priority: the prompt box would otherwise take these (ctrl+y is its redo). They are the
+        # screen's, so a dialog on top has its own keys and these are not in force there.
+        Binding("escape", "cancel_or_leave", "cancel", priority=True),
+        Binding("ctrl+r", "regenerate", "regenerate", priority=True),
+        Binding("ctrl+n", "new_chat", "new chat", priority=True),
+        Binding("ctrl+o", "history", "history", priority=True),
+        Binding("ctrl+y", "copy_reply", "copy reply", priority=True),
+        Binding("ctrl+t", "sampling", "sampling", priority=True),
+        Binding("ctrl+e", "tuning", "tune", priority=True),
+        Binding("1", "toggle_panel(1)", "cache", group=Binding.Group("panels", compact=True)),
+        Binding("2", "toggle_panel(2)", "prefetch", group=Binding.Group("panels", compact=True)),
+        Binding("3", "toggle_panel(3)", "SSD", group=Binding.Group("panels", compact=True)),
+        Binding("4", "toggle_panel(4)", "memory", group=Binding.Group("panels", compact=True)),
+        Binding("5", "toggle_panel(5)", "latency", group=Binding.Group("panels", compact=True)),
+        Binding("6", "toggle_panel(6)", "API", group=Binding.Group("panels", compact=True)),
+        Binding("7", "toggle_panel(7)", "residency", group=Binding.Group("panels", compact=True)),
+        Binding("8", "toggle_panel(8)", "experts", group=Binding.Group("panels", compact=True)),
+        Binding("9", "toggle_trace", "trace", group=Binding.Group("panels", compact=True)),
+        Binding("z", "maximize_panel", "maximise"),
+        Binding("p", "pause", "pause"),
+        Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),
+        Binding("minus", "slower", "slower", group=Binding.Group("refresh", compact=True)),
+    ]
+
+    # What the widgets show; each is bound to them in compose.
+    snapshot: reactive[Snapshot | None] = reactive(None, init=False, always_update=True)
+    idle_note = reactive(NOT_STREAMING)
+    model_name = reactive("")
+    model_bytes = reactive(0)
+    budget = reactive(0)
+    engine_state = reactive("starting")
+    status_detail = reactive("")
+    sampling_line = reactive("")
+    pinning = reactive("")
+    pinned = reactive("")
+
+    def __init__(self, engine: ChatEngine, sampler: Sampler, history: HistoryWriter, sampling: Sampling,
+                 system_prompt: str, *, trace=None, api=None) -> None:
+        """``api``: starts the HTTP API from this engine, given a callback for each request
+        served (called on the server's thread); returns its URL. None: no API."""
+        super().__init__()
+        self.engine = engine
+        self.sampler = sampler
+        self.history = history
+        self.sampling = sampling
+        self.system_prompt = system_prompt
+        self.trace = trace
+        self._api = api
+        self.api_url: str | None = None  # where the API serves, once started
+        self.conversation_id: int | None = None
+        self.ready = False
+        self.reply: Reply | None = None
+        self._reply_ids = itertools.count(1)
+        self._trace_error_shown = False
+        self.chat_log = ChatLog(id="chat-log")
+        self.trace_log = TraceLog(id="trace-log")
+        self.prompt = PromptInput(id="prompt")
+        self.tuning_panel = TuningPanel(id="tuning")
+        self.panels = {panel_type.KEY: panel_type(id=f"panel-{panel_type.KEY}") for panel_type in PANEL_TYPES}
+
+    # -- layout --------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status").data_bind(
+            MainScreen.model_name, MainScreen.model_bytes, MainScreen.budget, MainScreen.pinning, MainScreen.pinned,
+            state=MainScreen.engine_state, detail=MainScreen.status_detail, sampling=MainScreen.sampling_line,
+        )
+        with Horizontal(id="main"):
+            with Vertical(id="chat-pane"):
+                yield self.chat_log
+                yield self.trace_log
+                yield self.tuning_panel.data_bind(MainScreen.snapshot)
+                yield self.prompt
+            with Vertical(id="panels"):
+                for panel in self.panels.values():
+                    yield panel.data_bind(MainScreen.snapshot, MainScreen.idle_note)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.model_name, self.model_bytes = self.engine.label()
+        self.model_bytes = self.model_bytes or 0
+        self.budget = self.engine.metrics.budget_bytes or 0
+        self.engine_state = "loading"
+        self.chat_log.show_hint(self.model_name)
+        self.tuning_panel.display = False
+        # On a phone-sized terminal the chat needs the room: the pane starts hidden (key 9 shows it).
+        self.trace_log.display = self.trace is not None and self.app.size.width >= 100
+        if self.trace is not None:
+            bar = TokenBreakdown(id="token-breakdown")
+            self.panels["5"].mount(bar)  # the last token's split, under the latency sparkline
+            # feed() only queues; the widgets drain on a UI timer, so read threads never wait for the UI.
+            self.trace.subscribe(self.trace_log.feed)
+            self.trace.subscribe(bar.feed)
+        api_panel = self.panels["6"]
+        api_panel.display = self._api is not None
+        if self._api is not None:
+            self.api_url = self._api(lambda record: self.app.call_from_thread(api_panel.add_request, record))
+            api_panel.url = f"serving {self.api_url}"
+            api_panel.show_requests()
+        self.show_sampling()
+        self.sampler.subscribe(lambda snap: self.post_message(SnapshotReady(snap)))
+        self.sampler.start()
+        self.prompt.focus()
+        self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
+
+    def on_unmount(self) -> None:
+        if self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+        self.engine.abort_load()
+        self.sampler.stop()
+
+    def show_sampling(self) -> None:
+        s = self.sampling
+        paused = " paused" if self.sampler.paused else ""
+        self.sampling_line = f"T {s.temperature:g} · top_p {s.top_p:g} · max {s.max_tokens} · every {self.sampler.interval:g}s{paused}"
+
+    # -- workers: load, pin, reply ----------------------------------------------------------
+
+    def _load(self) -> None:
+        last = [0.0]
+
+        def progress(fraction: float) -> None:
+            # llama.cpp calls back per tensor; a repaint per whole percent is plenty.
+            if fraction - last[0] >= 0.01 or fraction >= 1.0:
+                last[0] = fraction
+                self.post_message(LoadProgress(fraction))
+
+        self.engine.load(progress)
+        # The engine's own figure: the load may have started before this worker (start_loading).
+        self.post_message(LoadFinished(self.engine.load_s or 0.0))
+
+    def _pin(self) -> None:
+        last = [0.0]
+
+        def progress(p) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or p.finished:
+                last[0] = now
+                self.post_message(PinProgressed(p))
+
+        outcome = self.engine.pin(progress)
+        self.post_message(PinFinished(outcome.pinned_bytes, outcome.note, outcome.whole_model))
+
+    def _generate(self, reply: Reply, messages: list[dict], sampling: Sampling) -> None:
+        generation = self.engine.chat(messages, sampling)
+        reply.generation = generation
+        for event in generation:
+            self.post_message(TokenReceived(reply.id, event))
+        self.post_message(ReplyFinished(reply.id, generation.result))
+
+    async def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """Every worker's failure ends here: the load's, the pin's, a reply's."""
+        if event.state is not WorkerState.ERROR:
+            return
+        error = _failure(event.worker.error)
+        if event.worker.group == "load":
+            self.engine_state, self.status_detail = "failed", ""
+            self.notify(error, severity="error", timeout=30)
+        elif event.worker.group == "pin":
+            self.ready = True  # replies work without a pinned set: the next one tries again
+            self.notify(error, severity="error", timeout=15)
+        elif event.worker.group == "generate":
+            reply = self.reply
+            if reply is not None and event.worker.name == f"reply-{reply.id}":
+                result = getattr(reply.generation, "result", None) or GenerationResult()
+                await self._end_reply(reply.id, result, error)
+        else:
+            self.notify(error, severity="error", timeout=15)
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        self.status_detail = f"{message.fraction:.0%}"
+
+    def on_load_finished(self, message: LoadFinished) -> None:
+        self.engine_state, self.status_detail = "idle", f"(loaded in {message.seconds:.1f}s)"
+        self.model_name, model_bytes = self.engine.label()
+        self.model_bytes = model_bytes or 0
+        self.chat_log.show_hint(self.model_name)
+        for notice in self.engine.notices():
+            self.notify(notice, severity="warning", timeout=15)
+        self.tuning_panel.current = self.engine.tuning()
+        self.run_worker(self._pin, thread=True, group="pin", exit_on_error=False)
+
+    def on_pin_progressed(self, message: PinProgressed) -> None:
+        p = message.progress
+        # A re-pin from live tuning ends without a PinFinished: its last progress says it all.
+        self.pinning = "" if p.finished else p.describe()
+        if p.finished:
+            self.pinned = f"pinned {format_bytes(p.total_bytes)}"
+
+    def on_pin_finished(self, message: PinFinished) -> None:
+        self.ready = True  # the pinned set and the streamer are complete (the engine's turn holds replies till then)
+        self.idle_note = (
+            "model fits in memory: nothing streams" if message.whole_model
+            else "not streamed: the kernel pages in the unpinned part"
+        )
+        locked = "" if message.note is None else " (not locked)"
+        self.pinning = ""
+        self.pinned = f"pinned {format_bytes(message.pinned_bytes)}{locked}" if message.pinned_bytes else ""
+        if message.note:
+            self.notify(message.note, severity="warning", timeout=15)
+
+    def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        self.snapshot = message.snapshot
+
+    # -- chat ----------------------------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    async def send(self, event: PromptInput.Submitted) -> None:
+        if not self.ready:
+            self.notify("the model is still loading; your message stays in the box", severity="warning")
+            return
+        if self.reply is not None:
+            self.notify("a reply is streaming; Esc cancels it", severity="warning")
+            return
+        self.prompt.clear()
+        store = self.history.store
+        if self.conversation_id is None:
+            self.conversation_id = await self.history.call(store.create_conversation, event.text.splitlines()[0], self.model_name)
+        message_id = await self.history.call(store.add_message, self.conversation_id, "user", event.text)
+        await self.chat_log.add(MessageView("user", event.text, message_id=message_id))
+        await self._start_reply()
+
+    def _history_messages(self) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        for view in self.chat_log.query(MessageView):
+            if view.text:
+                msgs.append({"role": view.role, "content": view.text})
+        return msgs
+
+    async def _start_reply(self) -> None:
+        messages = self._history_messages()
+        view = MessageView("assistant", "")
+        await self.chat_log.add(view)
+        view.message_id = await self.history.call(self.history.store.add_message, self.conversation_id, "assistant", "", complete=False)
+        self.reply = Reply(next(self._reply_ids), view, view.message_id)
+        self.engine_state, self.status_detail = "generating", ""
+        self.run_worker(
+            partial(self._generate, self.reply, messages, Sampling(**vars(self.sampling))),
+            thread=True, group="generate", name=f"reply-{self.reply.id}", exit_on_error=False,
+        )
+
+    async def on_token_received(self, message: TokenReceived) -> None:
+        reply = self.reply
+        if reply is None or reply.id != message.reply_id:
+            return
+        await reply.view.add_fragment(message.event.text)
+        self.status_detail = f"{message.event.index + 1} tok"
+        if time.monotonic() - reply.last_saved >= PERSIST_EVERY_S:
+            self.history.post(self.history.store.update_message, reply.message_id, reply.view.text, complete=False)
+            reply.last_saved = time.monotonic()
+
+    async def on_reply_finished(self, message: ReplyFinished) -> None:
+        await self._end_reply(message.reply_id, message.result, None)
+
+    async def _end_reply(self, reply_id: int, result: GenerationResult, error: str | None) -> None:
+        reply = self.reply
+        if reply is None or reply.id != reply_id:
+            return
+        self.reply = None
+        tok_s = (result.completion_tokens - 1) / result.decode_s if result.decode_s > 0 and result.completion_tokens > 1 else None
+        stats = {
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "prompt_s": round(result.prompt_s, 4),
+            "decode_tok_s": round(tok_s, 2) if tok_s else None,
+        }
+        note = f"{result.completion_tokens} tok" + (f" · {tok_s:.1f} tok/s" if tok_s else "")
+        if result.finish_reason == "cancelled":
+            note += " · cancelled"
+        elif result.finish_reason == "length":
+            note += " · max tokens reached"
+        if error:
+            note = f"error: {error}"
+            self.notify(error, severity="error", timeout=15)
+        # Queued before the view is finished: the app may be closing while it awaits.
+        self.history.post(self.history.store.update_message, reply.message_id, reply.view.text, complete=error is None, stats=stats)
+        if self.trace is not None and self.trace.error and not self._trace_error_shown:
+            self._trace_error_shown = True
+            self.notify(f"trace stopped: {self.trace.error}", severity="warning", timeout=15)
+        self.engine_state, self.status_detail = "idle", ""
+        await reply.view.finish(note)
+
+    # -- tuning --------------------------------------------------------------------------
+
+    def action_tuning(self) -> None:
+        """Show the tuning strip and give it the keys; again: hide it."""
+        panel = self.tuning_panel
+        if self.engine.tuning() is None:
+            self.notify("remote mode: the server's engine is tuned on the server")
+            return
+        if panel.display and panel.has_focus:
+            panel.display = False
+            self.remove_class("-tuning")
+            self.prompt.focus()
+            return
+        panel.current = self.engine.tuning()
+        panel.display = True
+        self.add_class("-tuning")
+        panel.focus()
+
+    @on(TuningPanel.Apply)
+    def apply_tuning(self, event: TuningPanel.Apply) -> None:
+        names = ", ".join(name.replace("_", " ") for name in event.changes)
+        try:
+            when = self.engine.retune(**event.changes)
+        except EngineError as exc:
+            self.tuning_panel.applied(f"not applied: {exc}")
+            return
+        self.budget = self.engine.metrics.budget_bytes or 0
+        self.tuning_panel.current = self.engine.tuning()
+        self.tuning_panel.applied(f"{names}: {when}")
+
+    # -- actions -------------------------------------------------------------------------
+
+    def action_cancel_or_leave(self) -> None:
+        if self.maximized is not None:
+            self.minimize()
+        elif self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+            self.engine_state = "cancelling"
+        elif self.tuning_panel.has_focus and self.tuning_panel.drop_pending():
+            pass
+        elif self.focused is self.prompt:
+            # Leave the prompt so the panel keys (1-9, p, +, -, z) reach the screen.
+            self.panels["5"].focus()
+        else:
+            self.prompt.focus()
+
+    async def action_regenerate(self) -> None:
+        if not self.ready or self.reply is not None:
+            return
+        last = self.chat_log.last_reply()
+        views = list(self.chat_log.query(MessageView))
+        if last is None or not views or views[-1] is not last:
+            self.notify("nothing to regenerate yet")
+            return
+        if last.message_id is not None:
+            self.history.post(self.history.store.delete_message, last.message_id)
+        await last.remove()
+        await self._start_reply()
+
+    async def action_new_chat(self) -> None:
+        if self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+        self.conversation_id = None
+        await self.chat_log.remove_children()
+        self.chat_log.show_hint(self.model_name)
+        self.prompt.focus()
+
+    def action_history(self) -> None:
+        from kimitui.tui.screens.history import HistoryScreen  # dialogs load when first opened: start-up is on the clock
+
+        self.app.push_screen(HistoryScreen(self.history.store, Path.cwd()), self._open_conversation)
+
+    async def _open_conversation(self, conversation_id: int | None) -> None:
+        store = self.history.store
+        if self.conversation_id is not None and await self.history.call(store.get_conversation, self.conversation_id) is None:
+            await self.action_new_chat()  # the open conversation was deleted: its view goes too
+        if conversation_id is None or await self.history.call(store.get_conversation, conversation_id) is None:
+            return
+        if self.reply is not None and self.reply.generation is not None:
+            self.reply.generation.cancel()
+        self.reply = None
+        await self.chat_log.remove_children()
+        self.conversation_id = conversation_id
+        for msg in await self.history.call(store.messages, conversation_id):
+            note = "" if msg.complete else "interrupted"
+            await self.chat_log.add(MessageView(msg.role, msg.content, message_id=msg.id, note=note))
+        self.prompt.focus()
+
+    def action_copy_reply(self) -> None:
+        last = self.chat_log.last_reply()
+        if last is None or not last.text:
+            self.notify("no reply to copy yet")
+            return
+        # OSC 52: the terminal on the user's side of SSH receives it.
+        self.app.copy_to_clipboard(last.text)
+        self.notify(f"copied {len(last.text)} characters")
+
+    def action_sampling(self) -> None:
+        from kimitui.tui.screens.sampling import SamplingScreen
+
+        def applied(result: tuple[Sampling, str] | None) -> None:
+            if result is not None:
+                self.sampling, self.system_prompt = result
+                self.show_sampling()
+                self.notify("sampling settings apply from the next reply")
+
+        self.app.push_screen(SamplingScreen(self.sampling, self.system_prompt), applied)
+
+    def action_toggle_trace(self) -> None:
+        if self.trace is None:
+            self.notify("tracing is off: start with --trace FILE or set enabled = true under [trace]")
+            return
+        self.trace_log.display = not self.trace_log.display
+
+    def action_toggle_panel(self, key: int) -> None:
+        panel = self.panels[str(key)]
+        if isinstance(panel, ApiPanel) and self._api is None:
+            return
+        panel.display = not panel.display
+
+    def action_maximize_panel(self) -> None:
+        focused = self.focused
+        key = focused.KEY if isinstance(focused, Panel) else "5"
+        if self.maximized is not None:
+            self.minimize()
+        else:
+            self.maximize_panel(key)
+
+    def maximize_panel(self, key: str) -> None:
+        panel = self.panels[key]
+        panel.display = True
+        self.maximize(panel, container=False)
+
+    def action_pause(self) -> None:
+        self.sampler.paused = not self.sampler.paused
+        self.show_sampling()
+
+    def action_faster(self) -> None:
+        self.sampler.set_interval(self.sampler.interval / 2)
+        self.show_sampling()
+
+    def action_slower(self) -> None:
+        self.sampler.set_interval(self.sampler.interval * 2)
+        self.show_sampling()

@@ -1,0 +1,193 @@
+"""The tuning strip: the streaming engine's live settings, stepped by key while the panels stay
+in view, and what the last change did to them over the tokens since (tok/s, bytes read per
+token, hit rate, the model's memory), beside the same figures just before it."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, fields, replace
+
+from rich.text import Text
+from textual.binding import Binding
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from kimitui.engine.interface import TuningValues
+from kimitui.engine.metrics import Snapshot
+from kimitui.engine.settings import EXPERT_POLICIES, POLICIES
+from kimitui.units import format_bytes
+
+MIB = 2**20
+
+
+def _step_budget(value: int, up: bool) -> int:
+    """A tenth more or less, in whole MiB: fine near a minimum, quick across gigabytes."""
+    step = max(MIB, value // 10 // MIB * MIB)
+    return max(16 * MIB, value + step if up else value - step)
+
+
+def _step_choice(choices: tuple):
+    def step(value, up: bool):
+        return choices[(choices.index(value) + (1 if up else -1)) % len(choices)]
+
+    return step
+
+
+def _clamp_int(lo: int, hi: int):
+    return lambda value, up: min(hi, max(lo, value + (1 if up else -1)))
+
+
+@dataclass(frozen=True)
+class Row:
+    field: str
+    label: str
+    step: object  # (value, up) -> value
+    show: object  # value -> str
+
+
+ROWS = (
+    Row("budget", "budget", _step_budget, lambda v: format_bytes(v)),
+    Row("prefetch_depth", "prefetch", _clamp_int(0, 8), str),
+    Row("shard_size", "shard size", lambda v, up: min(1024 * MIB, max(4 * MIB, v * 2 if up else v // 2)), lambda v: format_bytes(v)),
+    Row("policy", "policy", _step_choice(POLICIES), str),
+    Row("expert_policy", "experts", _step_choice(EXPERT_POLICIES), str),
+    Row("io_threads", "I/O threads", _clamp_int(1, 16), str),
+    Row("expert_lookahead", "look-ahead", lambda v, up: not v, lambda v: "on" if v else "off"),
+)
+assert [r.field for r in ROWS] == [f.name for f in fields(TuningValues)]
+
+
+@dataclass(frozen=True)
+class Window:
+    """The panels' figures between two snapshots."""
+
+    tokens: int
+    tok_s: float | None
+    read_per_token: float | None
+    hit_rate: float | None
+    model_bytes: int | None
+
+    @classmethod
+    def between(cls, a: Snapshot, b: Snapshot) -> "Window":
+        tokens = b.tokens_total - a.tokens_total
+        recent = b.latencies[-tokens:] if tokens > 0 else []
+        tok_s = len(recent) / sum(recent) if recent and sum(recent) > 0 else None
+        read = None
+        if tokens > 0 and a.process_read_bytes is not None and b.process_read_bytes is not None:
+            read = (b.process_read_bytes - a.process_read_bytes) / tokens
+        hits = misses = 0
+        for snap, sign in ((b, 1), (a, -1)):
+            s = snap.streaming
+            if s is not None:
+                hits += sign * (s.cache_hits + (s.expert_hits or 0))
+                misses += sign * (s.cache_misses + (s.expert_misses or 0))
+        rate = hits / (hits + misses) if hits + misses > 0 else None
+        model = b.model_rss_bytes if b.model_rss_bytes is not None else b.rss_bytes
+        return cls(tokens, tok_s, read, rate, model)
+
+    def line(self, name: str) -> str:
+        tok_s = "—" if self.tok_s is None else f"{self.tok_s:.2f}"
+        read = "—" if self.read_per_token is None else format_bytes(int(self.read_per_token))
+        hits = "—" if self.hit_rate is None else f"{self.hit_rate:.0%}"
+        return f"{name:<7}{tok_s:>7} {read:>10} {hits:>5} {format_bytes(self.model_bytes):>10}  {self.tokens} tok"
+
+
+class TuningPanel(Widget, can_focus=True):
+    """Hidden until ctrl+e; ``current`` is set by the screen from the engine, ``snapshot``
+    bound to the screen's. Posts ``Apply`` with the changed fields."""
+
+    BINDINGS = [
+        Binding("up,k", "move(-1)", "previous", show=False),
+        Binding("down,j", "move(1)", "next", show=False),
+        Binding("left,h", "step(False)", "less", show=False),
+        Binding("right,l", "step(True)", "more", show=False),
+        Binding("enter", "apply", "apply"),
+    ]
+    HISTORY = 40  # snapshots kept for the "before" figures (10 s at the default interval)
+
+    current: reactive[TuningValues | None] = reactive(None, init=False)
+    pending: reactive[TuningValues | None] = reactive(None, init=False)
+    row = reactive(0)
+    outcome = reactive("")  # what the engine said of the last change
+    snapshot: reactive[Snapshot | None] = reactive(None, init=False, always_update=True)
+
+    @dataclass
+    class Apply(Message):
+        changes: dict
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "tune"
+        self._recent: deque[Snapshot] = deque(maxlen=self.HISTORY)
+        self._before: Window | None = None
+        self._applied_at: Snapshot | None = None
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if snap is None:
+            return
+        self._recent.append(snap)
+        if self._applied_at is not None:
+            self.refresh()
+
+    def action_move(self, delta: int) -> None:
+        self.row = (self.row + delta) % len(ROWS)
+
+    def action_step(self, up: bool) -> None:
+        base = self.pending or self.current
+        if base is None:
+            return
+        row = ROWS[self.row]
+        self.pending = replace(base, **{row.field: row.step(getattr(base, row.field), up)})
+
+    def action_apply(self) -> None:
+        if self.pending is None or self.current is None:
+            return
+        changes = {f.name: getattr(self.pending, f.name) for f in fields(TuningValues)
+                   if getattr(self.pending, f.name) != getattr(self.current, f.name)}
+        self.pending = None
+        if changes:
+            self.post_message(self.Apply(changes))
+
+    def drop_pending(self) -> bool:
+        """Forget the values stepped but not applied; whether there were any."""
+        had, self.pending = self.pending is not None, None
+        return had
+
+    def applied(self, outcome: str) -> None:
+        """The screen says what the engine made of the change: figures restart from here."""
+        self.outcome = outcome
+        if self._recent:
+            self._before = Window.between(self._recent[0], self._recent[-1])
+            self._applied_at = self._recent[-1]
+
+    def render(self) -> Text:
+        values = self.pending or self.current
+        if values is None:
+            return Text("tuning: the engine is not loaded yet", style="dim")
+        compact = self.size.width < 60
+        out = Text()
+        if not compact:
+            out.append("↑↓ pick  ←→ change  enter apply  esc drop\n", style="dim")
+        for index, row in enumerate(ROWS):
+            if compact and index != self.row:
+                continue
+            now = getattr(self.current, row.field) if self.current is not None else None
+            new = getattr(values, row.field)
+            chosen = index == self.row
+            out.append("▸ " if chosen else "  ", style="bold" if chosen else "")
+            out.append(f"{row.label:<12}", style="bold" if chosen else "")
+            out.append(row.show(now) if now is not None else "—")
+            if new != now:
+                out.append(f" → {row.show(new)}", style="bold")
+            if compact:
+                out.append(f"  {index + 1}/{len(ROWS)} ↑↓", style="dim")
+            out.append("\n")
+        if self.outcome:
+            out.append(self.outcome + "\n", style="italic")
+        if self._applied_at is not None and self._before is not None and self._recent:
+            if not compact:
+                out.append(f"{'':<7}{'tok/s':>7} {'read/tok':>10} {'hits':>5} {'model':>10}\n", style="dim")
+            out.append(self._before.line("before") + "\n")
+            out.append(Window.between(self._applied_at, self._recent[-1]).line("after"))
+        return out
