@@ -279,10 +279,10 @@ async def test_the_app_survives_a_refusing_template_and_chats_once_the_cause_is_
     async with app.run_test(size=(120, 40)) as pilot:
         failed = await send(pilot, "Hi")
         assert str(failed.border_subtitle).startswith("error:") and "System role not supported" in str(failed.border_subtitle)
-        app.system_prompt = ""  # the cause gone: the user clears the system prompt
+        app.main.system_prompt = ""  # the cause gone: the user clears the system prompt
         ok = await send(pilot, "Hello")  # the same chat goes on
         assert ok.text and not str(ok.border_subtitle).startswith("error:")
-        conv = app.conversation_id
+        conv = app.main.conversation_id
     msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)
     assert [(m.role, m.content) for m in msgs] == [("user", "Hi"), ("assistant", ""), ("user", "Hello"), ("assistant", ok.text)]
 

@@ -348,14 +348,6 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
         await wait_for(pilot, lambda: "after" in str(strip.render()) and " 0 tok" not in str(strip.render()).split("after")[1])
         shown = str(strip.render())
         assert "before" in shown and "tok/s" in shown and "read/tok" in shown
-        await pilot.press("ctrl+e")  # the chat had the keys: back to the strip, on the row it was at
-        assert strip.has_focus
-        await pilot.press("down", "down", "down", "down", "right", "right", "enter")  # I/O threads, two more
-        assert app.engine.stream_settings.io_threads == 6
-        await pilot.press("up", "right", "escape")  # a step dropped with Esc
-        assert "→" not in str(strip.render()) and app.engine.stream_settings.expert_policy == "lfu"
-        await pilot.press("ctrl+e")
-        assert not strip.display and app.query_one(PromptInput).has_focus
         placer = app.engine.streamer.placer
         if placer is not None:  # direct reads: a spent buffer pool is shown, not hidden
             placer.WAIT_FOR_BUFFER_S = 0
@@ -363,6 +355,14 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
             await ask(pilot, app, "Once more")
             note = app.query_one(PrefetchPanel).note
             await wait_for(pilot, lambda: "via page cache" in str(note.render()))
+        await pilot.press("ctrl+e")  # the chat had the keys: back to the strip, on the row it was at
+        assert strip.has_focus
+        await pilot.press("down", "down", "down", "down", "right", "right", "enter")  # I/O threads, two more
+        assert app.engine.stream_settings.io_threads == 6
+        await pilot.press("up", "right", "escape")  # a step dropped with Esc
+        assert " → " not in str(strip.render()) and app.engine.stream_settings.expert_policy == "lfu"
+        await pilot.press("ctrl+e")
+        assert not strip.display and app.query_one(PromptInput).has_focus
 
 
 async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_path):
