@@ -28,6 +28,7 @@ class KimituiApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "kimitui"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    DEFAULT_MODE = "main"
 
     def __init__(
         self,
@@ -54,10 +55,9 @@ class KimituiApp(App[int]):
             seed=None if settings["sampling.seed"] == -1 else settings["sampling.seed"],
         )
         self.main = MainScreen(engine, sampler, self.history, sampling, settings["sampling.system_prompt"], trace=trace, api=api)
+        # The main screen is the app's one mode: a mode's screen brings its own CSS (main.tcss).
+        self._modes["main"] = lambda: self.main
         self._on_exit = on_exit
-
-    def get_default_screen(self) -> Screen:
-        return self.main
 
     def on_mount(self) -> None:
         for theme in bundled_themes():

@@ -171,7 +171,7 @@ class MainScreen(Screen):
     def show_sampling(self) -> None:
         s = self.sampling
         paused = " paused" if self.sampler.paused else ""
-        self.sampling_line = f"T {s.temperature:g} · top_p {s.top_p:g} · max {s.max_tokens} · every {self.sampler.interval:g}s{paused}"
+        self.sampling_line = f"T {s.temperature:g} top_p {s.top_p:g} max {s.max_tokens} · {self.sampler.interval:g}s{paused}"
 
     # -- workers: load, pin, reply ----------------------------------------------------------
 

@@ -37,7 +37,7 @@ class Panel(Vertical, can_focus=True):
         super().__init__(**kwargs)
         self.border_title = f"{self.KEY} {self.TITLE}"
         self.body = Static("—", classes="panel-body")
-        self.note = Static("", classes="panel-note")
+        self.note = Static("", classes="panel-note -empty")
 
     def compose(self) -> ComposeResult:
         yield self.body
@@ -52,6 +52,11 @@ class Panel(Vertical, can_focus=True):
     def render_snapshot(self, snap: Snapshot) -> None:
         raise NotImplementedError
 
+    def show_note(self, text: str) -> None:
+        """The line under the figures; none at all when empty (a blank row is a row less for the others)."""
+        self.note.update(text)
+        self.note.set_class(not text, "-empty")
+
     def set_level(self, level: str) -> None:
         for name in ("success", "warning", "error"):
             self.set_class(name == level, f"-{name}")
@@ -65,7 +70,7 @@ class CachePanel(Panel):
         s = snap.streaming
         if s is None:
             self.body.update("hits — miss —\nhit rate —")
-            self.note.update(self.idle_note)
+            self.show_note(self.idle_note)
             return
         rate = snap.cache_hit_rate
         experts = ""
@@ -75,7 +80,7 @@ class CachePanel(Panel):
             f"hits {s.cache_hits:,} miss {s.cache_misses:,}\n"
             f"hit rate {'—' if rate is None else f'{rate:.0%}'}{experts}"
         )
-        self.note.update("")
+        self.show_note("")
 
 
 class PrefetchPanel(Panel):
@@ -85,17 +90,17 @@ class PrefetchPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         s = snap.streaming
         if s is None:
-            self.body.update("queue —\nstall —\nused — wasted —")
-            self.note.update(self.idle_note)
+            self.body.update("queue —\nstall —\nused —\nwasted —")
+            self.show_note(self.idle_note)
             return
         self.body.update(
             f"queue {s.prefetch_queue_depth}, {format_bytes(s.prefetch_inflight_bytes)}\n"
             f"stall {format_ms(s.stall_s)}\n"
-            f"used {s.prefetch_used} wasted {format_bytes(s.prefetch_wasted_bytes)}"
+            f"used {s.prefetch_used}\nwasted {format_bytes(s.prefetch_wasted_bytes)}"
         )
         # Direct reads ran out of buffers (a window larger than the pool): slower, so say so.
         spilled = s.page_cache_fallback_bytes
-        self.note.update(f"{format_bytes(spilled)} via page cache: read pool spent" if spilled else "")
+        self.show_note(f"{format_bytes(spilled)} via page cache: read pool spent" if spilled else "")
 
 
 class DiskPanel(Panel):
@@ -171,7 +176,7 @@ class ResidencyPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         if snap.residency is None:
             self.body.update("every layer pinned" if snap.streaming is None else "—")
-            self.note.update(self.idle_note if snap.streaming is None else "")
+            self.show_note(self.idle_note if snap.streaming is None else "")
             return
         width = max(8, self.body.size.width - 8)
         per_cell = max(1, -(-len(snap.residency) // width))  # K3's 93 layers fit 50 columns in pairs
@@ -191,9 +196,9 @@ class ResidencyPanel(Panel):
                 row.append(" " if share is None else "·" if share == 0 else HEAT[min(4, 1 + int(share * 4))])
             lines.append(row)
             held, total = sum(r for r, _ in resident), sum(n for _, n in resident)
-            lines.append(Text(f"{held:,} of {total:,} experts in memory"))
+            lines.append(Text(f"in memory {held:,}/{total:,}"))
         self.body.update(Text("\n").join(lines))
-        self.note.update("█ pinned ▓ resident ▒ in flight ░ cold" + ("; experts: share in memory" if resident is not None else ""))
+        self.show_note("█ pinned ▓ resident ▒ in flight ░ cold" + ("; experts: share in memory" if resident is not None else ""))
 
 
 HEAT = " ░▒▓█"
@@ -209,7 +214,7 @@ class ExpertPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         if snap.experts is None:
             self.body.update("—")
-            self.note.update("no routed experts stream (dense model, or it fits)")
+            self.show_note("no routed experts stream (dense model, or it fits)")
             return
         counts, rates = snap.experts
         width = max(8, self.body.size.width - 10)
@@ -229,7 +234,7 @@ class ExpertPanel(Panel):
         if s is not None and s.expert_hits is not None and s.expert_hits + s.expert_misses:
             total = f"{s.expert_hits / (s.expert_hits + s.expert_misses):.0%}"
         self.body.update(lines)
-        self.note.update(f"expert hit rate {total} · █ most routed")
+        self.show_note(f"expert hit rate {total} · █ most routed")
 
 
 class ApiPanel(Panel):

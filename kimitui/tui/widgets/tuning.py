@@ -86,10 +86,12 @@ class Window:
         model = b.model_rss_bytes if b.model_rss_bytes is not None else b.rss_bytes
         return cls(tokens, tok_s, read, rate, model)
 
-    def line(self, name: str) -> str:
+    def line(self, name: str, compact: bool = False) -> str:
         tok_s = "—" if self.tok_s is None else f"{self.tok_s:.2f}"
         read = "—" if self.read_per_token is None else format_bytes(int(self.read_per_token))
         hits = "—" if self.hit_rate is None else f"{self.hit_rate:.0%}"
+        if compact:  # a phone's 46 cells: the model's memory is the memory panel's, beside
+            return f"{name:<6} {tok_s} tok/s {read}/tok {hits} ({self.tokens})"
         return f"{name:<7}{tok_s:>7} {read:>10} {hits:>5} {format_bytes(self.model_bytes):>10}  {self.tokens} tok"
 
 
@@ -188,6 +190,7 @@ class TuningPanel(Widget, can_focus=True):
         if self._applied_at is not None and self._before is not None and self._recent:
             if not compact:
                 out.append(f"{'':<7}{'tok/s':>7} {'read/tok':>10} {'hits':>5} {'model':>10}\n", style="dim")
-            out.append(self._before.line("before") + "\n")
-            out.append(Window.between(self._applied_at, self._recent[-1]).line("after"))
+            out.append(self._before.line("before", compact) + "\n")
+            out.append(Window.between(self._applied_at, self._recent[-1]).line("after", compact))
+        out.rstrip()
         return out

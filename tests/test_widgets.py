@@ -1,0 +1,199 @@
+"""The app's screen and widgets on a fake engine and replayed metrics: fast, and the same on
+every run (the real engine behind the same screen is test_tui.py's)."""
+
+from __future__ import annotations
+
+import threading
+
+from rich.cells import cell_len
+from textual.widgets import Sparkline
+
+from fakes import FakeEngine, fake_app
+from kimitui.tui.widgets.chat import MessageView, PromptInput
+from kimitui.tui.widgets.panels import CachePanel, DiskPanel, LatencyPanel, PrefetchPanel, ResidencyPanel
+from kimitui.tui.widgets.status import StatusBar
+from kimitui.tui.widgets.tuning import TuningPanel, Window
+
+MIB = 2**20
+
+
+async def settle(pilot, condition, timeout: float = 10.0) -> None:
+    waited = 0.0
+    while not condition():
+        await pilot.pause(0.02)
+        waited += 0.02
+        assert waited < timeout, "condition not reached in time"
+
+
+async def send(pilot, app, text: str) -> MessageView:
+    await settle(pilot, lambda: app.main.ready)
+    app.query_one(PromptInput).focus()
+    await pilot.press(*text, "enter")
+    await settle(pilot, lambda: app.main.reply is None and app.query(MessageView) and app.query(MessageView).last().border_subtitle)
+    return app.query(MessageView).last()
+
+
+async def test_an_empty_chat_says_what_to_do_and_which_model_answers():
+    app = fake_app()
+    async with app.run_test(size=(50, 30)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        hint = str(app.query_one(".chat-hint").render())
+        assert "k3-cut.gguf" in hint and "Enter sends" in hint and "ctrl+e" in hint
+        reply = await send(pilot, app, "Hi")
+        assert not app.query(".chat-hint")
+        assert reply.text.startswith("Hello! I am a fake Kimi") and "tok" in str(reply.border_subtitle)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert app.query(".chat-hint")
+
+
+async def test_panels_are_fed_through_their_bindings_and_no_figure_wraps_at_50_columns():
+    app = fake_app()
+    async with app.run_test(size=(50, 30)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        app.main.sampler.play()
+        await settle(pilot, lambda: "hits 126" in str(app.query_one(CachePanel).body.render()))
+        assert app.query_one(CachePanel).snapshot is app.main.snapshot  # bound, not pushed panel by panel
+        for panel_type in (CachePanel, PrefetchPanel, DiskPanel, LatencyPanel, ResidencyPanel):
+            body = app.query_one(panel_type).body
+            width = body.content_region.width
+            assert width > 0
+            for line in str(body.render()).splitlines():
+                assert cell_len(line) <= width, (panel_type.__name__, line, width)
+        latency = str(app.query_one(LatencyPanel).body.render())
+        assert "TTFT 310 ms" in latency.splitlines() and "23.1 tok/s" in latency.splitlines()
+
+
+async def test_sparklines_stay_inside_their_panels_and_start_empty():
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        latency = app.query_one(LatencyPanel)
+        app.main.sampler.play(1)  # a first sample: no tokens, no rate yet
+        await pilot.pause()
+        assert latency.query_one(Sparkline).data == [] and app.query_one(DiskPanel).query_one(Sparkline).data == []
+        app.main.sampler.play()
+        await pilot.pause()
+        for panel in (latency, app.query_one(DiskPanel)):
+            spark = panel.query_one(Sparkline)
+            assert spark.data
+            inside = panel.content_region
+            assert inside.x <= spark.region.x and spark.region.right <= inside.right, (spark.region, inside)
+
+
+async def test_the_residency_strip_shows_the_experts_as_well_as_the_trunk():
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        app.main.sampler.play()
+        await pilot.pause()
+        lines = str(app.query_one(ResidencyPanel).body.render()).splitlines()
+        assert lines[0] == "trunk   █▓▒░"
+        assert lines[1].startswith("experts  ") and len(lines[1]) == len("experts ") + 4  # dense layer 0 blank
+        assert lines[2] == "in memory 106/2,688"  # experts, of all layers
+
+
+async def test_tuning_steps_values_beside_the_panels_and_shows_what_the_change_did():
+    engine = FakeEngine()
+    app = fake_app(engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        app.main.sampler.play(3)
+        await pilot.press("ctrl+e")
+        strip = app.query_one(TuningPanel)
+        assert strip.has_focus and app.screen is app.main
+        await pilot.press("right")
+        assert "160.0 MiB → 176.0 MiB" in str(strip.render()) and not engine.retuned
+        await pilot.press("enter")
+        assert engine.retuned == [{"budget": 176 * MIB}]
+        assert "budget: applies from the next token, after the pinned set is re-read" in str(strip.render())
+        assert app.query_one(StatusBar).budget == 176 * MIB
+        app.main.sampler.play()
+        await pilot.pause()
+        shown = str(strip.render()).splitlines()
+        before = next(line for line in shown if line.startswith("before"))
+        after = next(line for line in shown if line.startswith("after"))
+        assert "12 tok" in before and "30 tok" in after and "14.0 MiB" in after and "40%" in after
+        for _ in range(20):  # far below the working set: refused, nothing changed
+            await pilot.press("left")
+        await pilot.press("enter")
+        assert "not applied: budget 30.0 MiB is below the minimum working set" in str(strip.render())
+        assert engine.values.budget == 176 * MIB
+
+
+def test_a_window_between_two_snapshots():
+    from fakes import recorded_snapshots
+
+    snaps = recorded_snapshots()
+    window = Window.between(snaps[2], snaps[6])
+    assert window.tokens == 24 and window.read_per_token == 14 * MIB
+    assert window.hit_rate == (24 * 3 + 24 * 5) / (24 * 4 + 24 * 16)
+    assert 1 / 0.048 < window.tok_s < 1 / 0.040 and window.model_bytes == 132 * MIB
+
+
+async def test_a_failed_reply_is_shown_once_the_history_kept_and_the_next_reply_works():
+    engine = FakeEngine(fail_reply="cannot read expert 12 of layer 3 from model file k3.gguf at byte 4096: Input/output error")
+    app = fake_app(engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        failed = await send(pilot, app, "Hi")
+        assert str(failed.border_subtitle).startswith("error: cannot read expert 12")
+        engine.fail_reply = None
+        ok = await send(pilot, app, "Again")
+        assert not str(ok.border_subtitle).startswith("error")
+        await pilot.pause(0.2)
+        rows = app.store.messages(app.main.conversation_id)
+        assert [(m.role, m.complete) for m in rows] == [("user", True), ("assistant", False), ("user", True), ("assistant", True)]
+
+
+async def test_a_failed_load_is_one_notice_and_a_failed_state():
+    app = fake_app(FakeEngine(fail_load="llama.cpp could not load k3-cut.gguf: check_tensor_dims"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, lambda: app.main.engine_state == "failed")
+        await pilot.pause()
+        assert [n.message for n in app._notifications] == ["llama.cpp could not load k3-cut.gguf: check_tensor_dims"]
+        assert not app.main.ready
+
+
+async def test_history_is_written_off_the_event_loop():
+    app = fake_app()
+    writers = []
+    store = app.store
+    real_update = store.update_message
+
+    def update(*args, **kwargs):
+        writers.append(threading.current_thread().name)
+        return real_update(*args, **kwargs)
+
+    store.update_message = update
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, app, "Hi")
+        await pilot.pause(0.2)
+    assert writers and all(name.startswith("kimitui-history") for name in writers)
+
+
+async def test_remote_engines_are_tuned_on_their_server():
+    class Remote(FakeEngine):
+        def tuning(self):
+            return None
+
+    app = fake_app(Remote())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        await pilot.press("ctrl+e")
+        await pilot.pause()
+        assert not app.query_one(TuningPanel).display
+        assert [n.message for n in app._notifications] == ["remote mode: the server's engine is tuned on the server"]
+
+
+async def test_chat_keys_belong_to_a_dialog_over_the_main_screen():
+    from kimitui.tui.screens.sampling import SamplingScreen
+
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, app, "Hi")
+        await pilot.press("ctrl+t")
+        assert isinstance(app.screen, SamplingScreen)
+        await pilot.press("ctrl+n")  # the main screen's key: not in force over the dialog
+        await pilot.press("escape")  # the dialog's: it closes, the chat is still there
+        await pilot.pause()
+        assert app.screen is app.main and len(app.main.chat_log.query(MessageView)) == 2
