@@ -230,9 +230,9 @@ def make_app(settings: Settings, model_path: Path | None = None, *, remote: tupl
 
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("kimitui.model.inspect_cmd", "show a GGUF's layers, shards, expert sizes and the tok/s its bytes allow"),
+    "inspect": ("kimitui.engine.inspect_cmd", "show a GGUF's layers, shards, expert sizes and the tok/s its bytes allow"),
     "synth": ("kimitui.model.synth", "write a synthetic GGUF (dense llama or MoE deepseek2) of a given size"),
-    "serve": ("kimitui.server.cli", "run the llama-server/OpenAI compatible HTTP API headless"),
+    "serve": ("kimitui.serve_cmd", "run the llama-server/OpenAI compatible HTTP API headless"),
     "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
     "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
     "verify": ("kimitui.model.verify_cmd", "check a sharded model's files against its manifest, or a GGUF split set's structure"),

@@ -20,7 +20,7 @@ from kimitui.config import load_settings
 from kimitui.errors import UserError
 from kimitui.model import synth
 from kimitui.model.gguf_map import ROUTED_EXPERTS, _open_reader, load_model_map
-from kimitui.model.inspect_cmd import file_layout, render
+from kimitui.engine.inspect_cmd import file_layout, render
 from kimitui.model.manifest import MANIFEST_NAME, read_manifest
 from kimitui.model.placement import assemble_split_set
 from kimitui.model.shard import PARTIAL_DIR, shard_model

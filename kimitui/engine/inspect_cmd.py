@@ -1,4 +1,5 @@
-"""`kimitui inspect MODEL`: what a GGUF costs to stream, before running it.
+"""`kimitui inspect MODEL`: what a GGUF costs to stream, before running it. It lives with the
+engine because it prints the engine's plan for the budget.
 
 Layers, shards, trunk and expert sizes, the bytes one token touches, and what a disk of a
 given bandwidth allows per second once a memory budget pins the most useful bytes.

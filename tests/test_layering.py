@@ -1,0 +1,86 @@
+"""The layering the README states ("Code layout"), checked on every import in the package:
+commands on top (they may use anything), then tui, server and trace, each over engine, over
+model, over the leaves. An arrow only ever points down."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kimitui
+
+PACKAGE = Path(kimitui.__file__).parent
+COMMANDS = {"kimitui.cli", "kimitui.__main__", "kimitui.doctor", "kimitui.serve_cmd"}
+LEAVES = {"kimitui", "kimitui.config", "kimitui.units", "kimitui.errors", "kimitui.history", "kimitui.startup"}
+# room -> rooms it may import (besides itself and the leaves)
+MAY_IMPORT = {
+    "tui": {"engine", "model"},  # handed its server client and trace; never imports them
+    "server": {"engine", "model"},
+    "trace": {"engine", "model"},
+    "engine": {"model"},
+    "model": set(),
+    "leaf": set(),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    if module in COMMANDS or module.startswith("kimitui.benchmarks"):
+        return "command"
+    if module in LEAVES:
+        return "leaf"
+    return module.split(".")[1]
+
+
+def imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out.extend(alias.name for alias in node.names)
+    return out
+
+
+def modules():
+    return sorted((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+
+
+def test_every_module_is_in_a_known_room():
+    rooms = {room(name) for name, _ in modules()}
+    assert rooms <= set(MAY_IMPORT) | {"command"}, rooms
+
+
+def test_imports_point_down_only():
+    wrong = []
+    for name, path in modules():
+        here = room(name)
+        if here == "command":
+            continue
+        for target in imports(path):
+            if not target.startswith("kimitui"):
+                continue
+            there = room(target)
+            if there not in (here, "leaf") and there not in MAY_IMPORT[here]:
+                wrong.append(f"{name} imports {target} ({here} -> {there})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_textual_below_the_tui_and_no_terminal_rendering_in_engine_or_model():
+    wrong = []
+    for name, path in modules():
+        banned = {"command": (), "tui": ()}.get(room(name), ("textual",))
+        if room(name) in ("engine", "model", "server"):
+            banned = ("textual", "rich")  # a trace command may print tables; these never draw
+        wrong += [f"{name} imports {t}" for t in imports(path) if t.split(".")[0] in banned]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_rule_catches_a_wrong_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from kimitui.tui.app import KimituiApp\n")
+    assert "kimitui.tui.app" in imports(bad) and room("kimitui.tui.app") not in MAY_IMPORT["engine"]
