@@ -61,7 +61,7 @@ def resolve(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kimitui.cli import resolve_model
-    from kimitui.engine.session import EngineError
+    from kimitui.engine.state import EngineError
     from kimitui.server.app import create_app
     from kimitui.server.runner import base_url, bind_socket, check_bind, uvicorn_server
 

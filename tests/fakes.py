@@ -11,7 +11,8 @@ from dataclasses import replace
 from kimitui.engine.interface import PinOutcome, TuningValues
 from kimitui.engine.metrics import EngineMetrics, Snapshot, StreamingCounters
 from kimitui.engine.pinning import PinProgress
-from kimitui.engine.session import EngineError, GenerationResult, TokenEvent
+from kimitui.engine.generation import GenerationResult, TokenEvent
+from kimitui.engine.state import EngineError
 
 MIB = 2**20
 

@@ -58,7 +58,7 @@ def stock_llama(path: Path, **kwargs):
     run it dies of SIGILL on the repack path (this CI host), and repacked weights do not stream."""
     import llama_cpp
 
-    from kimitui.engine.session import _llama_params
+    from kimitui.engine.llama_glue import llama_params
 
-    with _llama_params(None, repack=False):
+    with llama_params(None, repack=False):
         return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)

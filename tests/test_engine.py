@@ -8,7 +8,9 @@ from importlib import metadata
 import pytest
 
 from kimitui.engine.metrics import EngineMetrics
-from kimitui.engine.session import Engine, EngineError, EngineState, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError, EngineState
 from kimitui.errors import UserError
 from kimitui.model import default_model_path
 

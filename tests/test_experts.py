@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kimitui.engine.experts import ExpertCache, ExpertUnit, heatmap_path, hot_experts, load_heatmap
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 from kimitui.engine.streaming import StreamSettings
 from kimitui.model import synth
 from kimitui.model.gguf_map import ByteRange, load_model_map
@@ -80,7 +81,7 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
             assert counted["prefetch_wasted"] >= x.prefetch_wasted
             shown = engine.metrics.streaming
             assert shown.prefetch_used >= x.prefetch_used and shown.prefetch_wasted_bytes >= x.prefetch_wasted_bytes
-            assert engine.tuning()["expert_lookahead"] is True
+            assert engine.trace_settings()["expert_lookahead"] is True and engine.tuning().expert_lookahead
             return
         assert expert_reads <= routed  # nothing the router did not pick
         # No byte of an unrouted expert was read, through any unit. (The trace gets an
@@ -217,7 +218,7 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
     """The drive fails under an expert read: one clear line, nothing half-read kept as cached."""
     import errno
 
-    from kimitui.engine.session import EngineError
+    from kimitui.engine.state import EngineError
 
     engine = expert_engine(moe_model, budget_mib=60)
     try:

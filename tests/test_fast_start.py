@@ -28,7 +28,8 @@ FAST_LOAD_CGROUP = 192 * MIB  # the test model is 256 MiB
 LOAD_SCRIPT = r"""
 import json, sys, psutil
 from pathlib import Path
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 def model_rss(path):
     # Resident bytes of the model file's own mappings (smaps), not of the shared libraries.
     total, inside = 0, False
@@ -112,7 +113,8 @@ def test_load_reads_metadata_only_and_keeps_greedy_tokens(dense_model):
 
 
 def test_unavailable_hooks_fall_back_to_the_stock_load(monkeypatch, model_path):
-    from kimitui.engine.session import Engine, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
 
     def refuse():
         raise loadhooks.HookUnavailable("libllama.so has no dynamic symbol table (stripped?)")

@@ -37,7 +37,9 @@ def k3(tmp_path_factory) -> Path:
 CUT_SCRIPT = r"""
 import json, os, sys, threading, time
 from pathlib import Path
-from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError
 from kimitui.engine.streaming import StreamSettings
 path, budget, anywhere = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "anywhere"
 if sys.argv[4] == "no-o-direct":  # a file system that refuses O_DIRECT (this kernel's tmpfs serves it)
@@ -134,7 +136,8 @@ def test_a_drive_cut_and_restored_mid_reply_ends_that_reply_and_the_next_works(w
 STOCK_CUT_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 path = Path(sys.argv[1])
 engine = Engine(path, n_ctx=256, fast_load=False)
 engine.load()
@@ -365,7 +368,8 @@ def test_without_configured_origins_no_preflight_is_granted(tmp_path):
 
 
 def test_a_model_llama_cpp_refuses_fails_the_load_with_llama_cpps_reason(tmp_path):
-    from kimitui.engine.session import Engine, EngineError, EngineState
+    from kimitui.engine.session import Engine
+    from kimitui.engine.state import EngineError, EngineState
 
     model = synth.write_model(synth.plan_dense(48 * MIB, "q8_0", synth.default_tokenizer()), tmp_path / "bad.gguf", progress=False).paths[0]
     raw = model.read_bytes()
@@ -390,7 +394,7 @@ def test_a_broken_install_after_llama_cpp_ends_the_load_failed_and_health_says_w
     def missing(_name):
         raise OSError("libggml-base.so: cannot open shared object file")
 
-    monkeypatch.setattr(session, "_ggml_base", missing)
+    monkeypatch.setattr(session, "ggml_base", missing)
     model = synth.write_model(synth.plan_dense(48 * MIB, "q8_0", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
     engine = session.Engine(model, n_ctx=256, budget=24 * MIB)  # streams: the eval callback needs ggml
     config = tmp_path / "c.toml"
@@ -411,7 +415,8 @@ def test_a_reply_asked_for_while_the_pinned_set_is_read_waits_for_it(dense, monk
     import threading
 
     from kimitui.engine import pinning
-    from kimitui.engine.session import Engine, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
     from kimitui.engine.streaming import StreamSettings
 
     gate = threading.Event()
@@ -449,7 +454,9 @@ def test_a_reply_asked_for_while_the_pinned_set_is_read_waits_for_it(dense, monk
 def test_a_pin_that_fails_is_tried_again_by_the_next_reply(dense, tmp_path):
     import os
 
-    from kimitui.engine.session import Engine, EngineError, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
+    from kimitui.engine.state import EngineError
 
     victim = tmp_path / "pin.gguf"
     victim.write_bytes(dense.read_bytes())
@@ -496,7 +503,9 @@ def test_the_metrics_sampler_lives_through_a_failed_sample():
 def test_a_release_that_fails_stops_the_token_without_hanging_the_dropper(dense):
     import threading
 
-    from kimitui.engine.session import Engine, EngineError, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
+    from kimitui.engine.state import EngineError
     from kimitui.engine.streaming import StreamSettings
 
     engine = Engine(dense, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=1))
@@ -548,7 +557,9 @@ def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
 
 
 def test_an_unexpected_error_inside_the_eval_callback_stops_the_token_not_the_logits(dense):
-    from kimitui.engine.session import Engine, EngineError, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
+    from kimitui.engine.state import EngineError
     from kimitui.engine.streaming import StreamSettings
 
     engine = Engine(dense, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=1))

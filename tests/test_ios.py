@@ -184,7 +184,7 @@ def test_the_engine_refuses_in_one_line_where_descriptors_run_out(model_path):
     script = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))\n"
-        "from kimitui.engine.session import Engine, EngineError\n"
+        "from kimitui.engine.session import Engine\nfrom kimitui.engine.state import EngineError\n"
         "try:\n"
         f"    Engine({str(model_path)!r}, n_ctx=128).load()\n"
         "except EngineError as exc:\n"

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kimitui.engine.budget import budget_shortfall, minimum_budget, plan_memory
-from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 from kimitui.model.verify_cmd import verify_gguf

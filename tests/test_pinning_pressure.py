@@ -27,7 +27,8 @@ import ctypes, json, os, sys
 from pathlib import Path
 with open(sys.argv[3], "w") as fh:
     fh.write(str(os.getpid()))  # into the cgroup before anything is allocated
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 engine = Engine(Path(sys.argv[1]), n_ctx=256, budget=int(sys.argv[2]))
 engine.load(); engine.pin()
 gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=10))

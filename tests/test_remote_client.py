@@ -13,7 +13,9 @@ from starlette.responses import JSONResponse
 
 from kimitui.config import Settings, load_settings
 from kimitui.engine.metrics import EngineMetrics
-from kimitui.engine.session import Engine, EngineError, EngineState, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError, EngineState
 from kimitui.model import default_model_path
 from kimitui.server.app import create_app
 from kimitui.server.client import RemoteEngine, RemoteSampler

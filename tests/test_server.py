@@ -20,7 +20,8 @@ import requests
 from kimitui.cli import main
 from kimitui.config import Settings, load_settings
 from kimitui.engine.metrics import EngineMetrics, Snapshot, StreamingCounters
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 from kimitui.errors import UserError
 from kimitui.model import default_model_path
 from kimitui.server import prom

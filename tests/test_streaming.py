@@ -16,7 +16,8 @@ from kimitui.engine.platform import (
     F_RDADVISE, F_RDAHEAD, MADV_DONTNEED, MADV_POPULATE_READ, MS_INVALIDATE, POSIX_FADV_DONTNEED, POSIX_FADV_RANDOM,
     POSIX_FADV_WILLNEED, PlatformIO,
 )
-from kimitui.engine.session import Engine, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
 from kimitui.engine.streaming import StreamSettings
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
@@ -211,7 +212,9 @@ def test_a_budget_at_the_minimum_still_pins_the_non_layer_tensors(model, stock_t
 TRUNCATE_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
-from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError
 from kimitui.engine.streaming import StreamSettings
 path = Path(sys.argv[1])
 engine = Engine(path, n_ctx=256, budget=int(sys.argv[2]), stream_settings=StreamSettings(prefetch_depth=1))
@@ -260,7 +263,9 @@ def test_truncated_file_mid_reply_ends_the_reply_not_the_process(model, tmp_path
 FITS_TRUNCATE_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
-from kimitui.engine.session import Engine, EngineError, Sampling
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError
 path = Path(sys.argv[1])
 engine = Engine(path, n_ctx=256, budget=2**30)  # fits: no eval callback, no per-layer check
 engine.load(); engine.pin()
@@ -394,7 +399,7 @@ def test_an_auto_budget_below_the_minimum_working_set_is_one_line(model, monkeyp
 
 
 def test_live_tuning_refuses_a_budget_below_the_minimum_and_changes_nothing(model):
-    from kimitui.engine.session import EngineError
+    from kimitui.engine.state import EngineError
 
     engine = Engine(model, n_ctx=256, budget=100 * MIB)
     engine.load()

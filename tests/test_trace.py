@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kimitui.cli import build_parser, main, resolve_settings
-from kimitui.engine.session import Engine, GenerationResult, Sampling
+from kimitui.engine.generation import GenerationResult, Sampling
+from kimitui.engine.session import Engine
 from kimitui.engine.streaming import StreamSettings
 from kimitui.errors import UserError
 from kimitui.model import synth
@@ -87,7 +88,7 @@ def test_traced_run_adds_up(engine, tmp_path):
     close = records[-1]
 
     assert request["id"] == gen.id and request["model"] == "dense.gguf"
-    assert request["settings"] == engine.tuning() and request["settings"]["prefetch_depth"] == DEPTH
+    assert request["settings"] == engine.trace_settings() and request["settings"]["prefetch_depth"] == DEPTH
     assert len(tokens) == gen.result.completion_tokens == end["completion_tokens"] == TOKENS
     assert [t["i"] for t in tokens] == list(range(TOKENS))
     assert end["finish"] == "length" and end["prompt_tokens"] == gen.result.prompt_tokens
@@ -462,7 +463,8 @@ def test_belady_never_loses_to_lru_or_lfu_on_random_routing():
 
 def test_a_streamed_moe_trace_judges_the_expert_cache(tmp_path):
     """The engine's route records replay through the optimum at the cache's own slot count."""
-    from kimitui.engine.session import Engine, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
     from kimitui.model import synth
     from kimitui.trace.reader import read_trace
     from kimitui.trace.routing import report

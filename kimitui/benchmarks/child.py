@@ -246,7 +246,7 @@ def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) 
 
 
 def _engine_generation(engine, spec: dict) -> dict:
-    from kimitui.engine.session import Sampling
+    from kimitui.engine.generation import Sampling
 
     tokens = prompt_tokens(engine.llm, spec["prompt_tokens"])
     generation = engine.complete(tokens, Sampling(temperature=0.0, max_tokens=spec["tokens"]))
@@ -300,7 +300,7 @@ def phase_engine(spec: dict) -> None:
     experts = engine.streamer.experts if engine.streamer is not None else None
     if experts is not None:
         # The bytes of the distinct experts the prompt routed to: the least a prefill can read.
-        prefill["prefill_distinct_expert_bytes"] = len(experts.prefill_seen) * engine._model_map().bytes_per_expert
+        prefill["prefill_distinct_expert_bytes"] = len(experts.prefill_seen) * engine.model_map().bytes_per_expert
         prefill["prefill_expert_read_bytes"] = experts.prefill_read_bytes
     emit(
         "result",
@@ -375,9 +375,9 @@ def _plain_llama(spec: dict):
     at load, so a model larger than memory could not even start, and compute would differ."""
     import llama_cpp
 
-    from kimitui.engine.session import _llama_params
+    from kimitui.engine.llama_glue import llama_params
 
-    with _llama_params(None, repack=False):
+    with llama_params(None, repack=False):
         return llama_cpp.Llama(
             model_path=spec["model"],
             n_ctx=spec["n_ctx"],
@@ -403,7 +403,7 @@ def phase_interleaved(spec: dict) -> None:
     replies alternating. Separate processes meet this host's CPU in different moods (whole
     minutes at 105 or at 132 tok/s on the default model), larger than the 3% being judged;
     alternating replies in one process meet the same ones."""
-    from kimitui.engine.session import Sampling
+    from kimitui.engine.generation import Sampling
 
     engine = _engine(spec)
     engine.load()
@@ -510,7 +510,7 @@ def main(argv: list[str]) -> int:
     try:
         PHASES[phase](spec)
     except Exception as exc:  # reported to the parent as one line; it decides what to show
-        from kimitui.engine.session import EngineError
+        from kimitui.engine.state import EngineError
         from kimitui.errors import UserError
 
         if isinstance(exc, (EngineError, UserError)):

@@ -92,7 +92,8 @@ def deep_size(root) -> int:
 def phase_scale(spec: dict) -> None:
     from kimitui.benchmarks.child import emit
     from kimitui.engine.memory import mapped_resident_bytes
-    from kimitui.engine.session import Engine, Sampling
+    from kimitui.engine.generation import Sampling
+    from kimitui.engine.session import Engine
     from kimitui.engine.streaming import StreamSettings
 
     io0, maps0, fds0 = _io(), _mappings(), _open_fds()
@@ -159,7 +160,7 @@ def phase_scale(spec: dict) -> None:
         rss=_rss_bytes(), model_resident=mapped_resident_bytes(spans), working_bytes=engine.working_bytes,
         heatmap_bytes=deep_size(experts.counts) if experts is not None else 0,
         expert_tables_bytes=deep_size(experts) - (deep_size(experts.counts) + deep_size(experts.model)) if experts is not None else 0,
-        model_map_bytes=deep_size(engine._model_map()),
+        model_map_bytes=deep_size(engine.model_map()),
         streamer_bytes=deep_size(streamer) ,
         budget=spec["budget"],
     )

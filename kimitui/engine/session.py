@@ -6,20 +6,13 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 
 from __future__ import annotations
 
-import codecs
-import collections
 import contextlib
-import ctypes
-import enum
-import itertools
 import os
-import sys
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import psutil
 
@@ -31,346 +24,17 @@ from kimitui.engine.turns import TurnQueue
 from kimitui.errors import UserError
 from kimitui.model.gguf_file import ModelInfo, read_model_info
 from kimitui.units import format_bytes
-
-# Used when a GGUF carries no chat template (base models): plain ChatML.
-FALLBACK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from kimitui.engine.generation import Generation, Sampling, Tracer
+from kimitui.engine.llama_glue import (
+    FALLBACK_TEMPLATE, LAYER_ZERO_NODES, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
+    ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
+    topk_ids,
 )
+from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
+
 
 if TYPE_CHECKING:  # the streamer is imported when a model streams, not on the way to ready
     from kimitui.engine.streaming import Streamer
-
-_params_lock = threading.Lock()
-
-
-class DecodeClock:
-    """Seconds spent inside llama_decode: compute, plus what the eval callback waited for
-    reads (stall). A token's wall time beyond it is sampling, detokenizing and Python."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.tokens = 0  # tokens decoded: a prompt's share tells how much of it came from the cache
-
-    def attach(self, ctx) -> None:
-        """Time every decode of ``ctx`` (llama-cpp-python's LlamaContext)."""
-        decode = ctx.decode
-
-        def timed(batch):
-            started = time.perf_counter()
-            try:
-                return decode(batch)
-            finally:
-                self.seconds += time.perf_counter() - started
-                self.tokens += batch.batch.n_tokens
-
-        ctx.decode = timed
-
-
-class EngineState(enum.Enum):
-    EMPTY = "empty"
-    LOADING = "loading"
-    READY = "ready"
-    GENERATING = "generating"
-    FAILED = "failed"
-
-
-class EngineError(Exception):
-    """A failure while loading or generating; the message is shown to the user as is."""
-
-
-class ChatTemplateError(EngineError):
-    """The model's chat template refused the messages (its ``raise_exception``, or a template
-    that does not render them): the request's fault, not the engine's."""
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    max_tokens: int = 512
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
-    grammar: str | None = None  # GBNF the reply must match (llama-cpp-python's LlamaGrammar)
-    n_probs: int = 0  # with each token, the most likely n tokens and their log-probabilities
-    cache_prompt: bool = True  # False: evaluate the whole prompt afresh (same numerics every time)
-    special: bool = False  # special tokens in the reply's text (a tool-call section's markers)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    text: str  # may be "" while a stop string or a multi-byte character is held back
-    token_id: int  # -1 for the final flush of held-back text
-    index: int
-    wall_s: float  # since the previous token (the first: since the request began, prefill included)
-    # With Sampling.n_probs: the token's own log-probability and the top n (id, log-probability),
-    # from the logits it was sampled from (logit bias applied, before temperature and the rest).
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-class _Logits:
-    """llama-cpp-python's logits processor hook, used for two things the sampler lacks: the
-    request's logit bias, and the log-probabilities a client asked for."""
-
-    def __init__(self, bias: dict[int, float], n_probs: int) -> None:
-        import numpy as np
-
-        self._np = np
-        self._ids = np.array(list(bias), dtype=np.intp)
-        self._values = np.array(list(bias.values()), dtype=np.float32)
-        self.n_probs = n_probs
-        self.logprobs = None  # the last step's log-softmax, when asked for
-
-    def __call__(self, _input_ids, scores):
-        np = self._np
-        if len(self._ids):
-            scores[self._ids] += self._values
-        if self.n_probs:
-            finite = scores[np.isfinite(scores)]
-            top = finite.max() if len(finite) else 0.0
-            shifted = scores - top
-            self.logprobs = shifted - np.log(np.exp(shifted).sum())
-        return scores
-
-    def of(self, token: int) -> tuple[float | None, tuple[tuple[int, float], ...]]:
-        if self.logprobs is None:
-            return None, ()
-        np = self._np
-        lp = self.logprobs
-        best = np.argpartition(-lp, min(self.n_probs, len(lp) - 1))[: self.n_probs]
-        best = best[np.argsort(-lp[best])]
-        return float(lp[token]), tuple((int(i), float(lp[i])) for i in best)
-
-
-@dataclass
-class GenerationResult:
-    text: str = ""
-    finish_reason: str = "stop"  # stop | length | cancelled | error
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt, reused from the last reply's context (not evaluated)
-    completion_tokens: int = 0
-    prompt_s: float = 0.0
-    decode_s: float = 0.0
-    queued_s: float = 0.0
-    error: str | None = None
-    timings: list[float] = field(default_factory=list)
-
-
-def _ggml_base(llama_library: str):
-    """libggml-base next to libllama: ggml_get_name() reads a graph node's name."""
-    import glob
-    import os
-
-    candidates = sorted(glob.glob(os.path.join(os.path.dirname(llama_library), "libggml-base.*")))
-    if not candidates:
-        raise EngineError("cannot find libggml-base next to libllama (llama-cpp-python changed?)")
-    lib = ctypes.CDLL(candidates[0])
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_get_name.argtypes = (ctypes.c_void_p,)
-    lib.ggml_get_data.restype = ctypes.c_void_p
-    lib.ggml_get_data.argtypes = (ctypes.c_void_p,)
-    return lib
-
-
-# The node that holds the token embeddings, computed before layer 0: most graphs name it
-# "embd" (build_inp_embd); kimi-k3 renames that same node "inp_embd".
-LAYER_ZERO_NODES = (b"embd", b"inp_embd")
-WATCHED_NODES = (b"l_out-", b"ffn_moe_topk-")  # each followed by its layer number (their one "-")
-
-
-def _numbered(name: bytes, prefix: bytes) -> int | None:
-    """N for a graph node named exactly ``prefix`` + N ("l_out-12"), else None."""
-    if not name.startswith(prefix):
-        return None
-    tail = name[len(prefix):]
-    return int(tail) if tail.isdigit() else None
-
-
-def _topk_ids(ggml, tensor: int) -> set[int]:
-    """Expert ids in a router's top-k node: int32, ne = [k, n_tokens], rows nb[1] apart.
-
-    ne and nb sit right after ggml_tensor's type and buffer fields, a layout ggml has kept
-    for years; the data pointer comes through ggml's own accessor.
-    """
-    k, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + 16)
-    row_stride = (ctypes.c_size_t * 2).from_address(tensor + 48)[1]
-    data = ggml.ggml_get_data(tensor)
-    ids: set[int] = set()
-    for token in range(n_tokens):
-        ids.update((ctypes.c_int32 * k).from_address(data + token * row_stride))
-    return ids
-
-
-def _last_row_f32(ggml, tensor: int):
-    """The one token's row of a float32 activation [n_embd, 1] (decode); None otherwise.
-
-    ggml_tensor starts with its type (0 = GGML_TYPE_F32), then ne at +16 as for the top-k."""
-    import numpy as np
-
-    if ctypes.c_int.from_address(tensor).value != 0:
-        return None
-    n_embd, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + 16)
-    if n_tokens != 1:  # prefill reads its experts per batch anyway
-        return None
-    return np.ctypeslib.as_array((ctypes.c_float * n_embd).from_address(ggml.ggml_get_data(tensor))).copy()
-
-
-def default_threads() -> int:
-    return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
-
-
-@contextmanager
-def _llama_params(progress: Callable[[float], bool] | None, repack: bool, eval_cb=None, abort_cb=None):
-    """Give Llama() a progress callback and the repack switch, which its constructor lacks.
-
-    llama-cpp-python builds its llama_model_params from ``llama_model_default_params()``
-    inside ``Llama.__init__`` and exposes neither field, so the default is wrapped for the
-    duration of one constructor call. The ctypes callback object lives until the load ends.
-    """
-    import llama_cpp.llama_cpp as C
-
-    original = C.llama_model_default_params
-    original_ctx = C.llama_context_default_params
-    c_progress = None
-    if progress is not None:
-        c_progress = C.llama_progress_callback(lambda value, _user: bool(progress(float(value))))
-
-    def patched():
-        params = original()
-        if c_progress is not None:
-            params.progress_callback = c_progress
-        params.use_extra_bufts = repack
-        return params
-
-    def patched_ctx():
-        params = original_ctx()
-        if eval_cb is not None:
-            params.cb_eval = eval_cb
-        if abort_cb is not None:
-            params.abort_callback = abort_cb
-        return params
-
-    with _params_lock:
-        C.llama_model_default_params = patched
-        C.llama_context_default_params = patched_ctx
-        try:
-            yield
-        finally:
-            C.llama_model_default_params = original
-            C.llama_context_default_params = original_ctx
-
-
-@contextlib.contextmanager
-def _templates_checked_later():
-    """llama-cpp-python compiles the model's chat templates inside ``Llama()``, for chat handlers
-    kimitui never uses, and a template that does not compile fails the whole load. Meanwhile its
-    formatter keeps a template that fails to compile as a handler that is never called; the
-    engine compiles the template itself afterwards and says why chat cannot work (see
-    ``Engine._make_formatter``), while plain completions go on."""
-    import llama_cpp.llama_chat_format as chat_format
-
-    original = chat_format.Jinja2ChatFormatter
-
-    class Tolerant(original):
-        def __init__(self, *args, **kwargs):
-            try:
-                super().__init__(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - reported by the engine's own compile
-                self._env = None
-
-    chat_format.Jinja2ChatFormatter = Tolerant
-    try:
-        yield
-    finally:
-        chat_format.Jinja2ChatFormatter = original
-
-
-_log_sink = None
-
-
-def _silence_llama_log(llama_cpp) -> None:
-    """Send llama.cpp's log lines nowhere, without a Python call per line.
-
-    llama-cpp-python installs a Python log callback; a load logs thousands of lines, each one a
-    wait for the GIL while the UI starts beside it. libc's getpid stands in as the callback: it
-    takes no arguments, so under the C calling conventions of x86-64 and arm64 (arguments in
-    registers, cleaned up by the caller) it ignores the level, text and user pointer it is given.
-    """
-    global _log_sink
-    if _log_sink is None:
-        _log_sink = ctypes.cast(ctypes.CDLL(None).getpid, llama_cpp.llama_log_callback)
-    llama_cpp.llama_log_set(_log_sink, None)
-
-
-class LlamaLog:
-    """llama.cpp's warnings and errors, the last few kept: a failure's reason is often only there.
-
-    Installed after a load (llama.cpp logs nothing while it decodes, so this costs nothing),
-    and for the second try of a load that failed (see ``Engine._load``); the load itself logs
-    through ``_silence_llama_log``."""
-
-    WARN, ERROR, CONT = 3, 4, 5  # ggml_log_level
-
-    def __init__(self) -> None:
-        import llama_cpp
-
-        self.lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=32)  # (level, text)
-        self._keeping = False
-        self._callback = llama_cpp.llama_log_callback(self._line)
-
-    def _line(self, level: int, text: bytes, _user) -> None:
-        line = (text or b"").decode("utf-8", "replace")
-        if level == self.CONT and self._keeping and self.lines:
-            kept_level, kept = self.lines[-1]
-            self.lines[-1] = (kept_level, kept + line.rstrip("\n"))
-            return
-        self._keeping = level in (self.WARN, self.ERROR)
-        if self._keeping:
-            self.lines.append((level, line.strip()))
-
-    def install(self) -> None:
-        import llama_cpp
-
-        llama_cpp.llama_log_set(self._callback, None)
-
-    def reason(self) -> str | None:
-        """The first error line (the cause; later ones are what failed because of it), else the
-        last warning, without llama.cpp's function-name prefix."""
-        errors = [text for level, text in self.lines if level == self.ERROR and text]
-        line = errors[0] if errors else (self.lines[-1][1] if self.lines else None)
-        return line.split(": ", 1)[-1] if line and ": " in line else line
-
-
-_llama_log: LlamaLog | None = None
-
-
-def llama_log() -> LlamaLog:
-    global _llama_log
-    if _llama_log is None:
-        _llama_log = LlamaLog()
-    return _llama_log
-
-
-class Tracer(Protocol):
-    """Receives what a trace records (kimitui.trace implements it); called on the engine's threads."""
-
-    def request_started(self, request_id: str, model: str, settings: dict) -> None: ...
-    def token(
-        self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None, decode_s: float
-    ) -> None: ...
-    def read(self, shard, offset: int, length: int, start: float, seconds: float) -> None: ...
-    def route(self, layer: int, experts: list[int], hits: int) -> None: ...
-    def request_finished(self, request_id: str, result: "GenerationResult") -> None: ...
-
-
-_request_ids = itertools.count(1)
 
 
 class Engine:
@@ -519,7 +183,7 @@ class Engine:
 
         import llama_cpp
         # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
-        _silence_llama_log(llama_cpp)
+        silence_llama_log(llama_cpp)
         from kimitui.engine import loadhooks
 
         hooks = None
@@ -533,7 +197,7 @@ class Engine:
         if streams:
             # A prefill micro-batch needs the union of its tokens' experts at once: as many
             # tokens as the planned expert cache surely holds.
-            self.n_ubatch = min(self.n_batch, self._memory_plan(self._model_map()).ubatch)
+            self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch)
         self._fit_context()
         # The stock load: llama.cpp would map the file and fault all of it in, so a file cut short
         # (a bumped cable) would SIGBUS compute. Where the model fits in memory it is read into
@@ -566,7 +230,7 @@ class Engine:
             stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
 
             def make():
-                with stock, _llama_params(progress if hooks is None else None, self.repack, *callbacks), _templates_checked_later():
+                with stock, llama_params(progress if hooks is None else None, self.repack, *callbacks), templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
                         n_ctx=self.n_ctx,
@@ -642,7 +306,7 @@ class Engine:
         from kimitui.engine.budget import context_fits, working_estimate
         from kimitui.engine.memory import available_memory
 
-        model = self._model_map()
+        model = self.model_map()
         weights = min(self.budget, model.tensor_bytes)
         room = available_memory()
         fitted = context_fits(model, weights, room, self.n_ctx, self.n_ubatch)
@@ -675,7 +339,7 @@ class Engine:
     def _stream_callbacks(self):
         import llama_cpp.llama_cpp as C
 
-        ggml = _ggml_base(C._lib._name)
+        ggml = ggml_base(C._lib._name)
 
         clock = time.perf_counter
 
@@ -707,21 +371,21 @@ class Engine:
                     return True
                 # With router look-ahead, also each MoE layer's FFN input.
                 streamer = self.streamer
-                return streamer is not None and streamer.predictor is not None and _numbered(name, b"ffn_norm-") is not None
+                return streamer is not None and streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
             streamer = self.streamer
             if streamer is None:
                 return True
             # Returning False here would make ggml skip the rest of the graph split: silently
             # wrong logits. Any failure stops the token through the abort callback instead.
             try:
-                if (layer := _numbered(name, b"ffn_moe_topk-")) is not None:
-                    streamer.on_experts(layer, _topk_ids(ggml, tensor))
-                elif (layer := _numbered(name, b"ffn_norm-")) is not None:
-                    hidden = _last_row_f32(ggml, tensor)
+                if (layer := numbered(name, b"ffn_moe_topk-")) is not None:
+                    streamer.on_experts(layer, topk_ids(ggml, tensor))
+                elif (layer := numbered(name, b"ffn_norm-")) is not None:
+                    hidden = last_row_f32(ggml, tensor)
                     if hidden is not None:
                         streamer.on_router_input(layer, hidden)
                 else:
-                    streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else _numbered(name, b"l_out-") + 1)
+                    streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else numbered(name, b"l_out-") + 1)
             except Exception as exc:  # noqa: BLE001 - a C callback must not raise
                 streamer.fail(f"streaming failed at graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
             return True
@@ -771,7 +435,7 @@ class Engine:
         )
         from kimitui.engine.platform import PlatformIO
 
-        model = self._model_map()
+        model = self.model_map()
         streaming = self._callbacks is not None
         settings = self.stream_settings
         hot: list = []
@@ -866,7 +530,7 @@ class Engine:
                     f"model file {path.name} is now {now} bytes, {size} at load (file truncated or drive removed?)"
                 )
 
-    def _model_map(self):
+    def model_map(self):
         """Parsed once; a live shard-size change regroups the same tensors, so a re-pin between
         two tokens does not parse the header again."""
         if self._map is None:
@@ -917,9 +581,9 @@ class Engine:
         from kimitui.engine.budget import expert_footprint
 
         experts = self.streamer.experts if self.streamer is not None else None
-        if experts is None or not self._model_map().bytes_per_expert:
+        if experts is None or not self.model_map().bytes_per_expert:
             return None
-        return len(experts.pinned) + experts.capacity // expert_footprint(self._model_map())
+        return len(experts.pinned) + experts.capacity // expert_footprint(self.model_map())
 
     def retune(self, *, budget: int | None = None, shard_size: int | None = None, **stream) -> str:
         """Live tuning, applied from the next token. Budget and shard size change the pinned
@@ -930,7 +594,7 @@ class Engine:
             from kimitui.engine.budget import budget_shortfall
 
             try:
-                shortfall = budget_shortfall(self._model_map(), budget)
+                shortfall = budget_shortfall(self.model_map(), budget)
             except UserError as exc:  # the file changed under us since load
                 raise EngineError(str(exc)) from None
             if shortfall:  # refused before anything changes
@@ -958,13 +622,22 @@ class Engine:
             # only takes when it is created: the next reply starts on a fresh one.
             self._rebuild_pending = self._repin_pending = True
             return "applies from the next reply: streaming starts on a fresh llama.cpp context"
-        if self._model_map().is_moe and min(self.n_batch, self._memory_plan(self._model_map()).ubatch) != self.n_ubatch:
+        if self.model_map().is_moe and min(self.n_batch, self._memory_plan(self.model_map()).ubatch) != self.n_ubatch:
             # The expert cache changes size: prefill micro-batches must follow, which llama.cpp
             # takes only with a fresh context (the conversation is prefilled again).
             self._rebuild_pending = self._repin_pending = True
             return "applies from the next reply, on a fresh llama.cpp context sized for the new expert cache"
         self._repin_pending = True
         return "applies from the next token, after the pinned set is re-read"
+
+    def apply_pending_tuning(self, *, mid_reply: bool) -> bool:
+        """Carry out what ``retune`` left for a token to do: re-read the pinned set, and between
+        replies only, give the model a fresh context first. The caller holds the turn. Whether
+        anything was done."""
+        if not self._repin_pending or (mid_reply and self._rebuild_pending):
+            return False
+        self._repin()
+        return True
 
     def _rebuild_context(self) -> None:
         """Give the loaded model a fresh llama.cpp context with the streaming callbacks.
@@ -978,7 +651,7 @@ class Engine:
         params = llm.context_params
         params.cb_eval, params.abort_callback = self._stream_callbacks()
         # The prefill micro-batch the new budget's expert cache holds (see budget.py).
-        self.n_ubatch = min(self.n_batch, self._memory_plan(self._model_map()).ubatch)
+        self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch)
         params.n_ubatch = self.n_ubatch
         llm._ctx.close()
         try:
@@ -1046,7 +719,7 @@ class Engine:
         template = self.chat_template or llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
         eos, bos = llm.token_eos(), llm.token_bos()
         try:
-            return _chat_formatter()(
+            return chat_formatter()(
                 template=template,
                 eos_token=self.token_text(eos) if eos >= 0 else "",
                 bos_token=self.token_text(bos) if bos >= 0 else "",
@@ -1079,7 +752,7 @@ class Engine:
         terminal, where it would paint over the app."""
         import llama_cpp
 
-        with _stderr_caught() as caught:
+        with stderr_caught() as caught:
             sampler = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, grammar.encode("utf-8"), b"root")
         if sampler:
             llama_cpp.llama_sampler_free(sampler)
@@ -1096,7 +769,7 @@ class Engine:
         import copy
 
         try:
-            # Copies: the template's sandbox lets lists grow (see _chat_formatter), and the
+            # Copies: the template's sandbox lets lists grow (see chat_formatter), and the
             # caller's messages (the app's history) must come back as they went in.
             return self._formatter(messages=copy.deepcopy(messages), tools=copy.deepcopy(tools))
         except Exception as exc:  # jinja2's errors, and the template's raise_exception (ValueError)
@@ -1161,7 +834,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
         metrics=metrics,
         budget=metrics.budget_bytes,
         shard_size=settings["engine.shard_size"],
-        chat_template=_chat_template_file(settings["model.chat_template_file"]),
+        chat_template=chat_template_file(settings["model.chat_template_file"]),
         stream_settings=StreamSettings(
             prefetch_depth=settings["engine.prefetch_depth"],
             policy=settings["engine.policy"],
@@ -1170,268 +843,3 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
             expert_lookahead=settings["engine.expert_lookahead"],
         ),
     )
-
-
-_stderr_lock = threading.Lock()
-
-
-class _Caught:
-    text = ""  # what was written, once the block is over
-
-
-@contextlib.contextmanager
-def _stderr_caught():
-    """What C code writes to file descriptor 2 meanwhile, caught in a temporary file."""
-    import tempfile
-
-    caught = _Caught()
-    with _stderr_lock, tempfile.TemporaryFile() as file:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(file.fileno(), 2)
-        try:
-            yield caught
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            file.seek(0)
-            caught.text = file.read().decode("utf-8", errors="replace")
-
-
-def _chat_formatter():
-    """llama-cpp-python's Jinja formatter with a sandbox whose lists may grow: Kimi K2's template
-    builds its tool-call list with ``.append``, which the immutable sandbox refuses. Attribute
-    access stays sandboxed."""
-    import jinja2
-    from jinja2.sandbox import SandboxedEnvironment
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    class ChatFormatter(Jinja2ChatFormatter):
-        def __init__(self, template: str, **kwargs) -> None:
-            super().__init__(template, **kwargs)
-            environment = SandboxedEnvironment(
-                loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
-                extensions=[Jinja2ChatFormatter.IgnoreGenerationTags, jinja2.ext.loopcontrols],
-            )
-            environment.filters["tojson"] = self.tojson
-            self._environment = environment.from_string(template)
-
-    return ChatFormatter
-
-
-def _chat_template_file(path: str) -> str | None:
-    if not path:
-        return None
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"model.chat_template_file: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that could start a stop string."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    return hold
-
-
-class Generation:
-    """One request's token stream. Iterate for TokenEvents; read ``result`` afterwards.
-
-    ``cancel()`` is safe from any thread and takes effect before the next token (or, while
-    queued, gives the turn up at once).
-    """
-
-    def __init__(self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling):
-        self.engine = engine
-        self.sampling = sampling
-        self.result = GenerationResult()
-        self.id = f"req-{next(_request_ids)}"
-        self._build = build
-        self._cancel = threading.Event()
-        self.ticket: int | None = None
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    @property
-    def queue_position(self) -> int | None:
-        return None if self.ticket is None else self.engine.turns.position(self.ticket)
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        engine = self.engine
-        queued_at = time.perf_counter()
-        self.ticket = engine.turns.take()
-        if not engine.turns.wait(self.ticket, self._cancel):
-            self.result.finish_reason = "cancelled"
-            return
-        try:
-            self.result.queued_s = time.perf_counter() - queued_at
-            engine.state = EngineState.GENERATING
-            try:
-                if engine._repin_pending:
-                    try:
-                        engine._repin()
-                    except EngineError as exc:
-                        self.result.finish_reason, self.result.error = "error", str(exc)
-                        raise
-                yield from self._run()
-            finally:
-                if engine.state is EngineState.GENERATING:  # FAILED stays
-                    engine.state = EngineState.READY
-        finally:
-            engine.turns.release(self.ticket)
-
-    def _run(self) -> Iterator[TokenEvent]:
-        engine, s, result = self.engine, self.sampling, self.result
-        llm = engine.llm
-        metrics = engine.metrics
-        started = time.perf_counter()
-        metrics.request_started()
-        if engine.streamer is not None and engine.streamer.error is not None:
-            engine.streamer.reset_error()  # a failure after the last reply's last token: that reply is over
-        try:
-            if engine.streamer is None:
-                engine.check_files()
-            prompt_tokens, template_stops = self._build()
-        except EngineError as exc:
-            result.finish_reason, result.error = "error", str(exc)
-            metrics.request_finished()
-            raise
-        stops = tuple(dict.fromkeys(tuple(s.stop) + template_stops))
-        result.prompt_tokens = len(prompt_tokens)
-        budget = max(0, min(s.max_tokens, engine.n_ctx - len(prompt_tokens)))
-        llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        import llama_cpp
-
-        vocab = llm._model.vocab
-        tracer = engine.tracer
-
-        def counters() -> dict | None:  # the streamer is replaced when live tuning re-pins
-            return engine.streamer.counters() if engine.streamer is not None else None
-
-        before = counters()
-        log = llama_log()
-        log.lines.clear()
-        if tracer is not None:
-            tracer.request_started(self.id, engine.model_path.name, engine.trace_settings())
-        text, emitted, cut = "", 0, -1
-        last = started
-        finish = "length"
-        try:
-            if budget == 0:
-                return
-            from llama_cpp import LlamaGrammar, LogitsProcessorList
-
-            logits = _Logits(s.logit_bias, s.n_probs) if s.logit_bias or s.n_probs else None
-            grammar = None
-            if s.grammar is not None:
-                error = engine.grammar_error(s.grammar)  # a refused grammar in the sampler chain would crash the process
-                if error is not None:
-                    raise EngineError(f"grammar: llama.cpp refused it: {error}")
-                grammar = LlamaGrammar.from_string(s.grammar, verbose=False)
-            if not s.cache_prompt:
-                llm.reset()  # the whole prompt in one evaluation, as on a fresh context
-            tokens = llm.generate(
-                prompt_tokens,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                min_p=s.min_p,
-                temp=s.temperature,
-                repeat_penalty=s.repeat_penalty,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                logits_processor=LogitsProcessorList([logits]) if logits is not None else None,
-                grammar=grammar,
-            )
-            clock = engine.decode_clock
-            decoded, decoded_tokens = clock.seconds, clock.tokens
-            experts = engine.streamer.experts if engine.streamer is not None else None
-            if experts is not None:
-                experts.begin_prefill()
-            for index, token in enumerate(tokens):
-                now = time.perf_counter()
-                wall = now - last
-                last = now
-                decode_s, decoded = clock.seconds - decoded, clock.seconds
-                if index == 0:
-                    result.prompt_s = wall
-                    result.cached_tokens = max(0, len(prompt_tokens) - (clock.tokens - decoded_tokens))
-                    metrics.prompt_evaluated(len(prompt_tokens))
-                    if experts is not None:
-                        experts.prefilling = False
-                if llama_cpp.llama_vocab_is_eog(vocab, token):
-                    finish = "stop"
-                    break
-                result.completion_tokens += 1
-                result.timings.append(wall)
-                metrics.token(wall)
-                if tracer is not None:
-                    after = counters()
-                    tracer.token(self.id, index, wall, before, after, decode_s)
-                    before = after
-                text += decoder.decode(llm.detokenize([token], special=s.special))
-                cut = -1
-                for stop in stops:
-                    at = text.find(stop, max(0, emitted - len(stop)))
-                    if at != -1 and (cut == -1 or at < cut):
-                        cut = at
-                logprob, top = logits.of(token) if logits is not None else (None, ())
-                if cut != -1:
-                    text = text[:cut]
-                    yield TokenEvent(text[emitted:], token, index, wall, logprob, top)
-                    emitted = len(text)
-                    finish = "stop"
-                    break
-                safe = len(text) - _held_back(text, stops)
-                yield TokenEvent(text[emitted:safe], token, index, wall, logprob, top)
-                emitted = max(emitted, safe)
-                if engine._repin_pending and not engine._rebuild_pending:
-                    # Budget or shard size changed mid-reply: from the next token on. Its wait
-                    # for the re-read pinned set is part of its time, where the panels show it.
-                    engine._repin()
-                    before = counters()
-                if self._cancel.is_set():
-                    finish = "cancelled"
-                    break
-                if result.completion_tokens >= budget:
-                    finish = "length"
-                    break
-            else:
-                finish = "stop"
-            if finish != "stop" or cut == -1:
-                # What was held back as a possible stop string, or a dangling byte sequence, is real text.
-                text += decoder.decode(b"", final=True)
-                if len(text) > emitted:
-                    yield TokenEvent(text[emitted:], -1, result.completion_tokens, 0.0)
-                    emitted = len(text)
-        except GeneratorExit:
-            finish = "cancelled"
-            raise
-        except Exception as exc:  # llama_decode failures and the like: stop this reply only
-            finish = "error"
-            streamer = engine.streamer
-            if streamer is not None and streamer.error is not None:
-                result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
-                streamer.reset_error()
-            else:
-                reason = log.reason()  # what llama.cpp said while this reply ran, if anything
-                result.error = f"generation failed: {exc}" + (f" (llama.cpp: {reason})" if reason else "")
-            raise EngineError(result.error) from None
-        finally:
-            result.text = text
-            result.finish_reason = finish
-            result.decode_s = max(0.0, last - started - result.prompt_s)
-            metrics.request_finished()
-            engine.save_heatmap()
-            if tracer is not None:
-                tracer.request_finished(self.id, result)

@@ -34,7 +34,9 @@ from starlette.routing import Route
 from kimitui import __version__
 from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
-from kimitui.engine.session import ChatTemplateError, Engine, EngineError, EngineState, Generation, GenerationResult, Sampling, TokenEvent
+from kimitui.engine.generation import Generation, GenerationResult, Sampling, TokenEvent
+from kimitui.engine.session import Engine
+from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
 from kimitui.server import prom
 from kimitui.server import tools as tool_calls
 from kimitui.server.runner import is_loopback

@@ -22,7 +22,8 @@ import httpx
 from kimitui import __version__
 from kimitui.engine.interface import PinOutcome
 from kimitui.engine.metrics import HISTORY_SAMPLES, EngineMetrics, Sampler, Snapshot, StreamingCounters, percentile
-from kimitui.engine.session import EngineError, EngineState, GenerationResult, Sampling, TokenEvent
+from kimitui.engine.generation import GenerationResult, Sampling, TokenEvent
+from kimitui.engine.state import EngineError, EngineState
 from kimitui.server import prom
 
 STREAMING_METRICS = {

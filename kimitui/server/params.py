@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kimitui.engine.session import Sampling
+from kimitui.engine.generation import Sampling
 
 # Sampling bounds. temperature matches the [sampling] config key; the others keep llama.cpp's
 # samplers out of undefined territory (repeat_penalty divides logits, so it may not be 0).

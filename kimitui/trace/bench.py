@@ -65,7 +65,7 @@ class TimedWriter(TraceWriter):
 
 
 def decode_per_token(engine, tokens: int) -> float:
-    from kimitui.engine.session import Sampling
+    from kimitui.engine.generation import Sampling
 
     gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=tokens))
     list(gen)
@@ -117,7 +117,8 @@ def measure(engine, rounds: int, tokens: int, trace_dir: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kimitui.engine.session import Engine, EngineError
+    from kimitui.engine.session import Engine
+    from kimitui.engine.state import EngineError
     from kimitui.model import synth
     from kimitui.model.gguf_map import load_model_map
 

@@ -15,7 +15,7 @@ from textual.screen import Screen
 from kimitui.config import Settings
 from kimitui.engine.interface import ChatEngine
 from kimitui.engine.metrics import Sampler
-from kimitui.engine.session import Sampling
+from kimitui.engine.generation import Sampling
 from kimitui.history import HistoryStore
 from kimitui.startup import start_up_finished
 from kimitui.tui.history_writer import HistoryWriter

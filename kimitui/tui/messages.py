@@ -8,7 +8,7 @@ from textual.message import Message
 
 from kimitui.engine.metrics import Snapshot
 from kimitui.engine.pinning import PinProgress
-from kimitui.engine.session import GenerationResult, TokenEvent
+from kimitui.engine.generation import GenerationResult, TokenEvent
 
 
 @dataclass

@@ -24,7 +24,8 @@ from textual.worker import Worker, WorkerState
 
 from kimitui.engine.interface import ChatEngine
 from kimitui.engine.metrics import Sampler, Snapshot
-from kimitui.engine.session import EngineError, GenerationResult, Sampling
+from kimitui.engine.generation import GenerationResult, Sampling
+from kimitui.engine.state import EngineError
 from kimitui.tui.history_writer import HistoryWriter
 from kimitui.tui.messages import LoadFinished, LoadProgress, PinFinished, PinProgressed, ReplyFinished, SnapshotReady, TokenReceived
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput

@@ -8,7 +8,7 @@ from textual.widgets import Input, Label
 
 from kimitui.config import SCHEMA, coerce
 from kimitui.tui.screens.form import FormScreen
-from kimitui.engine.session import Sampling
+from kimitui.engine.generation import Sampling
 
 FIELDS = (
     ("temperature", "temperature", float),

@@ -1,0 +1,319 @@
+"""A reply: sampling settings, its token events and result, and the Generation that runs it
+in the engine's turn (prefill, the token loop, stops, logprobs, timings, the trace)."""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
+
+
+from kimitui.engine.llama_glue import llama_log
+from kimitui.engine.state import EngineError, EngineState
+
+if TYPE_CHECKING:
+    from kimitui.engine.session import Engine
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    max_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
+    grammar: str | None = None  # GBNF the reply must match (llama-cpp-python's LlamaGrammar)
+    n_probs: int = 0  # with each token, the most likely n tokens and their log-probabilities
+    cache_prompt: bool = True  # False: evaluate the whole prompt afresh (same numerics every time)
+    special: bool = False  # special tokens in the reply's text (a tool-call section's markers)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str  # may be "" while a stop string or a multi-byte character is held back
+    token_id: int  # -1 for the final flush of held-back text
+    index: int
+    wall_s: float  # since the previous token (the first: since the request began, prefill included)
+    # With Sampling.n_probs: the token's own log-probability and the top n (id, log-probability),
+    # from the logits it was sampled from (logit bias applied, before temperature and the rest).
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class LogitsHook:
+    """llama-cpp-python's logits processor hook, used for two things the sampler lacks: the
+    request's logit bias, and the log-probabilities a client asked for."""
+
+    def __init__(self, bias: dict[int, float], n_probs: int) -> None:
+        import numpy as np
+
+        self._np = np
+        self._ids = np.array(list(bias), dtype=np.intp)
+        self._values = np.array(list(bias.values()), dtype=np.float32)
+        self.n_probs = n_probs
+        self.logprobs = None  # the last step's log-softmax, when asked for
+
+    def __call__(self, _input_ids, scores):
+        np = self._np
+        if len(self._ids):
+            scores[self._ids] += self._values
+        if self.n_probs:
+            finite = scores[np.isfinite(scores)]
+            top = finite.max() if len(finite) else 0.0
+            shifted = scores - top
+            self.logprobs = shifted - np.log(np.exp(shifted).sum())
+        return scores
+
+    def of(self, token: int) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+        if self.logprobs is None:
+            return None, ()
+        np = self._np
+        lp = self.logprobs
+        best = np.argpartition(-lp, min(self.n_probs, len(lp) - 1))[: self.n_probs]
+        best = best[np.argsort(-lp[best])]
+        return float(lp[token]), tuple((int(i), float(lp[i])) for i in best)
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    finish_reason: str = "stop"  # stop | length | cancelled | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, reused from the last reply's context (not evaluated)
+    completion_tokens: int = 0
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    queued_s: float = 0.0
+    error: str | None = None
+    timings: list[float] = field(default_factory=list)
+
+
+class Tracer(Protocol):
+    """Receives what a trace records (kimitui.trace implements it); called on the engine's threads."""
+
+    def request_started(self, request_id: str, model: str, settings: dict) -> None: ...
+    def token(
+        self, request_id: str, index: int, wall_s: float, before: dict | None, after: dict | None, decode_s: float
+    ) -> None: ...
+    def read(self, shard, offset: int, length: int, start: float, seconds: float) -> None: ...
+    def route(self, layer: int, experts: list[int], hits: int) -> None: ...
+    def request_finished(self, request_id: str, result: "GenerationResult") -> None: ...
+
+
+_request_ids = itertools.count(1)
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that could start a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+class Generation:
+    """One request's token stream. Iterate for TokenEvents; read ``result`` afterwards.
+
+    ``cancel()`` is safe from any thread and takes effect before the next token (or, while
+    queued, gives the turn up at once).
+    """
+
+    def __init__(self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling):
+        self.engine = engine
+        self.sampling = sampling
+        self.result = GenerationResult()
+        self.id = f"req-{next(_request_ids)}"
+        self._build = build
+        self._cancel = threading.Event()
+        self.ticket: int | None = None
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def queue_position(self) -> int | None:
+        return None if self.ticket is None else self.engine.turns.position(self.ticket)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        engine = self.engine
+        queued_at = time.perf_counter()
+        self.ticket = engine.turns.take()
+        if not engine.turns.wait(self.ticket, self._cancel):
+            self.result.finish_reason = "cancelled"
+            return
+        try:
+            self.result.queued_s = time.perf_counter() - queued_at
+            engine.state = EngineState.GENERATING
+            try:
+                try:
+                    engine.apply_pending_tuning(mid_reply=False)
+                except EngineError as exc:
+                    self.result.finish_reason, self.result.error = "error", str(exc)
+                    raise
+                yield from self._run()
+            finally:
+                if engine.state is EngineState.GENERATING:  # FAILED stays
+                    engine.state = EngineState.READY
+        finally:
+            engine.turns.release(self.ticket)
+
+    def _run(self) -> Iterator[TokenEvent]:
+        engine, s, result = self.engine, self.sampling, self.result
+        llm = engine.llm
+        metrics = engine.metrics
+        started = time.perf_counter()
+        metrics.request_started()
+        if engine.streamer is not None and engine.streamer.error is not None:
+            engine.streamer.reset_error()  # a failure after the last reply's last token: that reply is over
+        try:
+            if engine.streamer is None:
+                engine.check_files()
+            prompt_tokens, template_stops = self._build()
+        except EngineError as exc:
+            result.finish_reason, result.error = "error", str(exc)
+            metrics.request_finished()
+            raise
+        stops = tuple(dict.fromkeys(tuple(s.stop) + template_stops))
+        result.prompt_tokens = len(prompt_tokens)
+        budget = max(0, min(s.max_tokens, engine.n_ctx - len(prompt_tokens)))
+        llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        import llama_cpp
+
+        vocab = llm._model.vocab
+        tracer = engine.tracer
+
+        def counters() -> dict | None:  # the streamer is replaced when live tuning re-pins
+            return engine.streamer.counters() if engine.streamer is not None else None
+
+        before = counters()
+        log = llama_log()
+        log.lines.clear()
+        if tracer is not None:
+            tracer.request_started(self.id, engine.model_path.name, engine.trace_settings())
+        text, emitted, cut = "", 0, -1
+        last = started
+        finish = "length"
+        try:
+            if budget == 0:
+                return
+            from llama_cpp import LlamaGrammar, LogitsProcessorList
+
+            logits = LogitsHook(s.logit_bias, s.n_probs) if s.logit_bias or s.n_probs else None
+            grammar = None
+            if s.grammar is not None:
+                error = engine.grammar_error(s.grammar)  # a refused grammar in the sampler chain would crash the process
+                if error is not None:
+                    raise EngineError(f"grammar: llama.cpp refused it: {error}")
+                grammar = LlamaGrammar.from_string(s.grammar, verbose=False)
+            if not s.cache_prompt:
+                llm.reset()  # the whole prompt in one evaluation, as on a fresh context
+            tokens = llm.generate(
+                prompt_tokens,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                min_p=s.min_p,
+                temp=s.temperature,
+                repeat_penalty=s.repeat_penalty,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                logits_processor=LogitsProcessorList([logits]) if logits is not None else None,
+                grammar=grammar,
+            )
+            clock = engine.decode_clock
+            decoded, decoded_tokens = clock.seconds, clock.tokens
+            experts = engine.streamer.experts if engine.streamer is not None else None
+            if experts is not None:
+                experts.begin_prefill()
+            for index, token in enumerate(tokens):
+                now = time.perf_counter()
+                wall = now - last
+                last = now
+                decode_s, decoded = clock.seconds - decoded, clock.seconds
+                if index == 0:
+                    result.prompt_s = wall
+                    result.cached_tokens = max(0, len(prompt_tokens) - (clock.tokens - decoded_tokens))
+                    metrics.prompt_evaluated(len(prompt_tokens))
+                    if experts is not None:
+                        experts.prefilling = False
+                if llama_cpp.llama_vocab_is_eog(vocab, token):
+                    finish = "stop"
+                    break
+                result.completion_tokens += 1
+                result.timings.append(wall)
+                metrics.token(wall)
+                if tracer is not None:
+                    after = counters()
+                    tracer.token(self.id, index, wall, before, after, decode_s)
+                    before = after
+                text += decoder.decode(llm.detokenize([token], special=s.special))
+                cut = -1
+                for stop in stops:
+                    at = text.find(stop, max(0, emitted - len(stop)))
+                    if at != -1 and (cut == -1 or at < cut):
+                        cut = at
+                logprob, top = logits.of(token) if logits is not None else (None, ())
+                if cut != -1:
+                    text = text[:cut]
+                    yield TokenEvent(text[emitted:], token, index, wall, logprob, top)
+                    emitted = len(text)
+                    finish = "stop"
+                    break
+                safe = len(text) - held_back(text, stops)
+                yield TokenEvent(text[emitted:safe], token, index, wall, logprob, top)
+                emitted = max(emitted, safe)
+                # Budget or shard size changed mid-reply: from the next token on. Its wait for
+                # the re-read pinned set is part of its time, where the panels show it.
+                if engine.apply_pending_tuning(mid_reply=True):
+                    before = counters()
+                if self._cancel.is_set():
+                    finish = "cancelled"
+                    break
+                if result.completion_tokens >= budget:
+                    finish = "length"
+                    break
+            else:
+                finish = "stop"
+            if finish != "stop" or cut == -1:
+                # What was held back as a possible stop string, or a dangling byte sequence, is real text.
+                text += decoder.decode(b"", final=True)
+                if len(text) > emitted:
+                    yield TokenEvent(text[emitted:], -1, result.completion_tokens, 0.0)
+                    emitted = len(text)
+        except GeneratorExit:
+            finish = "cancelled"
+            raise
+        except Exception as exc:  # llama_decode failures and the like: stop this reply only
+            finish = "error"
+            streamer = engine.streamer
+            if streamer is not None and streamer.error is not None:
+                result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
+                streamer.reset_error()
+            else:
+                reason = log.reason()  # what llama.cpp said while this reply ran, if anything
+                result.error = f"generation failed: {exc}" + (f" (llama.cpp: {reason})" if reason else "")
+            raise EngineError(result.error) from None
+        finally:
+            result.text = text
+            result.finish_reason = finish
+            result.decode_s = max(0.0, last - started - result.prompt_s)
+            metrics.request_finished()
+            engine.save_heatmap()
+            if tracer is not None:
+                tracer.request_finished(self.id, result)
