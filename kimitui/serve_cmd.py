@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 if note:
                     print(f"kimitui: {note}", file=sys.stderr, flush=True)
             engine.pin(pinning)
-            for note in (engine.pin_note, engine.plan_note):
+            for note in (engine.pinned.note, engine.plan_note):
                 if note:
                     print(f"kimitui: {note}", file=sys.stderr, flush=True)
         except (EngineError, UserError) as exc:

@@ -438,7 +438,7 @@ def test_a_reply_asked_for_while_the_pinned_set_is_read_waits_for_it(dense, monk
 
     def consume():
         for _ in gen:
-            seen.append((engine.streamer is not None, engine.pinned_bytes))
+            seen.append((engine.streamer is not None, engine.pinned.bytes))
 
     reply = threading.Thread(target=consume)
     reply.start()
@@ -473,7 +473,7 @@ def test_a_pin_that_fails_is_tried_again_by_the_next_reply(dense, tmp_path):
         f.write(tail)
     gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=4))
     list(gen)
-    assert gen.result.finish_reason == "length" and engine.streamer is not None and engine.pinned_bytes > 0
+    assert gen.result.finish_reason == "length" and engine.streamer is not None and engine.pinned.bytes > 0
     engine.close()
 
 

@@ -43,14 +43,14 @@ junk_cached = cached_bytes(sys.argv[4])
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 page = os.sysconf("SC_PAGE_SIZE")
 resident = total = 0
-for r in engine.pinned_ranges:
+for r in engine.pinned.ranges:
     start = (engine.mapping.address + r.offset) & ~(page - 1)
     length = engine.mapping.address + r.offset + r.length - start
     pages = (length + page - 1) // page
     vec = (ctypes.c_ubyte * pages)()
     assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
     resident += sum(b & 1 for b in vec); total += pages
-print(json.dumps({"resident": resident, "total": total, "note": engine.pin_note, "junk_cached": junk_cached,
+print(json.dumps({"resident": resident, "total": total, "note": engine.pinned.note, "junk_cached": junk_cached,
                   "streamed": engine.streamer.bytes_read, "tokens": gen.result.completion_tokens}))
 """
 

@@ -65,7 +65,7 @@ def test_streamed_tokens_match_stock_and_bytes_add_up(model, stock_text, policy,
         s = engine.streamer
         assert s is not None, "the budget should force streaming"
         mm = load_model_map(model)
-        assert 0 < engine.pinned_bytes < mm.tensor_bytes
+        assert 0 < engine.pinned.bytes < mm.tensor_bytes
         text, n = greedy(engine)
         assert text == stock_text
         if places_reads():  # shards were placed (a slow machine may spill a little)
@@ -161,11 +161,11 @@ def test_budget_and_shard_size_apply_from_the_next_token_mid_reply(model, stock_
     engine = streaming_engine(model)
     try:
         first = engine.streamer
-        pinned_before = engine.pinned_bytes
+        pinned_before = engine.pinned.bytes
         gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=TOKENS))
         seen = []
         for event in gen:
-            seen.append((engine.pinned_bytes, engine.streamer))
+            seen.append((engine.pinned.bytes, engine.streamer))
             if len(seen) == 2:
                 assert "next token" in engine.retune(budget=120 * MIB, shard_size=16 * MIB)
         # The third token already ran on the new pinned set and a streamer of 16 MiB shards.
@@ -186,7 +186,7 @@ def test_lowering_the_budget_of_a_model_that_fits_starts_streaming_next_reply(mo
         assert "next reply" in engine.retune(budget=150 * MIB)
         text, _ = greedy(engine)
         assert engine.streamer is not None and engine.streamer.bytes_read > 0
-        assert engine.pinned_bytes < 150 * MIB
+        assert engine.pinned.bytes < 150 * MIB
         assert text == stock_text
     finally:
         engine.close()
@@ -202,7 +202,7 @@ def test_a_budget_at_the_minimum_still_pins_the_non_layer_tensors(model, stock_t
         engine.pin()
         # Working memory and the prefetch window leave nothing, yet what every token reads and
         # the streamer never reads (embeddings, output) is pinned.
-        assert engine.pinned_bytes >= model_map.nonlayer_bytes > 0
+        assert engine.pinned.bytes >= model_map.nonlayer_bytes > 0
         text, _ = greedy(engine)
         assert text == stock_text
     finally:
@@ -383,7 +383,7 @@ def test_expert_reads_fetch_little_more_than_the_experts(tmp_path):
         from kimitui.benchmarks.common import cached_bytes
 
         assert counters["bytes_needed"] > 0
-        assert cached_bytes(path) <= 1.25 * (engine.pinned_bytes + counters["bytes_read"]) + 4 * MIB
+        assert cached_bytes(path) <= 1.25 * (engine.pinned.bytes + counters["bytes_read"]) + 4 * MIB
     finally:
         engine.close()
 
@@ -411,3 +411,21 @@ def test_live_tuning_refuses_a_budget_below_the_minimum_and_changes_nothing(mode
         assert greedy(engine)[1] > 0  # and it goes on
     finally:
         engine.close()
+
+
+def test_live_tuning_says_what_each_change_waits_for():
+    from kimitui.engine.tuning import PendingTuning, schedule
+
+    cases = [
+        (dict(repin=False, streams=True, fits=False, mapped=True, ubatch_changes=True), "applies from the next token", (False, False)),
+        (dict(repin=True, streams=True, fits=False, mapped=True, ubatch_changes=False), "after the pinned set is re-read", (True, False)),
+        (dict(repin=True, streams=False, fits=False, mapped=True, ubatch_changes=False), "streaming starts on a fresh", (True, True)),
+        (dict(repin=True, streams=False, fits=False, mapped=False, ubatch_changes=False), "applies at the next start", (False, False)),
+        (dict(repin=True, streams=True, fits=False, mapped=True, ubatch_changes=True), "sized for the new expert cache", (True, True)),
+    ]
+    for facts, said, (repin, rebuild) in cases:
+        pending = PendingTuning()
+        assert said in schedule(pending, **facts)
+        assert (pending.repin, pending.rebuild) == (repin, rebuild), facts
+    pending = PendingTuning(repin=True, rebuild=True)
+    assert not pending.due(mid_reply=True) and pending.due(mid_reply=False)  # a fresh context waits for a reply's start

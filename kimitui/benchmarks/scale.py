@@ -118,9 +118,9 @@ def phase_scale(spec: dict) -> None:
         return
     plan = engine.plan
     emit(
-        "pinned", seconds=time.perf_counter() - started, pinned_bytes=engine.pinned_bytes,
+        "pinned", seconds=time.perf_counter() - started, pinned_bytes=engine.pinned.bytes,
         pinned_shards=len(plan.pinned), hot_expert_bytes=plan.hot_expert_bytes, prefetch_depth=plan.prefetch_depth,
-        expert_cache_bytes=plan.expert_bytes, ubatch=plan.ubatch, pin_note=engine.pin_note,
+        expert_cache_bytes=plan.expert_bytes, ubatch=plan.ubatch, pin_note=engine.pinned.note,
     )
     spans = [(m.address, m.address + m.length) for m in engine.mappings.values()]
     tokens, marks = [], []

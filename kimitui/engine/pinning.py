@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimitui.engine.platform import LIBC_NAME, MADV_DONTNEED
+from kimitui.engine.platform import LIBC_NAME, MADV_DONTNEED, PlatformIO
 from kimitui.model.gguf_map import ByteRange, ModelMap, Shard, merge_ranges
 
 CHUNK_BYTES = 4 * 2**20
@@ -249,3 +249,60 @@ def _file_areas(paths: set[str]) -> list[tuple[int, int, str]]:
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             out.append((lo, hi, fields[5]))
     return out
+
+
+class PinnedSet:
+    """The bytes every token needs, held for good: read once with parallel reads into anonymous
+    memory at their place in the model's mapping, as streamed shards are (a file cut short, a
+    USB cable bumped, then cannot SIGBUS compute there, and the set stays whole when the file
+    comes back), and locked. Where that cannot be done (a Linux before 5.7, a file that cannot
+    be opened again) the set is the page cache's pages, locked."""
+
+    def __init__(self) -> None:
+        self.ranges: list[ByteRange] = []  # as read: whole pages
+        self.bytes = 0  # the pinned tensors' bytes
+        self.read_bytes = 0  # model bytes every read of a pinned set has read (re-pins add)
+        self.hot_expert_bytes = 0  # experts earlier runs' heatmap marked hot, pinned with the trunk
+        self.note: str | None = None  # why the set is not locked, or pages stay mapped, when so
+        self._placer = None  # holds the set's anonymous pages
+
+    def read(self, files, mappings: dict, ranges: list[ByteRange], hot: list, on_progress, cancel: threading.Event,
+             drop_the_rest: bool) -> None:
+        """Read and lock ``ranges`` (of which ``hot``'s experts are a part) in ``mappings``
+        (file index -> loadhooks.Mapping). ``drop_the_rest``: unmap every other page of the
+        model, which a streamed model reads itself. OSError if a file cannot be read."""
+        addresses = {i: m.address for i, m in mappings.items()}
+        mapping_fds = {i: m.fd for i, m in mappings.items() if m.fd >= 0}
+        placer = PlatformIO().placer(files, addresses, mapping_fds, 1)
+        pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
+        try:
+            reader = ParallelReader(chunk_bytes=PLACED_CHUNK_BYTES) if placer is not None else ParallelReader()
+            reader.read(files, pages, on_progress, cancel=cancel, placer=placer)
+        except OSError:
+            if placer is not None:
+                placer.close()
+            raise
+        if placer is not None:
+            placer.done_reading()
+        self.read_bytes += sum(r.length for r in pages)
+        self._placer = placer
+        if cancel.is_set():
+            return
+        self.note = lock_ranges(addresses, pages)
+        if drop_the_rest:
+            lengths = {i: m.length for i, m in mappings.items()}
+            kept = drop_outside(addresses, lengths, {i: str(path) for i, path in enumerate(files)}, ranges)
+            self.note = "; ".join(note for note in (self.note, kept) if note) or None
+        self.ranges = pages
+        self.bytes = sum(r.length for r in ranges)
+        self.hot_expert_bytes = sum(unit.footprint for unit in hot)
+
+    def release(self, mappings: dict) -> None:
+        """Unlock the set and give its anonymous pages back to the file (the mapping reads the
+        file there again)."""
+        if mappings and self.ranges:
+            unlock_ranges({i: m.address for i, m in mappings.items()}, self.ranges)
+        self.ranges, self.bytes = [], 0
+        if self._placer is not None:
+            self._placer.close()
+            self._placer = None

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import psutil
 
 from kimitui.engine.interface import PinOutcome, TuningValues
+from kimitui.engine.pinning import PinnedSet
+from kimitui.engine.tuning import PendingTuning, schedule
 from kimitui.engine.memory import cap_malloc_arenas
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.settings import StreamSettings
@@ -71,16 +73,10 @@ class Engine:
         self.tracer: Tracer | None = None
         self.decode_clock = DecodeClock()
         self._sizes_at_load: dict[Path, int] = {}
-        self.pinned_ranges: list = []
         self.working_bytes = 0
-        self._repin_pending = False
-        self._rebuild_pending = False  # a fresh context with the streaming callbacks is due
+        self.pending = PendingTuning()  # what live tuning left for the next token or reply
         self._pin_listener: Callable | None = None
-        self._pin_placer = None  # holds the pinned set's anonymous pages (see pin)
-        self.pinned_bytes = 0
-        self.pinned_read_bytes = 0  # model bytes the pinned sets read so far (every re-pin adds)
-        self.hot_expert_bytes = 0  # of the pinned set: experts earlier runs' heatmap marked hot
-        self.pin_note: str | None = None  # why the pinned set is not locked, when it is not
+        self.pinned = PinnedSet()
         self.plan = None  # budget.MemoryPlan, once a streamed model is planned
         self.plan_note: str | None = None  # what the plan changed of the settings, when it did
         self.n_ctx_fixed = n_ctx_fixed  # the user chose n_ctx: refuse rather than shrink it
@@ -110,7 +106,7 @@ class Engine:
     def model_bytes_read(self) -> int:
         """Model bytes the engine itself has read: its pinned sets and what it streamed."""
         streamer = self.streamer
-        return self.pinned_read_bytes + (streamer.bytes_read if streamer is not None else 0)
+        return self.pinned.read_bytes + (streamer.bytes_read if streamer is not None else 0)
 
     def inspect(self) -> ModelInfo:
         """Header checks only (no llama.cpp): raises UserError with one line on a bad file."""
@@ -409,7 +405,7 @@ class Engine:
             self._pin_listener = on_progress  # a later re-pin (live tuning) reports to it too
         with self.turns.turn():
             self._pin()
-        return PinOutcome(self.pinned_bytes, self.pin_note, self.pinned_bytes >= self.inspect().tensor_bytes)
+        return PinOutcome(self.pinned.bytes, self.pinned.note, self.pinned.bytes >= self.inspect().tensor_bytes)
 
     # -- what a user interface asks (interface.ChatEngine) ---------------------------------
 
@@ -430,10 +426,7 @@ class Engine:
         on_progress = self._pin_listener
         if not self.mappings:
             return
-        from kimitui.engine.pinning import (
-            PLACED_CHUNK_BYTES, ParallelReader, drop_outside, lock_ranges, plan_pinned, shard_ranges, whole_pages,
-        )
-        from kimitui.engine.platform import PlatformIO
+        from kimitui.engine.pinning import plan_pinned, shard_ranges
 
         model = self.model_map()
         streaming = self._callbacks is not None
@@ -459,34 +452,13 @@ class Engine:
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
         addresses = {i: m.address for i, m in self.mappings.items()}
         mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
-        # The pinned set goes into anonymous memory at its place in the mapping, as streamed
-        # shards do: a file cut short (a USB cable bumped) then cannot SIGBUS compute there,
-        # and the set stays whole when the file comes back. Where that cannot be done (a
-        # Linux before 5.7, a file that cannot be opened again) it stays in the page cache, locked.
-        placer = PlatformIO().placer(model.files, addresses, mapping_fds, 1)
-        pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
         try:
-            reader = ParallelReader(chunk_bytes=PLACED_CHUNK_BYTES) if placer is not None else ParallelReader()
-            reader.read(model.files, pages, on_progress, cancel=self._abort_load, placer=placer)
+            self.pinned.read(model.files, self.mappings, ranges, hot, on_progress, self._abort_load, drop_the_rest=streaming)
         except OSError as exc:
-            if placer is not None:
-                placer.close()
-            self._repin_pending = True  # the next reply tries again: the drive may be back by then
+            self.pending.repin = True  # the next reply tries again: the drive may be back by then
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
-        if placer is not None:
-            placer.done_reading()
-        self.pinned_read_bytes += sum(r.length for r in pages)
-        self._pin_placer = placer
         if self._abort_load.is_set():
             return
-        self.pin_note = lock_ranges(addresses, pages)
-        if streaming:
-            lengths = {i: m.length for i, m in self.mappings.items()}
-            kept = drop_outside(addresses, lengths, {i: str(path) for i, path in enumerate(model.files)}, ranges)
-            self.pin_note = "; ".join(note for note in (self.pin_note, kept) if note) or None
-        self.pinned_ranges = pages
-        self.pinned_bytes = sum(r.length for r in ranges)
-        self.hot_expert_bytes = sum(unit.footprint for unit in hot)
         if streaming:
             from kimitui.engine.streaming import Streamer
 
@@ -495,7 +467,7 @@ class Engine:
                 mapping_fds=mapping_fds, window_limit=plan.window_bytes,
             )
             if model.is_moe:
-                streamer.attach_experts(plan.expert_bytes - self.hot_expert_bytes, hot, counts)
+                streamer.attach_experts(plan.expert_bytes - self.pinned.hot_expert_bytes, hot, counts)
                 experts = streamer.experts
                 self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
 
@@ -570,7 +542,7 @@ class Engine:
             "policy": self.stream_settings.policy,
             "expert_policy": self.stream_settings.expert_policy,
             "expert_lookahead": self.stream_settings.expert_lookahead,
-            "pinned_bytes": self.pinned_bytes,
+            "pinned_bytes": self.pinned.bytes,
             "streaming": self.streamer is not None,
             # Routed experts that may be resident at once (pinned hot ones and the cache): the
             # capacity an offline optimum of the same routing is computed for.
@@ -613,28 +585,21 @@ class Engine:
             self.metrics.budget_bytes = budget
         if shard_size is not None:
             self.shard_size = shard_size
-        if not repin:
-            return "applies from the next token"
-        if self._callbacks is None and self.inspect().tensor_bytes > (self.budget or 0) * 0.8:
-            if not self.mappings:
-                return "no streaming after the stock load (it read the whole model): the budget applies at the next start"
-            # The model fitted, so it runs without the eval callback, which a llama.cpp context
-            # only takes when it is created: the next reply starts on a fresh one.
-            self._rebuild_pending = self._repin_pending = True
-            return "applies from the next reply: streaming starts on a fresh llama.cpp context"
-        if self.model_map().is_moe and min(self.n_batch, self._memory_plan(self.model_map()).ubatch) != self.n_ubatch:
-            # The expert cache changes size: prefill micro-batches must follow, which llama.cpp
-            # takes only with a fresh context (the conversation is prefilled again).
-            self._rebuild_pending = self._repin_pending = True
-            return "applies from the next reply, on a fresh llama.cpp context sized for the new expert cache"
-        self._repin_pending = True
-        return "applies from the next token, after the pinned set is re-read"
+        model = self.model_map()
+        return schedule(
+            self.pending,
+            repin=repin,
+            streams=self._callbacks is not None,
+            fits=self.inspect().tensor_bytes <= (self.budget or 0) * 0.8,
+            mapped=bool(self.mappings),
+            ubatch_changes=model.is_moe and min(self.n_batch, self._memory_plan(model).ubatch) != self.n_ubatch,
+        )
 
     def apply_pending_tuning(self, *, mid_reply: bool) -> bool:
         """Carry out what ``retune`` left for a token to do: re-read the pinned set, and between
         replies only, give the model a fresh context first. The caller holds the turn. Whether
         anything was done."""
-        if not self._repin_pending or (mid_reply and self._rebuild_pending):
+        if not self.pending.due(mid_reply):
             return False
         self._repin()
         return True
@@ -646,7 +611,7 @@ class Engine:
         its prompt again."""
         import llama_cpp._internals as internals
 
-        self._rebuild_pending = False
+        self.pending.rebuild = False
         llm = self._llm
         params = llm.context_params
         params.cb_eval, params.abort_callback = self._stream_callbacks()
@@ -664,26 +629,15 @@ class Engine:
         llm.reset()
 
     def _repin(self) -> None:
-        from kimitui.engine.pinning import unlock_ranges
-
-        if self._rebuild_pending:
+        if self.pending.rebuild:
             self._rebuild_context()
-        self._repin_pending = False
+        self.pending.repin = False
         if self.streamer is not None:
             self.save_heatmap()  # what routing taught so far seeds the new pinned set
             self.streamer.close()
             self.streamer = None
-        if self.mappings and self.pinned_ranges:
-            unlock_ranges({i: m.address for i, m in self.mappings.items()}, self.pinned_ranges)
-        self._release_pinned()
+        self.pinned.release(self.mappings)
         self._pin()  # the reply calling this holds the turn already
-
-    def _release_pinned(self) -> None:
-        """The pinned set's anonymous pages go back to the file (the mapping reads the file there again)."""
-        self.pinned_ranges, self.pinned_bytes = [], 0
-        if self._pin_placer is not None:
-            self._pin_placer.close()
-            self._pin_placer = None
 
     def close(self) -> None:
         self.abort_load()
@@ -691,7 +645,7 @@ class Engine:
             if self.streamer is not None:
                 self.streamer.close()
                 self.streamer = None
-            self._release_pinned()
+            self.pinned.release(self.mappings)
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
