@@ -13,7 +13,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
-from kimitui.history import HistoryStore, export_filename
+from kimitui.history import export_filename
+from kimitui.tui.history_writer import HistoryWriter
 
 
 class HistoryScreen(ModalScreen[int | None]):
@@ -25,9 +26,10 @@ class HistoryScreen(ModalScreen[int | None]):
         Binding("e", "export", "export .md"),
     ]
 
-    def __init__(self, store: HistoryStore, export_dir: Path) -> None:
+    def __init__(self, history: HistoryWriter, export_dir: Path) -> None:
         super().__init__()
-        self.store = store
+        self.history = history
+        self.store = history.store
         self.export_dir = export_dir
 
     def compose(self) -> ComposeResult:
@@ -61,10 +63,10 @@ class HistoryScreen(ModalScreen[int | None]):
         if event.option.id:
             self.dismiss(int(event.option.id))
 
-    def action_delete(self) -> None:
+    async def action_delete(self) -> None:
         conv_id = self._selected_id()
         if conv_id is not None:
-            self.store.delete_conversation(conv_id)
+            await self.history.call(self.store.delete_conversation, conv_id)  # off the event loop, after queued writes
             self.notify("conversation deleted")
             self._fill()
 

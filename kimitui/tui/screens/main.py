@@ -411,7 +411,7 @@ class MainScreen(Screen):
     def action_history(self) -> None:
         from kimitui.tui.screens.history import HistoryScreen  # dialogs load when first opened: start-up is on the clock
 
-        self.app.push_screen(HistoryScreen(self.history.store, Path.cwd()), self._open_conversation)
+        self.app.push_screen(HistoryScreen(self.history, Path.cwd()), self._open_conversation)
 
     async def _open_conversation(self, conversation_id: int | None) -> None:
         store = self.history.store
