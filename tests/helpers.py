@@ -15,6 +15,27 @@ def wait_for(condition, what: str, timeout: float = 180.0) -> None:
         time.sleep(0.02)
 
 
+def peak_while(source, work):
+    """The highest value ``source()`` gives, sampled every 2 ms on a thread of its own while
+    ``work()`` runs; and what ``work`` returned."""
+    import threading
+
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.wait(0.002):
+            peak[0] = max(peak[0], source())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = work()
+    finally:
+        stop.set()
+        sampler.join()
+    return peak[0], result
+
+
 def places_reads() -> bool:
     """Whether streamed and pinned bytes must be placed in anonymous memory here: Linux with
     MREMAP_DONTUNMAP (5.7 and later), on any file system. Probed apart from the placer, so that

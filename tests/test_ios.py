@@ -11,7 +11,6 @@ import resource
 import struct
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from kimitui.engine.darwin_placer import (
 from kimitui.engine.macho import CPU_SUBTYPE_ARM64E, CPU_TYPE_ARM64, FAT_MAGIC, MachOSlotFinder
 from kimitui.engine.platform import F_RDADVISE, PlatformIO, is_darwin
 
+from helpers import peak_while
 from test_fast_start import macho_image
 from test_streaming import RecordingSyscalls
 
@@ -348,22 +348,11 @@ def test_the_darwin_placer_streams_k3_with_the_stock_greedy_tokens(monkeypatch, 
     engine.pin()
     try:
         assert engine.streamer.placer is not None and isinstance(engine.streamer.placer, DarwinPlacer)
-        source, peak, stop = engine.metrics.model_resident_source, [0], threading.Event()
-
-        def sample():
-            while not stop.wait(0.002):
-                peak[0] = max(peak[0], source())
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            assert reply_tokens(engine) == expected
-        finally:
-            stop.set()
-            sampler.join()
+        peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply_tokens(engine))
+        assert tokens == expected
         assert stand_in.counts["in place"] > 0 and stand_in.counts["moved"] > 0 and stand_in.counts["file"] > 0, stand_in.counts
         assert engine.streamer.counters()["placement"] == "direct"
-        assert 0 < peak[0] <= budget
+        assert 0 < peak <= budget
         assert reply_tokens(engine) == expected  # released pages are the file's again, read anew
     finally:
         engine.close()

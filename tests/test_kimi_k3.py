@@ -16,6 +16,8 @@ from kimitui.engine.state import EngineError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 
+from helpers import peak_while
+
 MIB = 2**20
 PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle"
 
@@ -170,7 +172,6 @@ def test_the_budget_holds_the_models_resident_pages(k3_paged, extra_mib):
     """Sampled all through a reply, the model's resident pages (file-backed and anonymous) stay
     within the budget: prefill micro-batches fit the expert cache, evicted experts leave, and
     the greedy tokens are stock llama.cpp's."""
-    import threading
 
     expected = stock_reply(k3_paged, PROMPT * 2, tokens=12)
     model = load_model_map(k3_paged)
@@ -179,20 +180,9 @@ def test_the_budget_holds_the_models_resident_pages(k3_paged, extra_mib):
     try:
         source = engine.metrics.model_resident_source
         assert source is not None and source() is not None
-        peak, stop = [0], threading.Event()
-
-        def sample():
-            while not stop.wait(0.002):
-                peak[0] = max(peak[0], source())
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            assert reply_tokens(engine, PROMPT * 2, tokens=12) == expected
-        finally:
-            stop.set()
-            sampler.join()
-        assert model.n_expert_used * model.bytes_per_expert < peak[0] <= budget
+        peak, tokens = peak_while(source, lambda: reply_tokens(engine, PROMPT * 2, tokens=12))
+        assert tokens == expected
+        assert model.n_expert_used * model.bytes_per_expert < peak <= budget
     finally:
         engine.close()
 

@@ -40,7 +40,7 @@ import os
 import threading
 from typing import Protocol
 
-from kimitui.engine.direct import split_pieces
+from kimitui.engine.direct import PlacedParts
 
 F_RDAHEAD, F_NOCACHE, F_GETPATH = 45, 48, 50
 PROT_READ, PROT_WRITE = 0x1, 0x2
@@ -152,7 +152,7 @@ class DarwinCalls:
         self._deallocate(self._task, source, length)
 
 
-class DarwinPlacer:
+class DarwinPlacer(PlacedParts):
     """The placer interface of direct.DirectPlacer (what the streamer and the pinned set call),
     with every read in place: see the module's text."""
 
@@ -256,18 +256,6 @@ class DarwinPlacer:
         if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
             return got
         return length
-
-    def holds(self, file: int, offset: int) -> bool:
-        with self._lock:
-            return (file, offset) in self._placed
-
-    def release_in_place(self, file: int, offset: int) -> None:
-        self._unplace(file, offset)
-
-    def release(self, file: int, offset: int, length: int) -> None:
-        for start, _size, placed in split_pieces(offset, offset + length, self.page):
-            if placed:
-                self._unplace(file, start)
 
     def _unplace(self, file: int, offset: int) -> None:
         with self._lock:

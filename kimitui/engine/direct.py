@@ -124,7 +124,34 @@ def split_pieces(offset: int, end: int, page: int) -> list[tuple[int, int, bool]
     return out
 
 
-class DirectPlacer:
+class PlacedParts:
+    """What every placer keeps: the parts of the mapping that are its anonymous memory, keyed
+    (file, offset), given back through ``_unplace``."""
+
+    page: int
+    _lock: threading.Lock
+    _placed: dict
+
+    def holds(self, file: int, offset: int) -> bool:
+        with self._lock:
+            return (file, offset) in self._placed
+
+    def release_in_place(self, file: int, offset: int) -> None:
+        """Give one part read in place back to the file (its anonymous pages are freed)."""
+        self._unplace(file, offset)
+
+    def release(self, file: int, offset: int, length: int) -> None:
+        """Give every placed piece inside [offset, offset+length) back to the file. Raises
+        OSError if one cannot be; that piece then stays placed, its bytes still right."""
+        for start, _size, placed in split_pieces(offset, offset + length, self.page):
+            if placed:
+                self._unplace(file, start)
+
+    def _unplace(self, file: int, offset: int) -> None:
+        raise NotImplementedError
+
+
+class DirectPlacer(PlacedParts):
     """Reads whole pages of the model files with O_DIRECT (where the file system refuses it,
     through the page cache) into pooled anonymous buffers and
     moves them into the model's mapping; ``release`` gives the range back to the file."""
@@ -458,14 +485,6 @@ class DirectPlacer:
                 self._placed[(file, offset)] = (0, 0, length, False)
         return length
 
-    def holds(self, file: int, offset: int) -> bool:
-        with self._lock:
-            return (file, offset) in self._placed
-
-    def release_in_place(self, file: int, offset: int) -> None:
-        """Give one part read in place back to the file (its anonymous pages are freed)."""
-        self._unplace(file, offset)
-
     def blank_file_backed(self) -> list[tuple[int, int, int]]:
         """Map zeros over every part of the model's mappings that is still the file's (per
         /proc/self/maps, matched by device and inode): reading there then cannot fault on the
@@ -537,13 +556,6 @@ class DirectPlacer:
         if c.mmap(self.addresses[file] + offset, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap: {os.strerror(err)}")
-
-    def release(self, file: int, offset: int, length: int) -> None:
-        """Give every placed piece inside [offset, offset+length) back to the file. Raises
-        OSError if one cannot be; that piece then stays placed, its bytes still right."""
-        for start, size, placed in split_pieces(offset, offset + length, self.page):
-            if placed:
-                self._unplace(file, start)
 
     def _unplace(self, file: int, offset: int) -> None:
         with self._lock:
