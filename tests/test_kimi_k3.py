@@ -172,7 +172,6 @@ def test_the_budget_holds_the_models_resident_pages(k3_paged, extra_mib):
     """Sampled all through a reply, the model's resident pages (file-backed and anonymous) stay
     within the budget: prefill micro-batches fit the expert cache, evicted experts leave, and
     the greedy tokens are stock llama.cpp's."""
-
     expected = stock_reply(k3_paged, PROMPT * 2, tokens=12)
     model = load_model_map(k3_paged)
     budget = minimum_budget(model) + extra_mib * MIB
