@@ -6,6 +6,7 @@ something dies), useful anywhere. Exit 0 when every check passes, 1 when one fai
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import platform as host
 import random
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimitui.engine.platform import (
-    F_RDAHEAD, address_space_fix, can_reserve, descriptors_needed, is_darwin, raise_descriptor_limit,
+    F_RDAHEAD, address_space_fix, can_reserve, descriptors_needed, is_darwin, is_ios, raise_descriptor_limit,
 )
 from kimitui.units import format_bytes, format_rate
 
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_platform() -> Check:
-    text = f"{sys.platform} {host.machine()}, {host.python_implementation()} {host.python_version()}"
+    name = "ios" if is_ios() else sys.platform  # a jailbreak's Python says "darwin" on iOS
+    text = f"{name} {host.machine()}, {host.python_implementation()} {host.python_version()}"
     try:
         import llama_cpp
     except ImportError as exc:
@@ -123,16 +125,19 @@ def check_direct_reads(files: list[Path]) -> Check:
     size = os.path.getsize(path)
     length = min(READ_CHUNK, size // 4096 * 4096)
     offset = (size - length) // 2 // 4096 * 4096
-    fd, how = _open_uncached(path)
+    try:
+        fd, how = _open_uncached(path)
+    except OSError as exc:
+        return Check("direct reads", False, f"cannot open {path.name}: {exc.strerror} (drive removed?)")
     try:
         view = _buffer(max(length, 4096))
         try:
             got = os.preadv(fd, [view[:length]], offset)
         except OSError as exc:
-            if how != "O_DIRECT":
-                raise
+            if how != "O_DIRECT" or exc.errno != errno.EINVAL:
+                return Check("direct reads", False, f"cannot read {path.name} at byte {offset}: {exc.strerror} (drive removed or failing?)")
             return Check("direct reads", False, f"{path.name}: the file system takes O_DIRECT at open and refuses its reads ({exc.strerror}); "
-                         "the engine reads through the page cache there, one copy more")
+                         "the engine reads through the page cache there, one copy more: put the model on a disk's file system")
     finally:
         os.close(fd)
     with open(path, "rb") as f:
@@ -141,7 +146,8 @@ def check_direct_reads(files: list[Path]) -> Check:
     if bytes(view[:got]) != expected:
         return Check("direct reads", False, f"{path.name}: {how} reads returned wrong bytes at {offset}: move the model to another file system")
     if not how:
-        return Check("direct reads", False, f"{path.name}: no O_DIRECT or F_NOCACHE here; reads go through the page cache (slower, one copy more)")
+        return Check("direct reads", False, f"{path.name}: no O_DIRECT or F_NOCACHE on its file system; reads go through the page cache "
+                     "(slower, one copy more): put the model on a disk's file system")
     return Check("direct reads", True, f"{how} on {path.name}, its bytes checked against a cached read")
 
 
@@ -223,7 +229,8 @@ def _sparse(files: list[Path]) -> bool:
     return sum(os.stat(f).st_blocks * 512 for f in files) < 0.5 * sum(os.path.getsize(f) for f in files)
 
 
-def check_drive(files: list[Path], model, budget: int, seconds: float) -> Check:
+def check_drive(files: list[Path], model, budget: int | None, seconds: float) -> Check:
+    """``budget``: None where the memory check refused it (no floor is shown for it)."""
     from kimitui.engine.budget import plan_memory, plan_reads
     from kimitui.engine.settings import StreamSettings
 
@@ -235,6 +242,8 @@ def check_drive(files: list[Path], model, budget: int, seconds: float) -> Check:
     text = f"{format_rate(rate)} over {elapsed:.1f} s ({format_bytes(got)} in {READ_CHUNK // 2**20} MiB reads, {how})"
     if _sparse(files):
         text += "; the files are mostly holes, so this is not the drive's rate"
+    if budget is None:
+        return Check("drive", got > 0, f"{text}; no tok/s floor: the budget is refused above")
     if budget >= model.tensor_bytes:
         return Check("drive", got > 0, f"{text}; the whole model fits the budget: no reads per token")
     plan = plan_memory(model, budget, StreamSettings().prefetch_depth, 512)
@@ -262,5 +271,5 @@ def run(args: argparse.Namespace) -> int:
         checks.append(_report(step() if step is check_fast_start else step(files)))
     memory, budget = check_memory(model, settings["engine.budget"])
     checks.append(_report(memory))
-    checks.append(_report(check_drive(files, model, budget, args.seconds)))
+    checks.append(_report(check_drive(files, model, budget if memory.ok else None, args.seconds)))
     return 0 if all(c.ok for c in checks) else 1

@@ -51,6 +51,8 @@ def test_a_failing_check_says_its_fix_and_the_exit_is_one():
     assert proc.returncode == 1
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("memory")]
     assert "FAIL" in line and "lower --budget to" in line
+    (drive,) = [line for line in proc.stdout.splitlines() if line.startswith("drive")]
+    assert "no tok/s floor: the budget is refused above" in drive
 
 
 def test_a_model_that_is_not_there_is_one_line_and_exit_two(tmp_path):

@@ -162,6 +162,28 @@ def test_cache_evicts_by_policy(moe_model):
     assert lru.hits == 2
 
 
+def test_the_expert_policy_switched_live_keeps_the_capacity(moe_model):
+    """Experts made resident under LRU carry no LFU rank: after a switch to LFU they must still
+    be the ones evicted, or every read passes the capacity (the budget)."""
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    size = max(ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e))).footprint for e in range(4))
+    counts = [[0] * model.n_expert for _ in model.layers]
+    counts[layer][0] = 100
+    dropped: list[int] = []
+    cache = ExpertCache(model, 2 * size, [], counts, lambda unit: [], lambda unit: dropped.append(unit.expert), "lru")
+    cache.ensure(layer, [0])
+    cache.ensure(layer, [1])
+    cache.set_policy("lfu")
+    cache.ensure(layer, [2])
+    cache.ensure(layer, [3])
+    assert cache.resident_bytes <= cache.capacity
+    assert dropped == [1, 2] and (layer, 0) in cache.resident_keys()  # the popular one stays
+    cache.set_policy("lru")
+    cache.ensure(layer, [1])
+    assert dropped == [1, 2, 0] and cache.resident_bytes <= cache.capacity  # oldest use first again
+
+
 def test_lfu_evicts_the_least_used_then_the_least_recent_over_a_long_run(moe_model):
     """The heap-based LFU picks the same victims as a scan over every resident expert would."""
     import random

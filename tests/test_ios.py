@@ -29,6 +29,7 @@ from test_streaming import RecordingSyscalls
 
 def test_ios_is_darwin_for_every_platform_path():
     assert is_darwin("ios") and is_darwin("darwin") and not is_darwin("linux")
+    assert plat.is_ios("ios") and plat.is_ios("darwin", "iPhone17,1") and not plat.is_ios("darwin", "arm64")
     calls = RecordingSyscalls()
     io = PlatformIO("ios", calls)
     io.exact_reads(5)
@@ -46,7 +47,8 @@ def test_ios_fast_start_takes_the_macho_path(tmp_path):
         _name = str(lib_file)
         _handle = 0
 
-    hooks = loadhooks.rebind(FakeLibrary, finder=MachOSlotFinder("arm64"), base_address=lambda _h: ctypes.addressof(memory_), platform="ios")
+    # No finder given: rebind picks the Mach-O one for "ios" itself (the image's base injected).
+    hooks = loadhooks.rebind(FakeLibrary, base_address=lambda _h: ctypes.addressof(memory_), platform="ios")
     assert struct.unpack_from("<Q", memory_.raw, got)[0] == hooks.pointer_for("mmap")
 
 
@@ -110,6 +112,9 @@ def test_jetsam_caps_the_memory_the_budget_comes_from(monkeypatch):
 
     assert memory.jetsam_headroom("linux", lambda: LibSystem) is None
     assert memory.jetsam_headroom("ios", lambda: LibSystem) == 3 * 2**30
+    # A jailbreak's Python says "darwin" on the phone: the machine name tells.
+    assert memory.jetsam_headroom("darwin", lambda: LibSystem, machine="iPhone17,1") == 3 * 2**30
+    assert memory.jetsam_headroom("darwin", lambda: LibSystem, machine="arm64") is None  # a Mac
     assert memory.jetsam_headroom("ios", lambda: object()) is None  # an iOS before 13: no such call
     monkeypatch.setattr(memory, "jetsam_headroom", lambda: 3 * 2**30)
     monkeypatch.setattr(memory, "cgroup_headroom", lambda: None)
@@ -357,3 +362,43 @@ def test_the_darwin_placer_streams_k3_with_the_stock_greedy_tokens(monkeypatch, 
     finally:
         engine.close()
     assert all(p is None or p.placed_bytes == 0 for p in made)  # everything given back to the file
+
+
+class FailingOnce(MremapStandIn):
+    """The stand-in whose first read of a range fails (a drive hiccup), then reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def pread(self, fd, address, length, offset):
+        if not self.failed:
+            self.failed = True
+            raise OSError(5, "Input/output error")
+        return super().pread(fd, address, length, offset)
+
+
+def test_a_read_that_failed_is_read_again_not_taken_for_data(tmp_path):
+    """The streamer asks again for a range whose read failed: the placer must read it, not
+    answer from a record of the zeros it mapped there."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    path = tmp_path / "m.gguf"
+    path.write_bytes(bytes(range(256)) * (4 * page // 256))
+    fd = os.open(path, os.O_RDONLY)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    mapped = libc.mmap(None, 4 * page, 1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED: llama.cpp's mapping
+    placer = DarwinPlacer.create([str(path)], {0: mapped}, {0: fd}, 1, calls=FailingOnce())
+    try:
+        with pytest.raises(OSError, match="Input/output"):
+            placer.place(0, page, page)
+        assert not placer.holds(0, page)
+        assert ctypes.string_at(mapped + page, 4) == bytes(range(4))  # the file's bytes again, not zeros
+        assert placer.place(0, page, page) == page
+        assert placer.holds(0, page) and ctypes.string_at(mapped + page, 8) == bytes(range(8))
+    finally:
+        placer.close()
+        libc.munmap(mapped, 4 * page)
+        os.close(fd)

@@ -36,11 +36,22 @@ def room(module: str) -> str:
     return module.split(".")[1]
 
 
-def imports(path: Path) -> list[str]:
+def imports(path: Path, module: str) -> list[str]:
+    """Every module ``module`` (at ``path``) imports, relative imports resolved; ``from kimitui
+    import tui`` counts as importing kimitui.tui."""
     out = []
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append(node.module)
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out.append(base)
+            if base == "kimitui" or (PACKAGE.parent / base.replace(".", "/")).is_dir():
+                out += [f"{base}.{alias.name}" for alias in node.names
+                        if (PACKAGE.parent / base.replace(".", "/") / alias.name).exists()
+                        or (PACKAGE.parent / base.replace(".", "/") / f"{alias.name}.py").exists()]
         elif isinstance(node, ast.Import):
             out.extend(alias.name for alias in node.names)
     return out
@@ -55,18 +66,24 @@ def test_every_module_is_in_a_known_room():
     assert rooms <= set(MAY_IMPORT) | {"command"}, rooms
 
 
-def test_imports_point_down_only():
+def upward_imports(pairs) -> list[str]:
+    """The imports among ``pairs`` of (module, path) that point up or sideways."""
     wrong = []
-    for name, path in modules():
+    for name, path in pairs:
         here = room(name)
         if here == "command":
             continue
-        for target in imports(path):
+        for target in imports(path, name):
             if not target.startswith("kimitui"):
                 continue
             there = room(target)
             if there not in (here, "leaf") and there not in MAY_IMPORT[here]:
                 wrong.append(f"{name} imports {target} ({here} -> {there})")
+    return wrong
+
+
+def test_imports_point_down_only():
+    wrong = upward_imports(modules())
     assert not wrong, "\n".join(wrong)
 
 
@@ -76,11 +93,14 @@ def test_no_textual_below_the_tui_and_no_terminal_rendering_in_engine_or_model()
         banned = {"command": (), "tui": ()}.get(room(name), ("textual",))
         if room(name) in ("engine", "model", "server"):
             banned = ("textual", "rich")  # a trace command may print tables; these never draw
-        wrong += [f"{name} imports {t}" for t in imports(path) if t.split(".")[0] in banned]
+        wrong += [f"{name} imports {t}" for t in imports(path, name) if t.split(".")[0] in banned]
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_rule_catches_a_wrong_import(tmp_path):
+def test_the_rule_catches_wrong_imports_in_every_spelling(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from kimitui.tui.app import KimituiApp\n")
-    assert "kimitui.tui.app" in imports(bad) and room("kimitui.tui.app") not in MAY_IMPORT["engine"]
+    for line in ("from kimitui.tui.app import KimituiApp", "from kimitui import tui", "from ..server import app", "import kimitui.trace"):
+        bad.write_text(line + "\n")
+        assert upward_imports([("kimitui.engine.bad", bad)]), line
+    bad.write_text("from kimitui.model.gguf_map import load_model_map\nfrom . import budget\n")
+    assert upward_imports([("kimitui.engine.bad", bad)]) == []

@@ -425,6 +425,7 @@ def test_live_tuning_says_what_each_change_waits_for():
     ]
     for facts, said, (repin, rebuild) in cases:
         pending = PendingTuning()
+        facts = dict(facts, fits=lambda v=facts["fits"]: v, ubatch_changes=lambda v=facts["ubatch_changes"]: v)
         assert said in schedule(pending, **facts)
         assert (pending.repin, pending.rebuild) == (repin, rebuild), facts
     pending = PendingTuning(repin=True, rebuild=True)

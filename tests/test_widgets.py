@@ -129,6 +129,14 @@ def test_a_window_between_two_snapshots():
     assert window.tokens == 24 and window.read_per_token == 14 * MIB
     assert window.hit_rate == (24 * 3 + 24 * 5) / (24 * 4 + 24 * 16)
     assert 1 / 0.048 < window.tok_s < 1 / 0.040 and window.model_bytes == 132 * MIB
+    # A re-pin (budget, shard size) makes a new streamer whose counts start at zero: the window
+    # then counts from there, never negative.
+    from dataclasses import replace
+
+    from kimitui.engine.metrics import StreamingCounters
+
+    fresh = replace(snaps[6], streaming=StreamingCounters(cache_hits=4, cache_misses=1, expert_hits=1, expert_misses=4))
+    assert Window.between(snaps[5], fresh).hit_rate == 0.5
 
 
 async def test_a_failed_reply_is_shown_once_the_history_kept_and_the_next_reply_works():

@@ -27,10 +27,10 @@ with the source rather than moving them, so a pooled buffer would need fresh mem
 move, and the zero-fill it meant to save is paid anyway; Darwin gives anonymous memory no huge
 pages for the move to keep whole either.
 
-A read that fails leaves its range as zeroed anonymous memory, recorded, until it is released:
-a node that runs on after the abort reads zeros, never the file (on a cut drive, a fault there
-is a SIGBUS). Darwin has no /proc/self/maps to find the other file-backed pages of the mapping,
-so the streamer's wider shield (``blank_file_backed``) covers nothing more here.
+A read that fails or comes up short gives its range back to the file and is not recorded, so
+a read asked for again reads it again. Darwin has no /proc/self/maps to find the file-backed
+pages of the mapping, so the streamer's shield after a failed read (``blank_file_backed``)
+covers nothing here: a node that runs on after the abort may fault on the file.
 """
 
 from __future__ import annotations
@@ -212,13 +212,28 @@ class DarwinPlacer(PlacedParts):
             got += n
         return got
 
+    def _complete(self, file: int, offset: int, got: int, length: int) -> bool:
+        """Whether a read of ``length`` that gave ``got`` has all there is: the file may end
+        inside the last page."""
+        return got == length or offset + got >= os.fstat(self._file_fds[file]).st_size
+
     def _in_place(self, file: int, offset: int, length: int) -> int:
-        """Fresh anonymous memory at [offset, offset+length) of the mapping, read into. It is
-        recorded before the read: a failed or short read leaves it zeros, never the file."""
-        self._calls.map_anonymous(self.addresses[file] + offset, length)
+        """Fresh anonymous memory at [offset, offset+length) of the mapping, read into, and
+        recorded once the read is whole. A failed or short read gives the range back to the
+        file: a record of it would let the next read of the range take its zeros for data."""
+        target = self.addresses[file] + offset
+        self._calls.map_anonymous(target, length)
+        try:
+            got = self._read_into(file, target, length, offset)
+        except OSError:
+            self._calls.map_file(target, length, self._file_fds[file], offset)
+            raise
+        if not self._complete(file, offset, got, length):
+            self._calls.map_file(target, length, self._file_fds[file], offset)
+            return got
         with self._lock:
             self._placed[(file, offset)] = length
-        return self._read_into(file, self.addresses[file] + offset, length, offset)
+        return got
 
     def place(self, file: int, offset: int, length: int) -> int | None:
         with self._lock:
@@ -231,6 +246,9 @@ class DarwinPlacer(PlacedParts):
         buf = c.allocate(length)
         try:
             got = self._read_into(file, buf, length, offset)
+            if not self._complete(file, offset, got, length):
+                c.free(buf, length)
+                return got
             c.move(buf, self.addresses[file] + offset, length)
         except OSError:
             c.free(buf, length)
@@ -247,14 +265,20 @@ class DarwinPlacer(PlacedParts):
         end page in ``edges`` copied in. The bytes read (``length`` where the file ends inside
         the last page), short where the file ended before."""
         pieces = sorted([(edge, self.page, True) for edge in edges] + ([(*inner, False)] if inner else []))
-        got = 0
-        for start, size, shared in pieces:
-            n = self._copy_in(file, start, size) if shared else self._in_place(file, start, size)
-            got += n
-            if n < size:
-                break
-        if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
-            return got
+        got, done = 0, []
+        try:
+            for start, size, shared in pieces:
+                n = self._copy_in(file, start, size) if shared else self._in_place(file, start, size)
+                got += n
+                if not self._complete(file, start, n, size):
+                    for placed in done:  # the slice is placed whole or not at all
+                        self._unplace(file, placed)
+                    return got
+                done.append(start)
+        except OSError:
+            for placed in done:
+                self._unplace(file, placed)
+            raise
         return length
 
     def _unplace(self, file: int, offset: int) -> None:

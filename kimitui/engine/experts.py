@@ -152,6 +152,23 @@ class ExpertCache:
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.prefetch_wasted_bytes = 0
 
+    def set_policy(self, policy: str) -> None:
+        """Switch the eviction policy live. LRU keeps no ranks, so a switch to LFU ranks every
+        resident expert (oldest use first as the tie-break); without, none of them could ever
+        be evicted and reads would pass the capacity."""
+        if policy not in EXPERT_POLICIES:
+            raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
+        if policy == self.policy:
+            return
+        self.policy = policy
+        self._rank, self._heap = {}, []
+        if policy == "lfu":
+            for key in self._resident:  # oldest use first
+                self._tick += 1
+                self._rank[key] = (self.counts[key[0]][key[1]], self._tick)
+            self._heap = [(*rank, key) for key, rank in self._rank.items()]
+            heapq.heapify(self._heap)
+
     def _unit(self, layer: int, expert: int) -> ExpertUnit:
         return ExpertUnit(layer, expert, tuple(self.model.expert_ranges(layer, expert)))
 

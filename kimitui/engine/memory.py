@@ -72,10 +72,13 @@ def cgroup_headroom(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/
     return best
 
 
-def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None) -> int | None:
+def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None,
+                    machine: str | None = None) -> int | None:
     """Bytes this process may still take before jetsam kills it (iOS); None elsewhere, or where
     libSystem has no answer (it returns 0 for a process jetsam does not limit)."""
-    if platform != "ios":
+    from kimitui.engine.platform import is_ios
+
+    if not is_ios(platform, machine):
         return None
     try:
         call = (libsystem or (lambda: ctypes.CDLL(None)))().os_proc_available_memory

@@ -35,6 +35,14 @@ def is_darwin(platform: str = sys.platform) -> bool:
     return platform in ("darwin", "ios")
 
 
+def is_ios(platform: str = sys.platform, machine: str | None = None) -> bool:
+    """iOS, whatever Python says: "ios" from CPython 3.13's own iOS builds, "darwin" from the
+    Pythons a jailbreak installs (Procursus), where the machine name tells ("iPhone17,1")."""
+    if platform == "ios":
+        return True
+    return platform == "darwin" and (machine if machine is not None else os.uname().machine).startswith(("iPhone", "iPad", "iPod"))
+
+
 LIBC_NAME = "libc.so.6" if sys.platform.startswith("linux") else None  # None: the process's own symbols (libSystem)
 
 
@@ -241,7 +249,7 @@ EXTENDED_VA_ENTITLEMENT = "com.apple.developer.kernel.extended-virtual-addressin
 
 def address_space_fix(platform: str = sys.platform, python: str = sys.executable) -> str:
     """What to do when the model's files cannot all be mapped at once."""
-    if platform == "ios":
+    if is_ios(platform):
         return (
             f"sign the interpreter with the {EXTENDED_VA_ENTITLEMENT} entitlement: "
             f"ldid -S<entitlements.plist> {os.path.realpath(python)} (README, On the iPhone)"

@@ -21,7 +21,7 @@ from kimitui.engine.pinning import PinnedSet
 from kimitui.engine.tuning import PendingTuning, schedule
 from kimitui.engine.memory import cap_malloc_arenas
 from kimitui.engine.metrics import EngineMetrics
-from kimitui.engine.settings import StreamSettings
+from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.engine.turns import TurnQueue
 from kimitui.errors import UserError
 from kimitui.model.gguf_file import ModelInfo, read_model_info
@@ -77,6 +77,7 @@ class Engine:
         self.pending = PendingTuning()  # what live tuning left for the next token or reply
         self._pin_listener: Callable | None = None
         self.pinned = PinnedSet()
+        self.streamed_before = 0  # bytes the streamers that re-pins replaced had read
         self.plan = None  # budget.MemoryPlan, once a streamed model is planned
         self.plan_note: str | None = None  # what the plan changed of the settings, when it did
         self.n_ctx_fixed = n_ctx_fixed  # the user chose n_ctx: refuse rather than shrink it
@@ -106,7 +107,7 @@ class Engine:
     def model_bytes_read(self) -> int:
         """Model bytes the engine itself has read: its pinned sets and what it streamed."""
         streamer = self.streamer
-        return self.pinned.read_bytes + (streamer.bytes_read if streamer is not None else 0)
+        return self.pinned.read_bytes + self.streamed_before + (streamer.bytes_read if streamer is not None else 0)
 
     def inspect(self) -> ModelInfo:
         """Header checks only (no llama.cpp): raises UserError with one line on a bad file."""
@@ -572,12 +573,13 @@ class Engine:
             if shortfall:  # refused before anything changes
                 raise EngineError(shortfall)
         changes = {k: v for k, v in stream.items() if v is not None}
+        try:
+            check_changes(changes)  # refused before anything changes, streaming yet or not
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         if changes:
             if self.streamer is not None:
-                try:
-                    self.streamer.reconfigure(**changes)
-                except ValueError as exc:  # refused before anything changes
-                    raise EngineError(str(exc)) from None
+                self.streamer.reconfigure(**changes)
             self.stream_settings = replace(self.stream_settings, **changes)
         repin = (budget is not None and budget != self.budget) or (shard_size is not None and shard_size != self.shard_size)
         if budget is not None:
@@ -585,14 +587,13 @@ class Engine:
             self.metrics.budget_bytes = budget
         if shard_size is not None:
             self.shard_size = shard_size
-        model = self.model_map()
         return schedule(
             self.pending,
             repin=repin,
             streams=self._callbacks is not None,
-            fits=self.inspect().tensor_bytes <= (self.budget or 0) * 0.8,
+            fits=lambda: self.inspect().tensor_bytes <= (self.budget or 0) * 0.8,
             mapped=bool(self.mappings),
-            ubatch_changes=model.is_moe and min(self.n_batch, self._memory_plan(model).ubatch) != self.n_ubatch,
+            ubatch_changes=lambda: self.model_map().is_moe and min(self.n_batch, self._memory_plan(self.model_map()).ubatch) != self.n_ubatch,
         )
 
     def apply_pending_tuning(self, *, mid_reply: bool) -> bool:
@@ -634,6 +635,7 @@ class Engine:
         self.pending.repin = False
         if self.streamer is not None:
             self.save_heatmap()  # what routing taught so far seeds the new pinned set
+            self.streamed_before += self.streamer.bytes_read
             self.streamer.close()
             self.streamer = None
         self.pinned.release(self.mappings)

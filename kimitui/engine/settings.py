@@ -17,3 +17,15 @@ class StreamSettings:
     window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
     expert_policy: str = "lfu"  # the routed-expert cache: "lfu" or "lru"
     expert_lookahead: bool = False  # read the experts layer L+1 chose last token while layer L computes
+
+
+def check_changes(changes: dict) -> None:
+    """ValueError naming the first live-tuning value a streamer cannot take."""
+    if "policy" in changes and changes["policy"] not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+    if "expert_policy" in changes and changes["expert_policy"] not in EXPERT_POLICIES:
+        raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
+    if "io_threads" in changes and not 1 <= changes["io_threads"] <= 64:
+        raise ValueError("I/O threads must be 1..64")
+    if "prefetch_depth" in changes and not 0 <= changes["prefetch_depth"] <= 16:
+        raise ValueError("prefetch depth must be 0..16")

@@ -34,7 +34,7 @@ from kimitui.engine.direct import PIECE_BYTES, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
-from kimitui.engine.settings import EXPERT_POLICIES, POLICIES, StreamSettings
+from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.model.gguf_map import ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
@@ -211,6 +211,7 @@ class Streamer:
         # Look-ahead reads go through a lane of their own: a guess never queues ahead of a read
         # that compute is waiting for.
         self._guess_pool = ThreadPoolExecutor(max(1, settings.io_threads // 2), thread_name_prefix="kimitui-guess")
+        self._retired_pools: list[ThreadPoolExecutor] = []  # replaced by a live I/O-threads change
         self.predictor: RouterPredictor | None = None
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
@@ -723,12 +724,7 @@ class Streamer:
 
     def reconfigure(self, **changes) -> None:
         """Live tuning: applied when the next token starts."""
-        if "policy" in changes and changes["policy"] not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-        if "expert_policy" in changes and changes["expert_policy"] not in EXPERT_POLICIES:
-            raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
-        if "io_threads" in changes and not 1 <= changes["io_threads"] <= 64:
-            raise ValueError("I/O threads must be 1..64")
+        check_changes(changes)
         self._pending = replace(self._pending or self.settings, **changes)
 
     def _apply_pending(self) -> None:
@@ -740,8 +736,9 @@ class Streamer:
             self._guess_pool = ThreadPoolExecutor(max(1, self.settings.io_threads // 2), thread_name_prefix="kimitui-guess")
             for pool in old:
                 pool.shutdown(wait=False)
+            self._retired_pools += old  # joined at close: a read queued there still uses the placer
         if self.experts is not None:
-            self.experts.policy = self.settings.expert_policy
+            self.experts.set_policy(self.settings.expert_policy)
             if self.settings.expert_lookahead and self.predictor is None:
                 self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
             elif not self.settings.expert_lookahead:
@@ -836,8 +833,8 @@ class Streamer:
 
     def close(self) -> None:
         self._dropper.resume()  # reads waiting on a release must be able to finish
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._guess_pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._pool, self._guess_pool, *self._retired_pools):
+            pool.shutdown(wait=True, cancel_futures=True)
         self._dropper.close()
         if self.placer is not None:
             self.placer.close()  # the mapping is the file's again before llama.cpp unmaps it

@@ -19,6 +19,7 @@ from kimitui.engine.generation import Sampling
 from kimitui.history import HistoryStore
 from kimitui.startup import start_up_finished
 from kimitui.tui.history_writer import HistoryWriter
+from kimitui.tui.messages import HistoryFailed
 from kimitui.tui.screens.main import MainScreen
 from kimitui.tui.themes import DEFAULT_THEME, bundled_themes
 from kimitui.tui.widgets.panels import PANEL_TYPES
@@ -47,7 +48,9 @@ class KimituiApp(App[int]):
         self.settings = settings
         self.engine = engine
         self.store = store
-        self.history = HistoryWriter(store, lambda exc: self.call_from_thread(self._history_failed, exc))
+        # Posted, not called: the writer's thread must never wait on the event loop (at exit the
+        # loop waits for that thread).
+        self.history = HistoryWriter(store, lambda exc: self.post_message(HistoryFailed(str(exc))))
         sampling = Sampling(
             temperature=settings["sampling.temperature"],
             top_p=settings["sampling.top_p"],
@@ -56,7 +59,7 @@ class KimituiApp(App[int]):
         )
         self.main = MainScreen(engine, sampler, self.history, sampling, settings["sampling.system_prompt"], trace=trace, api=api)
         # The main screen is the app's one mode: a mode's screen brings its own CSS (main.tcss).
-        self._modes["main"] = lambda: self.main
+        self.add_mode("main", lambda: self.main)
         self._on_exit = on_exit
 
     def on_mount(self) -> None:
@@ -71,8 +74,8 @@ class KimituiApp(App[int]):
         if self._on_exit is not None:
             self._on_exit()
 
-    def _history_failed(self, exc: BaseException) -> None:
-        self.notify(f"could not save the chat history: {exc}", severity="error", timeout=15)
+    def on_history_failed(self, message: HistoryFailed) -> None:
+        self.notify(f"could not save the chat history: {message.error}", severity="error", timeout=15)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

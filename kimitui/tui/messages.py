@@ -48,3 +48,10 @@ class ReplyFinished(Message, bubble=False):
 @dataclass
 class SnapshotReady(Message, bubble=False):
     snapshot: Snapshot
+
+
+@dataclass
+class HistoryFailed(Message, bubble=False):
+    """A write to the history database failed (posted to the app from the writer's thread)."""
+
+    error: str

@@ -68,7 +68,8 @@ class HistoryScreen(ModalScreen[int | None]):
         if conv_id is not None:
             await self.history.call(self.store.delete_conversation, conv_id)  # off the event loop, after queued writes
             self.notify("conversation deleted")
-            self._fill()
+            if self.is_attached:  # the dialog may have closed while the delete ran
+                self._fill()
 
     def action_export(self) -> None:
         conv_id = self._selected_id()

@@ -110,6 +110,7 @@ class MainScreen(Screen):
         self.conversation_id: int | None = None
         self.ready = False
         self.reply: Reply | None = None
+        self._starting = False  # a message or a regenerate is being written and its reply started
         self._reply_ids = itertools.count(1)
         self._trace_error_shown = False
         self.chat_log = ChatLog(id="chat-log")
@@ -249,10 +250,10 @@ class MainScreen(Screen):
 
     def on_pin_finished(self, message: PinFinished) -> None:
         self.ready = True  # the pinned set and the streamer are complete (the engine's turn holds replies till then)
-        self.idle_note = (
-            "model fits in memory: nothing streams" if message.whole_model
-            else "not streamed: the kernel pages in the unpinned part"
-        )
+        if message.whole_model:
+            self.idle_note = "model fits in memory: nothing streams"
+        elif message.pinned_bytes:  # pinned here, not streamed (no eval callback): say so; a server's engine is its own
+            self.idle_note = "not streamed: the kernel pages in the unpinned part"
         locked = "" if message.note is None else " (not locked)"
         self.pinning = ""
         self.pinned = f"pinned {format_bytes(message.pinned_bytes)}{locked}" if message.pinned_bytes else ""
@@ -269,16 +270,25 @@ class MainScreen(Screen):
         if not self.ready:
             self.notify("the model is still loading; your message stays in the box", severity="warning")
             return
-        if self.reply is not None:
+        if self.busy:
             self.notify("a reply is streaming; Esc cancels it", severity="warning")
             return
         self.prompt.clear()
         store = self.history.store
-        if self.conversation_id is None:
-            self.conversation_id = await self.history.call(store.create_conversation, event.text.splitlines()[0], self.model_name)
-        message_id = await self.history.call(store.add_message, self.conversation_id, "user", event.text)
-        await self.chat_log.add(MessageView("user", event.text, message_id=message_id))
-        await self._start_reply()
+        self._starting = True  # the awaits below let keys in: none may start or clear meanwhile
+        try:
+            if self.conversation_id is None:
+                self.conversation_id = await self.history.call(store.create_conversation, event.text.splitlines()[0], self.model_name)
+            message_id = await self.history.call(store.add_message, self.conversation_id, "user", event.text)
+            await self.chat_log.add(MessageView("user", event.text, message_id=message_id))
+            await self._start_reply()
+        finally:
+            self._starting = False
+
+    @property
+    def busy(self) -> bool:
+        """A reply streams, or one is on its way (its rows being written)."""
+        return self.reply is not None or self._starting
 
     def _history_messages(self) -> list[dict]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -288,6 +298,13 @@ class MainScreen(Screen):
         return msgs
 
     async def _start_reply(self) -> None:
+        starting, self._starting = self._starting, True
+        try:
+            await self._begin_reply()
+        finally:
+            self._starting = starting
+
+    async def _begin_reply(self) -> None:
         messages = self._history_messages()
         view = MessageView("assistant", "")
         await self.chat_log.add(view)
@@ -376,11 +393,11 @@ class MainScreen(Screen):
     def action_cancel_or_leave(self) -> None:
         if self.maximized is not None:
             self.minimize()
+        elif self.tuning_panel.has_focus and self.tuning_panel.drop_pending():
+            pass  # values stepped in the strip, mid-reply or not: Esc drops them, the reply goes on
         elif self.reply is not None and self.reply.generation is not None:
             self.reply.generation.cancel()
             self.engine_state = "cancelling"
-        elif self.tuning_panel.has_focus and self.tuning_panel.drop_pending():
-            pass
         elif self.focused is self.prompt:
             # Leave the prompt so the panel keys (1-9, p, +, -, z) reach the screen.
             self.panels["5"].focus()
@@ -388,7 +405,7 @@ class MainScreen(Screen):
             self.prompt.focus()
 
     async def action_regenerate(self) -> None:
-        if not self.ready or self.reply is not None:
+        if not self.ready or self.busy:
             return
         last = self.chat_log.last_reply()
         views = list(self.chat_log.query(MessageView))
@@ -401,6 +418,8 @@ class MainScreen(Screen):
         await self._start_reply()
 
     async def action_new_chat(self) -> None:
+        if self._starting:
+            return  # a message is on its way into this chat
         if self.reply is not None and self.reply.generation is not None:
             self.reply.generation.cancel()
         self.conversation_id = None
@@ -414,6 +433,8 @@ class MainScreen(Screen):
         self.app.push_screen(HistoryScreen(self.history, Path.cwd()), self._open_conversation)
 
     async def _open_conversation(self, conversation_id: int | None) -> None:
+        if self._starting:
+            return
         store = self.history.store
         if self.conversation_id is not None and await self.history.call(store.get_conversation, self.conversation_id) is None:
             await self.action_new_chat()  # the open conversation was deleted: its view goes too

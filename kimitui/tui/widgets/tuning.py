@@ -13,6 +13,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from kimitui.config import SCHEMA
 from kimitui.engine.interface import TuningValues
 from kimitui.engine.metrics import Snapshot
 from kimitui.engine.settings import EXPERT_POLICIES, POLICIES
@@ -34,8 +35,15 @@ def _step_choice(choices: tuple):
     return step
 
 
-def _clamp_int(lo: int, hi: int):
-    return lambda value, up: min(hi, max(lo, value + (1 if up else -1)))
+def _clamp_int(key: str):
+    """One more or less, within what the config file takes for ``engine.<key>``."""
+    spec = SCHEMA["engine"][key]
+    return lambda value, up: min(int(spec.high), max(int(spec.low), value + (1 if up else -1)))
+
+
+def _step_shard(value: int, up: bool) -> int:
+    spec = SCHEMA["engine"]["shard_size"]
+    return min(int(spec.high), max(int(spec.low), value * 2 if up else value // 2))
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,11 @@ class Row:
 
 ROWS = (
     Row("budget", "budget", _step_budget, lambda v: format_bytes(v)),
-    Row("prefetch_depth", "prefetch", _clamp_int(0, 8), str),
-    Row("shard_size", "shard size", lambda v, up: min(1024 * MIB, max(4 * MIB, v * 2 if up else v // 2)), lambda v: format_bytes(v)),
+    Row("prefetch_depth", "prefetch", _clamp_int("prefetch_depth"), str),
+    Row("shard_size", "shard size", _step_shard, lambda v: format_bytes(v)),
     Row("policy", "policy", _step_choice(POLICIES), str),
     Row("expert_policy", "experts", _step_choice(EXPERT_POLICIES), str),
-    Row("io_threads", "I/O threads", _clamp_int(1, 16), str),
+    Row("io_threads", "I/O threads", _clamp_int("io_threads"), str),
     Row("expert_lookahead", "look-ahead", lambda v, up: not v, lambda v: "on" if v else "off"),
 )
 assert [r.field for r in ROWS] == [f.name for f in fields(TuningValues)]
@@ -76,12 +84,16 @@ class Window:
         read = None
         if tokens > 0 and a.process_read_bytes is not None and b.process_read_bytes is not None:
             read = (b.process_read_bytes - a.process_read_bytes) / tokens
-        hits = misses = 0
-        for snap, sign in ((b, 1), (a, -1)):
+        def counts(snap: Snapshot) -> tuple[int, int]:
             s = snap.streaming
-            if s is not None:
-                hits += sign * (s.cache_hits + (s.expert_hits or 0))
-                misses += sign * (s.cache_misses + (s.expert_misses or 0))
+            if s is None:
+                return 0, 0
+            return s.cache_hits + (s.expert_hits or 0), s.cache_misses + (s.expert_misses or 0)
+
+        (hits_a, misses_a), (hits_b, misses_b) = counts(a), counts(b)
+        if hits_b < hits_a or misses_b < misses_a:  # a re-pin made a new streamer: it counts from zero
+            hits_a = misses_a = 0
+        hits, misses = hits_b - hits_a, misses_b - misses_a
         rate = hits / (hits + misses) if hits + misses > 0 else None
         model = b.model_rss_bytes if b.model_rss_bytes is not None else b.rss_bytes
         return cls(tokens, tok_s, read, rate, model)
