@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import cell, noise_note, ratio, run_child, table, write_json
-from kimitui.engine.streaming import POLICIES
+from kimitui.engine.settings import POLICIES
 from kimitui.errors import UserError
 from kimitui.units import format_bytes, format_ms, format_rate, parse_size
 
