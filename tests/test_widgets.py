@@ -71,7 +71,9 @@ async def test_sparklines_stay_inside_their_panels_and_start_empty():
         latency = app.query_one(LatencyPanel)
         app.main.sampler.play(1)  # a first sample: no tokens, no rate yet
         await pilot.pause()
-        assert latency.query_one(Sparkline).data == [] and app.query_one(DiskPanel).query_one(Sparkline).data == []
+        for panel in (latency, app.query_one(DiskPanel)):  # nothing measured yet: no sparkline row at all
+            spark = panel.query_one(Sparkline)
+            assert spark.data == [] and spark.region.height == 0
         app.main.sampler.play()
         await pilot.pause()
         for panel in (latency, app.query_one(DiskPanel)):

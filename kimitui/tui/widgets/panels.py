@@ -43,7 +43,7 @@ class Panel(Vertical, can_focus=True):
         yield self.body
         yield self.note
         if self.HAS_SPARKLINE:
-            yield Sparkline([], summary_function=max, classes="panel-spark")
+            yield Sparkline([], summary_function=max, classes="panel-spark -empty")
 
     def watch_snapshot(self, snap: Snapshot | None) -> None:
         if snap is not None and self.display:
@@ -51,6 +51,13 @@ class Panel(Vertical, can_focus=True):
 
     def render_snapshot(self, snap: Snapshot) -> None:
         raise NotImplementedError
+
+    def show_spark(self, data: list[float]) -> None:
+        """The sparkline, or no row at all while there is nothing to draw (Textual would draw
+        an empty series as a floor of ▁ cells, a zero that was never measured)."""
+        spark = self.query_one(Sparkline)
+        spark.data = data
+        spark.set_class(not data, "-empty")
 
     def show_note(self, text: str) -> None:
         """The line under the figures; none at all when empty (a blank row is a row less for the others)."""
@@ -118,7 +125,7 @@ class DiskPanel(Panel):
             f"read{counted} {format_rate(snap.process_read_rate)}\n"
             f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
         )
-        self.query_one(Sparkline).data = snap.read_rate_history  # empty until a second sample: blank, not a bar
+        self.show_spark(snap.read_rate_history)
 
 
 class MemoryPanel(Panel):
@@ -159,7 +166,7 @@ class LatencyPanel(Panel):
             f"p50 {format_ms(snap.p50_s)}\np95 {format_ms(snap.p95_s)}\n"
             f"TTFT {format_ms(snap.ttft_s)}\n{tok_s} tok/s"
         )
-        self.query_one(Sparkline).data = [x * 1000 for x in snap.latencies]  # none yet: blank, not a bar
+        self.show_spark([x * 1000 for x in snap.latencies])
 
 
 RESIDENCY_STYLE = {"pinned": ("█", "bold"), "resident": ("▓", ""), "in flight": ("▒", "italic"), "cold": ("░", "dim")}

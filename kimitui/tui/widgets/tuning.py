@@ -120,10 +120,11 @@ class TuningPanel(Widget, can_focus=True):
     ]
     HISTORY = 40  # snapshots kept for the "before" figures (10 s at the default interval)
 
-    current: reactive[TuningValues | None] = reactive(None, init=False)
-    pending: reactive[TuningValues | None] = reactive(None, init=False)
+    # layout=True: the strip's height follows its lines (an outcome, the before/after figures)
+    current: reactive[TuningValues | None] = reactive(None, init=False, layout=True)
+    pending: reactive[TuningValues | None] = reactive(None, init=False, layout=True)
     row = reactive(0)
-    outcome = reactive("")  # what the engine said of the last change
+    outcome = reactive("", layout=True)  # what the engine said of the last change
     snapshot: reactive[Snapshot | None] = reactive(None, init=False, always_update=True)
 
     @dataclass
@@ -142,7 +143,7 @@ class TuningPanel(Widget, can_focus=True):
             return
         self._recent.append(snap)
         if self._applied_at is not None:
-            self.refresh()
+            self.refresh(layout=True)
 
     def action_move(self, delta: int) -> None:
         self.row = (self.row + delta) % len(ROWS)
