@@ -86,10 +86,10 @@ def check_descriptors(files: list[Path]) -> Check:
     return Check("descriptors", False, f"limit {shown} (hard {hard}), about {needed} needed: run `ulimit -n {needed}` first")
 
 
-def _open_uncached(path: Path) -> tuple[int, str]:
+def _open_uncached(path: Path, direct: bool = True) -> tuple[int, str]:
     """A descriptor whose reads skip the page cache, and how: O_DIRECT (Linux), F_NOCACHE
-    (Darwin), or "" where neither is had (reads then go through the cache)."""
-    if hasattr(os, "O_DIRECT"):
+    (Darwin), or "" where neither is had or ``direct`` is False (reads go through the cache)."""
+    if direct and hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, os.O_RDONLY | os.O_DIRECT), "O_DIRECT"
         except OSError:
@@ -140,9 +140,12 @@ def check_direct_reads(files: list[Path]) -> Check:
                          "the engine reads through the page cache there, one copy more: put the model on a disk's file system")
     finally:
         os.close(fd)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        expected = f.read(length)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            expected = f.read(length)
+    except OSError as exc:
+        return Check("direct reads", False, f"cannot read {path.name} at byte {offset}: {exc.strerror} (drive removed or failing?)")
     if bytes(view[:got]) != expected:
         return Check("direct reads", False, f"{path.name}: {how} reads returned wrong bytes at {offset}: move the model to another file system")
     if not how:
@@ -190,21 +193,36 @@ def check_memory(model, budget_setting) -> tuple[Check, int]:
 def measure_read_rate(files: list[Path], seconds: float, threads: int = READ_THREADS) -> tuple[int, float, str]:
     """(bytes, seconds, how) of uncached reads of READ_CHUNK at scattered aligned offsets over
     the model's files, from ``threads`` threads, for about ``seconds``."""
+    try:
+        return _timed_reads(files, seconds, threads, direct=True)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return _timed_reads(files, seconds, threads, direct=False)  # O_DIRECT taken at open, refused for reads
+
+
+def _timed_reads(files: list[Path], seconds: float, threads: int, direct: bool) -> tuple[int, float, str]:
     chunks = [(i, offset) for i, f in enumerate(files) for offset in range(0, os.path.getsize(f) - READ_CHUNK + 1, READ_CHUNK)]
     if not chunks:
         chunks = [(0, 0)]
     random.Random(0).shuffle(chunks)
-    opened = [_open_uncached(f) for f in files]
+    opened: list[tuple[int, str]] = []
+    try:
+        for f in files:
+            opened.append(_open_uncached(f, direct))
+    except OSError:
+        for fd, _ in opened:
+            os.close(fd)
+        raise
     if not any(how for _, how in opened):
         for fd, _ in opened:  # through the cache: start cold
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     deadline = time.perf_counter() + seconds
     lock, total, cursor = threading.Lock(), [0], iter(chunks)
-    local = threading.local()
 
     def worker() -> None:
-        view = local.view = _buffer(READ_CHUNK)
+        view = _buffer(READ_CHUNK)  # a buffer per thread
         while time.perf_counter() < deadline:
             with lock:
                 chunk = next(cursor, None)

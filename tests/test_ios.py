@@ -390,14 +390,20 @@ def test_a_read_that_failed_is_read_again_not_taken_for_data(tmp_path):
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     mapped = libc.mmap(None, 4 * page, 1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED: llama.cpp's mapping
-    placer = DarwinPlacer.create([str(path)], {0: mapped}, {0: fd}, 1, calls=FailingOnce())
+    calls = FailingOnce()
+    placer = DarwinPlacer.create([str(path)], {0: mapped}, {0: fd}, 1, calls=calls)
     try:
         with pytest.raises(OSError, match="Input/output"):
             placer.place(0, page, page)
-        assert not placer.holds(0, page)
-        assert ctypes.string_at(mapped + page, 4) == bytes(range(4))  # the file's bytes again, not zeros
-        assert placer.place(0, page, page) == page
+        assert not placer.holds(0, page)  # not taken for data...
+        assert ctypes.string_at(mapped + page, 4) == b"\0" * 4  # ...but zeros, never a cut file's pages
+        assert placer.place(0, page, page) == page  # asked again: read again
         assert placer.holds(0, page) and ctypes.string_at(mapped + page, 8) == bytes(range(8))
+        assert placer.blank_file_backed() == []  # the re-read took it off the shield's list
+        calls.failed = False  # the drive fails once more
+        with pytest.raises(OSError):
+            placer.place(0, 2 * page, page)
+        assert placer.blank_file_backed() == [(0, 2 * page, page)]  # the shield gives it back to the file
     finally:
         placer.close()
         libc.munmap(mapped, 4 * page)

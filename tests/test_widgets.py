@@ -137,8 +137,8 @@ def test_a_window_between_two_snapshots():
 
     from kimitui.engine.metrics import StreamingCounters
 
-    fresh = replace(snaps[6], streaming=StreamingCounters(cache_hits=4, cache_misses=1, expert_hits=1, expert_misses=4))
-    assert Window.between(snaps[5], fresh).hit_rate == 0.5
+    fresh = replace(snaps[6], streaming=StreamingCounters(cache_hits=400, cache_misses=100, expert_hits=100, expert_misses=400, generation=1))
+    assert Window.between(snaps[5], fresh).hit_rate == 0.5  # its own counts, even once above the old one's
 
 
 async def test_a_failed_reply_is_shown_once_the_history_kept_and_the_next_reply_works():

@@ -27,10 +27,11 @@ with the source rather than moving them, so a pooled buffer would need fresh mem
 move, and the zero-fill it meant to save is paid anyway; Darwin gives anonymous memory no huge
 pages for the move to keep whole either.
 
-A read that fails or comes up short gives its range back to the file and is not recorded, so
-a read asked for again reads it again. Darwin has no /proc/self/maps to find the file-backed
-pages of the mapping, so the streamer's shield after a failed read (``blank_file_backed``)
-covers nothing here: a node that runs on after the abort may fault on the file.
+A read that fails or comes up short leaves its range as zeros, so a node ggml runs after the
+abort reads zeros rather than fault on a cut drive's file (a SIGBUS), and is not counted as
+placed, so a read asked for again reads it. The streamer's shield takes such ranges
+(``blank_file_backed``) and gives them back to the file once the token is over. Darwin has no
+/proc/self/maps to find the mapping's other file-backed pages, so the shield covers no more.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class DarwinPlacer(PlacedParts):
         self._lock = threading.Lock()
         # (file, offset) -> length of anonymous memory there, ours until released
         self._placed: dict[tuple[int, int], int] = {}
+        # (file, offset) -> length of zeros a failed read left there, not placed (see _failed_read)
+        self._unread: dict[tuple[int, int], int] = {}
         self._fds: dict[int, int] = {}
         try:
             for i, path in enumerate(paths):
@@ -226,14 +229,22 @@ class DarwinPlacer(PlacedParts):
         try:
             got = self._read_into(file, target, length, offset)
         except OSError:
-            self._calls.map_file(target, length, self._file_fds[file], offset)
+            self._failed_read(file, offset, length)
             raise
         if not self._complete(file, offset, got, length):
-            self._calls.map_file(target, length, self._file_fds[file], offset)
+            self._failed_read(file, offset, length)
             return got
         with self._lock:
             self._placed[(file, offset)] = length
+            self._unread.pop((file, offset), None)
         return got
+
+    def _failed_read(self, file: int, offset: int, length: int) -> None:
+        """The range stays zeros (a node ggml runs after the abort may read it, and the file
+        there may be a cut drive's: a SIGBUS), but is not counted as placed: the next read of
+        it reads. The shield takes it (``blank_file_backed``) and gives it back to the file."""
+        with self._lock:
+            self._unread[(file, offset)] = length
 
     def place(self, file: int, offset: int, length: int) -> int | None:
         with self._lock:
@@ -294,7 +305,12 @@ class DarwinPlacer(PlacedParts):
             raise
 
     def blank_file_backed(self) -> list[tuple[int, int, int]]:
-        return []  # no /proc/self/maps on Darwin: see the module's text
+        """The ranges failed reads left as zeros, for ``map_file`` to give back once the token
+        is over. The rest of the mapping is not shielded: Darwin has no /proc/self/maps to
+        find its file-backed parts (see the module's text)."""
+        with self._lock:
+            taken, self._unread = self._unread, {}
+        return [(file, offset, length) for (file, offset), length in taken.items()]
 
     def map_file(self, file: int, offset: int, length: int) -> None:
         self._calls.map_file(self.addresses[file] + offset, length, self._file_fds[file], offset)
@@ -305,6 +321,11 @@ class DarwinPlacer(PlacedParts):
             return sum(self._placed.values())
 
     def close(self) -> None:
+        for file, offset, length in self.blank_file_backed():
+            try:
+                self.map_file(file, offset, length)
+            except OSError:
+                pass
         for file, offset in list(self._placed):
             try:
                 self._unplace(file, offset)

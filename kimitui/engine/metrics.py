@@ -49,6 +49,9 @@ class StreamingCounters:
     stall_s: float = 0.0
     expert_hits: int | None = None  # None: the model streams no routed experts
     expert_misses: int | None = None
+    # Which streamer counted these: live tuning that re-reads the pinned set makes a new one,
+    # whose counts start from zero (a window across two generations must not subtract them).
+    generation: int = 0
 
 
 class EngineMetrics:
@@ -75,6 +78,7 @@ class EngineMetrics:
         # Set by the engine: the model bytes it has read itself (pinned set, shards, experts).
         # What the SSD panel shows where the OS keeps no per-process I/O counters (iOS, macOS).
         self.engine_read_source: Callable[[], int] | None = None
+        self.streamer_generation = 0
         self._request_start: float | None = None
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -121,6 +125,12 @@ class EngineMetrics:
                 self.streaming = StreamingCounters()
             for name, value in counters.items():
                 setattr(self.streaming, name, value)
+            self.streaming.generation = self.streamer_generation
+
+    def new_streamer(self) -> None:
+        """A streamer replaced the last one: its counts start from zero."""
+        with self._lock:
+            self.streamer_generation += 1
 
     def view(self) -> dict:
         with self._lock:

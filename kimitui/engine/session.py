@@ -480,6 +480,7 @@ class Engine:
 
                 self.metrics.expert_residency_source = resident_per_layer
             self.metrics.residency_source = streamer.residency_by_layer
+            self.metrics.new_streamer()
             self.streamer = streamer  # complete, experts attached, before the eval callback sees it
             self.set_tracer(self.tracer)
 
@@ -635,9 +636,9 @@ class Engine:
         self.pending.repin = False
         if self.streamer is not None:
             self.save_heatmap()  # what routing taught so far seeds the new pinned set
-            self.streamed_before += self.streamer.bytes_read
-            self.streamer.close()
-            self.streamer = None
+            streamer, self.streamer = self.streamer, None
+            streamer.close()  # reads finishing now still count
+            self.streamed_before += streamer.bytes_read
         self.pinned.release(self.mappings)
         self._pin()  # the reply calling this holds the turn already
 

@@ -252,8 +252,8 @@ class MainScreen(Screen):
         self.ready = True  # the pinned set and the streamer are complete (the engine's turn holds replies till then)
         if message.whole_model:
             self.idle_note = "model fits in memory: nothing streams"
-        elif message.pinned_bytes:  # pinned here, not streamed (no eval callback): say so; a server's engine is its own
-            self.idle_note = "not streamed: the kernel pages in the unpinned part"
+        elif self.engine.tuning() is not None and not message.pinned_bytes:  # local; a server's engine is its own
+            self.idle_note = "not streamed: fast start was unavailable, llama.cpp read the model at load"
         locked = "" if message.note is None else " (not locked)"
         self.pinning = ""
         self.pinned = f"pinned {format_bytes(message.pinned_bytes)}{locked}" if message.pinned_bytes else ""
@@ -404,22 +404,38 @@ class MainScreen(Screen):
         else:
             self.prompt.focus()
 
+    def _refused_while_starting(self) -> bool:
+        if self._starting:
+            self.notify("a message is on its way into this chat; try again in a moment", severity="warning")
+        return self._starting
+
     async def action_regenerate(self) -> None:
-        if not self.ready or self.busy:
+        if not self.ready or self.reply is not None or self._refused_while_starting():
             return
         last = self.chat_log.last_reply()
         views = list(self.chat_log.query(MessageView))
         if last is None or not views or views[-1] is not last:
             self.notify("nothing to regenerate yet")
             return
-        if last.message_id is not None:
-            self.history.post(self.history.store.delete_message, last.message_id)
-        await last.remove()
-        await self._start_reply()
+        self._starting = True  # held across the awaits: a message sent meanwhile waits its turn
+        try:
+            if last.message_id is not None:
+                self.history.post(self.history.store.delete_message, last.message_id)
+            await last.remove()
+            await self._start_reply()
+        finally:
+            self._starting = False
 
     async def action_new_chat(self) -> None:
-        if self._starting:
-            return  # a message is on its way into this chat
+        if self._refused_while_starting():
+            return
+        self._starting = True
+        try:
+            await self._clear_chat()
+        finally:
+            self._starting = False
+
+    async def _clear_chat(self) -> None:
         if self.reply is not None and self.reply.generation is not None:
             self.reply.generation.cancel()
         self.conversation_id = None
@@ -433,11 +449,18 @@ class MainScreen(Screen):
         self.app.push_screen(HistoryScreen(self.history, Path.cwd()), self._open_conversation)
 
     async def _open_conversation(self, conversation_id: int | None) -> None:
-        if self._starting:
+        if self._refused_while_starting():
             return
+        self._starting = True
+        try:
+            await self._show_conversation(conversation_id)
+        finally:
+            self._starting = False
+
+    async def _show_conversation(self, conversation_id: int | None) -> None:
         store = self.history.store
         if self.conversation_id is not None and await self.history.call(store.get_conversation, self.conversation_id) is None:
-            await self.action_new_chat()  # the open conversation was deleted: its view goes too
+            await self._clear_chat()  # the open conversation was deleted: its view goes too
         if conversation_id is None or await self.history.call(store.get_conversation, conversation_id) is None:
             return
         if self.reply is not None and self.reply.generation is not None:

@@ -91,8 +91,8 @@ class Window:
             return s.cache_hits + (s.expert_hits or 0), s.cache_misses + (s.expert_misses or 0)
 
         (hits_a, misses_a), (hits_b, misses_b) = counts(a), counts(b)
-        if hits_b < hits_a or misses_b < misses_a:  # a re-pin made a new streamer: it counts from zero
-            hits_a = misses_a = 0
+        if a.streaming is None or b.streaming is None or a.streaming.generation != b.streaming.generation:
+            hits_a = misses_a = 0  # a re-pin made a new streamer: it counts from zero
         hits, misses = hits_b - hits_a, misses_b - misses_a
         rate = hits / (hits + misses) if hits + misses > 0 else None
         model = b.model_rss_bytes if b.model_rss_bytes is not None else b.rss_bytes
