@@ -238,7 +238,7 @@ async def _soak(app, args, drive: Drive) -> dict:
             await pilot.pause(0.5)
             end = _process_figures(app.engine)
             series.append((sent, end))
-        conversation = app.conversation_id
+        conversation = app.main.conversation_id
         model_peak = app.engine.metrics.view().get("model_rss_peak_bytes")
     saved = HistoryStore(data_dir() / "history.sqlite3").messages(conversation)
     figures.update(start=start, end=end, model_peak=model_peak, series=series)
