@@ -1,12 +1,14 @@
-"""A fake engine (engine.interface.ChatEngine) and a sampler that replays a fixed sequence of
-snapshots: the app runs on them in a fraction of a second, the same on every run, for widget
-tests and screen snapshots. The figures are made up, in the shape the real engine reports for
-a streamed Kimi K3 cut (4 layers, 896 experts); the engine tests run the real thing."""
+"""A fake engine (engine.interface.ChatEngine) and a sampler that replays recorded snapshots:
+the app runs on them in a fraction of a second, the same on every run, for widget tests and
+screen snapshots. The snapshots are the real engine's, recorded streaming a Kimi K3 cut
+(tests/data/record_metrics.py); the engine tests run the real thing."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 from kimitui.engine.interface import PinOutcome, TuningValues
 from kimitui.engine.metrics import EngineMetrics, Snapshot, StreamingCounters
@@ -15,6 +17,7 @@ from kimitui.engine.generation import GenerationResult, TokenEvent
 from kimitui.engine.state import EngineError
 
 MIB = 2**20
+PINNED = 35_463_168  # what the recorded run had resident when its reply began
 
 
 class FakeReply:
@@ -44,10 +47,11 @@ class FakeReply:
 
 
 class FakeEngine:
-    """A streaming K3 cut as the UI sees it: named, loaded at once, 96 MiB pinned, tunable."""
+    """A streaming K3 cut as the UI sees it: named, loaded at once, 33.8 MiB pinned, tunable;
+    its budget is the recorded run's."""
 
     def __init__(self, *, reply: str = "Hello! I am a fake Kimi, streamed word by word.", fail_reply: str | None = None,
-                 fail_load: str | None = None, budget: int = 160 * MIB) -> None:
+                 fail_load: str | None = None, budget: int = 54_646_416) -> None:
         self.metrics = EngineMetrics()
         self.metrics.budget_bytes = budget
         self.load_s: float | None = None
@@ -73,8 +77,8 @@ class FakeEngine:
 
     def pin(self, on_progress=None) -> PinOutcome:
         if on_progress is not None:
-            on_progress(PinProgress(96 * MIB, 96 * MIB, 0.1))
-        return PinOutcome(96 * MIB, None, whole_model=False)
+            on_progress(PinProgress(PINNED, PINNED, 0.1))
+        return PinOutcome(PINNED, None, whole_model=False)
 
     def chat(self, messages, sampling) -> FakeReply:
         self.asked.append(messages)
@@ -87,51 +91,27 @@ class FakeEngine:
         return self.values
 
     def retune(self, **changes) -> str:
-        if changes.get("budget", self.values.budget) < 40 * MIB:
-            raise EngineError("budget 30.0 MiB is below the minimum working set of k3-cut.gguf: 44.1 MiB")
+        if changes.get("budget", self.values.budget) < 46 * MIB:
+            raise EngineError("budget below the minimum working set of k3-cut.gguf: 46.1 MiB")
         self.retuned.append(changes)
         self.values = replace(self.values, **changes)
         self.metrics.budget_bytes = self.values.budget
         return "applies from the next token, after the pinned set is re-read" if "budget" in changes else "applies from the next token"
 
 
-def recorded_snapshots(budget: int = 160 * MIB) -> list[Snapshot]:
-    """Eight samples a quarter second apart of one streamed reply: tokens, reads, hits and the
-    model's pages climbing together."""
+RECORDED = Path(__file__).with_name("data") / "k3_metrics.json"
+
+
+def recorded_snapshots() -> list[Snapshot]:
+    """Eight samples, a quarter second apart, of the real engine streaming one greedy reply
+    from a Kimi K3 cut under a budget near its minimum working set (recorded by
+    tests/data/record_metrics.py on this project's development machine)."""
     out = []
-    for i in range(8):
-        tokens = 6 * i
-        out.append(Snapshot(
-            time=100.0 + 0.25 * i,
-            rss_bytes=(260 + 3 * i) * MIB,
-            rss_peak_bytes=(262 + 3 * i) * MIB,
-            cpu_percent=180.0,
-            process_read_bytes=(96 + 14 * tokens) * MIB,
-            process_read_rate=None if i == 0 else 336.0 * MIB,
-            disk_name="nvme0n1",
-            disk_read_rate=None if i == 0 else 352.0 * MIB,
-            budget_bytes=budget,
-            latencies=[0.040 + 0.002 * (k % 5) for k in range(tokens)],
-            p50_s=0.044 if tokens else None,
-            p95_s=0.048 if tokens else None,
-            ttft_s=0.31 if tokens else None,
-            decode_tok_s=23.1 if tokens else None,
-            tokens_total=tokens,
-            requests_total=1,
-            prompt_tokens_total=12,
-            streaming=StreamingCounters(
-                cache_hits=3 * tokens, cache_misses=tokens, prefetch_queue_depth=2, prefetch_inflight_bytes=12 * MIB,
-                prefetch_used=2 * tokens, prefetch_wasted_bytes=MIB, stall_s=0.002 * tokens,
-                expert_hits=5 * tokens, expert_misses=11 * tokens,
-            ),
-            rss_history=[(260 + 3 * k) * MIB for k in range(i + 1)],
-            model_rss_bytes=(120 + 2 * i) * MIB,
-            read_rate_history=[336.0 * MIB] * i,
-            residency=["pinned", "resident", "in flight", "cold"],
-            experts_resident=[(0, 0), (40 + i, 896), (33, 896), (12 + 2 * i, 896)],
-            experts=([[0] * 896] + [[(e * 7 + layer) % 5 for e in range(896)] for layer in range(3)], [None, 0.31, 0.28, 0.35]),
-            disk_rates={"nvme0n1": None if i == 0 else 352.0 * MIB},
-        ))
+    for raw in json.loads(RECORDED.read_text()):
+        raw["streaming"] = StreamingCounters(**raw["streaming"]) if raw["streaming"] else None
+        raw["experts"] = tuple(raw["experts"]) if raw["experts"] else None
+        raw["experts_resident"] = [tuple(pair) for pair in raw["experts_resident"]] if raw["experts_resident"] else None
+        out.append(Snapshot(**raw))
     return out
 
 
@@ -176,5 +156,5 @@ def fake_app(engine: FakeEngine | None = None, snapshots: list[Snapshot] | None 
 
     settings = resolve_settings(build_parser().parse_args([]))
     engine = engine or FakeEngine()
-    sampler = RecordedSampler(recorded_snapshots(engine.metrics.budget_bytes) if snapshots is None else snapshots)
+    sampler = RecordedSampler(recorded_snapshots() if snapshots is None else snapshots)
     return KimituiApp(settings, engine, sampler, HistoryStore(data_dir() / "history.sqlite3"))

@@ -8,7 +8,7 @@ import threading
 from rich.cells import cell_len
 from textual.widgets import Sparkline
 
-from fakes import FakeEngine, fake_app
+from fakes import FakeEngine, fake_app, recorded_snapshots
 from kimitui.tui.widgets.chat import MessageView, PromptInput
 from kimitui.tui.widgets.panels import CachePanel, DiskPanel, LatencyPanel, PrefetchPanel, ResidencyPanel
 from kimitui.tui.widgets.status import StatusBar
@@ -51,8 +51,12 @@ async def test_panels_are_fed_through_their_bindings_and_no_figure_wraps_at_50_c
     app = fake_app()
     async with app.run_test(size=(50, 30)) as pilot:
         await settle(pilot, lambda: app.main.ready)
+        last = app.main.sampler.snapshots[-1]
         app.main.sampler.play()
-        await settle(pilot, lambda: "hits 126" in str(app.query_one(CachePanel).body.render()))
+        await settle(pilot, lambda: app.main.snapshot is not None and app.main.snapshot.time == last.time)
+        await pilot.pause()
+        experts = f"experts {last.streaming.expert_hits:,}/{last.streaming.expert_hits + last.streaming.expert_misses:,}"
+        assert experts in str(app.query_one(CachePanel).body.render())
         assert app.query_one(CachePanel).snapshot is app.main.snapshot  # bound, not pushed panel by panel
         for panel_type in (CachePanel, PrefetchPanel, DiskPanel, LatencyPanel, ResidencyPanel):
             body = app.query_one(panel_type).body
@@ -60,8 +64,8 @@ async def test_panels_are_fed_through_their_bindings_and_no_figure_wraps_at_50_c
             assert width > 0
             for line in str(body.render()).splitlines():
                 assert cell_len(line) <= width, (panel_type.__name__, line, width)
-        latency = str(app.query_one(LatencyPanel).body.render())
-        assert "TTFT 310 ms" in latency.splitlines() and "23.1 tok/s" in latency.splitlines()
+        latency = str(app.query_one(LatencyPanel).body.render()).splitlines()
+        assert f"TTFT {last.ttft_s * 1000:.0f} ms" in latency and f"{last.decode_tok_s:.1f} tok/s" in latency
 
 
 async def test_sparklines_stay_inside_their_panels_and_start_empty():
@@ -90,9 +94,10 @@ async def test_the_residency_strip_shows_the_experts_as_well_as_the_trunk():
         app.main.sampler.play()
         await pilot.pause()
         lines = str(app.query_one(ResidencyPanel).body.render()).splitlines()
-        assert lines[0] == "trunk   █▓▒░"
+        assert lines[0] == "trunk   ████"  # the recorded cut's trunk is pinned whole
         assert lines[1].startswith("experts  ") and len(lines[1]) == len("experts ") + 4  # dense layer 0 blank
-        assert lines[2] == "in memory 106/2,688"  # experts, of all layers
+        assert lines[1][9:] == "░░░"  # 8-24 of 896 in memory per layer: a sliver each
+        assert lines[2] == "in memory 42/2,688"  # experts, of all layers (8 + 10 + 24)
 
 
 async def test_tuning_steps_values_beside_the_panels_and_shows_what_the_change_did():
@@ -105,39 +110,43 @@ async def test_tuning_steps_values_beside_the_panels_and_shows_what_the_change_d
         strip = app.query_one(TuningPanel)
         assert strip.has_focus and app.screen is app.main
         await pilot.press("right")
-        assert "160.0 MiB → 176.0 MiB" in str(strip.render()) and not engine.retuned
+        assert "52.1 MiB → 57.1 MiB" in str(strip.render()) and not engine.retuned  # a tenth more, in whole MiB
         await pilot.press("enter")
-        assert engine.retuned == [{"budget": 176 * MIB}]
+        assert engine.retuned == [{"budget": 54_646_416 + 5 * MIB}]
         assert "budget: applies from the next token, after the pinned set is re-read" in str(strip.render())
-        assert app.query_one(StatusBar).budget == 176 * MIB
+        assert app.query_one(StatusBar).budget == 54_646_416 + 5 * MIB
         app.main.sampler.play()
         await pilot.pause()
         shown = str(strip.render()).splitlines()
         before = next(line for line in shown if line.startswith("before"))
         after = next(line for line in shown if line.startswith("after"))
-        assert "12 tok" in before and "30 tok" in after and "14.0 MiB" in after and "40%" in after
+        snaps = recorded_snapshots()
+        window = Window.between(snaps[2], snaps[7])  # from the sample the change was applied at to the last
+        assert "8 tok" in before and f"{window.tokens} tok" in after and f"{window.hit_rate:.0%}" in after
         for _ in range(20):  # far below the working set: refused, nothing changed
             await pilot.press("left")
         await pilot.press("enter")
-        assert "not applied: budget 30.0 MiB is below the minimum working set" in str(strip.render())
-        assert engine.values.budget == 176 * MIB
+        assert "not applied: budget below the minimum working set" in str(strip.render())
+        assert engine.values.budget == 54_646_416 + 5 * MIB
 
 
 def test_a_window_between_two_snapshots():
-    from fakes import recorded_snapshots
-
     snaps = recorded_snapshots()
-    window = Window.between(snaps[2], snaps[6])
-    assert window.tokens == 24 and window.read_per_token == 14 * MIB
-    assert window.hit_rate == (24 * 3 + 24 * 5) / (24 * 4 + 24 * 16)
-    assert 1 / 0.048 < window.tok_s < 1 / 0.040 and window.model_bytes == 132 * MIB
+    a, b = snaps[2], snaps[6]
+    window = Window.between(a, b)
+    assert window.tokens == b.tokens_total - a.tokens_total == 36
+    assert window.read_per_token == (b.process_read_bytes - a.process_read_bytes) / 36
+    hits = b.streaming.expert_hits - a.streaming.expert_hits
+    misses = b.streaming.expert_misses - a.streaming.expert_misses
+    assert window.hit_rate == hits / (hits + misses)
+    assert window.tok_s == 36 / sum(b.latencies[-36:]) and window.model_bytes == b.model_rss_bytes
     # A re-pin (budget, shard size) makes a new streamer whose counts start at zero: the window
     # then counts from there, never negative.
     from dataclasses import replace
 
     from kimitui.engine.metrics import StreamingCounters
 
-    fresh = replace(snaps[6], streaming=StreamingCounters(cache_hits=400, cache_misses=100, expert_hits=100, expert_misses=400, generation=1))
+    fresh = replace(snaps[6], streaming=StreamingCounters(cache_hits=400, cache_misses=100, expert_hits=100, expert_misses=400, generation=2))
     assert Window.between(snaps[5], fresh).hit_rate == 0.5  # its own counts, even once above the old one's
 
 
