@@ -180,3 +180,31 @@ def test_slots_and_a_configured_seed(served, tmp_path):
         assert other["generation_settings"]["seed"] == 99
     finally:
         seeded.stop()
+
+
+PREFILL = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "The capital of France is"}]
+
+
+def test_a_final_assistant_message_is_continued_not_answered(served):
+    """llama-server's assistant prefill: the reply goes on from the assistant's text; its
+    prompt is the messages before it up to the reply's turn, then that text."""
+    shown = post(served, "/apply-template", {"messages": PREFILL}).json()["prompt"]
+    before = post(served, "/apply-template", {"messages": PREFILL[:1]}).json()["prompt"]
+    assert shown == before + "The capital of France is"
+    chat = post(served, "/v1/chat/completions", {"messages": PREFILL, "max_tokens": 8, "temperature": 0, "cache_prompt": False}).json()
+    same = post(served, "/completion", {"prompt": shown, "n_predict": 8, "temperature": 0, "cache_prompt": False}).json()
+    assert chat["choices"][0]["message"]["content"] == same["content"] and same["content"]
+    # vLLM's spelling of the same thing gives the same prompt.
+    explicit = {"messages": PREFILL, "add_generation_prompt": False, "continue_final_message": True}
+    assert post(served, "/apply-template", explicit).json()["prompt"] == shown
+
+
+@pytest.mark.parametrize("body,why", [
+    ({"messages": PREFILL, "add_generation_prompt": True, "continue_final_message": True}, "at most one may be true"),
+    ({"messages": PREFILL[:1], "continue_final_message": True, "add_generation_prompt": False}, "the last message must be the assistant's"),
+    ({"messages": PREFILL[:1], "add_generation_prompt": False}, "taken only with continue_final_message"),
+])
+def test_turn_flags_that_cannot_be_honoured_are_a_400_naming_them(served, body, why):
+    for path in ("/v1/chat/completions", "/apply-template"):
+        reply = post(served, path, dict(body, max_tokens=4))
+        assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text

@@ -720,17 +720,26 @@ class Engine:
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None):
         """``messages`` (and the tools a reply may call) through the model's chat template
-        (llama-cpp-python's formatter response: prompt, stop, added_special)."""
+        (llama-cpp-python's formatter response: prompt, stop, added_special).
+
+        A final assistant message with text (and no tool calls) is continued, not answered:
+        the messages before it are rendered up to the reply's turn and its text follows, so the
+        reply goes on from it (llama-server's assistant prefill, vLLM's continue_final_message)."""
         if self._formatter is None:
             raise ChatTemplateError(self.template_error or "the model is not loaded yet")
         import copy
 
+        final = messages[-1] if messages else {}
+        prefill = final.get("role") == "assistant" and bool(final.get("content")) and not final.get("tool_calls")
         try:
             # Copies: the template's sandbox lets lists grow (see chat_formatter), and the
             # caller's messages (the app's history) must come back as they went in.
-            return self._formatter(messages=copy.deepcopy(messages), tools=copy.deepcopy(tools))
+            rendered = self._formatter(messages=copy.deepcopy(messages[:-1] if prefill else messages), tools=copy.deepcopy(tools))
         except Exception as exc:  # jinja2's errors, and the template's raise_exception (ValueError)
             raise ChatTemplateError(f"the chat template of {self.model_path.name} refused the messages: {exc}") from None
+        if prefill:
+            rendered.prompt += final["content"]
+        return rendered
 
     @property
     def template_text(self) -> str:

@@ -41,7 +41,8 @@ from kimitui.server import prom
 from kimitui.server import tools as tool_calls
 from kimitui.server.runner import is_loopback
 from kimitui.server.params import (
-    ApiError, Fields, Limits, chat_messages, choices_of, grammar_of, parse_body, prompts_of, sampling_from, token_ids,
+    ApiError, Fields, Limits, chat_messages, check_prefill, choices_of, grammar_of, parse_body, prompts_of, sampling_from,
+    token_ids,
 )
 
 log = logging.getLogger("kimitui.server")
@@ -676,6 +677,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         messages = chat_messages(fields.body.get("messages"))
+        check_prefill(fields, messages)
         try:
             rendered = await run_in_threadpool(self.engine.render_chat, messages)
         except ChatTemplateError as exc:
@@ -793,6 +795,7 @@ class Api:
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
         messages = chat_messages(fields.body.get("messages"))
+        check_prefill(fields, messages)
         tools = tool_calls.tools_of(fields.body.get("tools"))
         choice = tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools)
         calling = bool(tools) and choice != "none"

@@ -375,3 +375,17 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", ""), str):
             raise ApiError(f'{where}[{i}]: expected {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "JSON text"}}}}')
     return value
+
+
+def check_prefill(fields: "Fields", messages: list[dict]) -> None:
+    """The turn flags of a chat request, against its messages. A final assistant message is
+    continued (see Engine.render_chat); ``continue_final_message`` asks for that explicitly,
+    and ``add_generation_prompt`` false is taken only with it (the reply always fills a turn)."""
+    add = fields.boolean("add_generation_prompt", True)
+    cont = fields.boolean("continue_final_message", False)
+    if add and cont:
+        raise ApiError("add_generation_prompt, continue_final_message: at most one may be true (give add_generation_prompt false)")
+    if cont and messages[-1]["role"] != "assistant":
+        raise ApiError("continue_final_message: the last message must be the assistant's, to continue it")
+    if not add and not cont:
+        raise ApiError("add_generation_prompt: false is taken only with continue_final_message true (a reply always fills a turn)")
