@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimitui.engine.platform import (
-    F_RDAHEAD, address_space_fix, can_reserve, descriptors_needed, is_darwin, is_ios, raise_descriptor_limit,
+    F_NOCACHE, F_RDAHEAD, address_space_fix, can_reserve, descriptor_limit, is_darwin, is_ios,
 )
 from kimitui.units import format_bytes, format_rate
 
 READ_CHUNK = 8 * 2**20  # uncached reads of this size, as the engine streams shards and expert slices
 READ_THREADS = 4  # the engine's default I/O threads
-F_NOCACHE = 48
 
 
 @dataclass
@@ -76,14 +75,11 @@ def check_address_space(files: list[Path]) -> Check:
 
 
 def check_descriptors(files: list[Path]) -> Check:
-    import resource
-
-    needed = descriptors_needed(len(files))
-    soft, hard = raise_descriptor_limit(needed)
-    shown = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return Check("descriptors", True, f"limit {shown}, about {needed} needed (raised at start where lower)")
-    return Check("descriptors", False, f"limit {shown} (hard {hard}), about {needed} needed: run `ulimit -n {needed}` first")
+    limit = descriptor_limit(len(files))
+    soft = limit.shown(limit.soft)
+    if limit.enough:
+        return Check("descriptors", True, f"limit {soft}, about {limit.needed} needed (raised at start where lower)")
+    return Check("descriptors", False, f"limit {soft} (hard {limit.hard}), about {limit.needed} needed: run `ulimit -n {limit.needed}` first")
 
 
 def _open_uncached(path: Path, direct: bool = True) -> tuple[int, str]:
@@ -154,26 +150,9 @@ def check_direct_reads(files: list[Path]) -> Check:
     return Check("direct reads", True, f"{how} on {path.name}, its bytes checked against a cached read")
 
 
-def memory_sources() -> list[tuple[str, int]]:
-    """What each source says this process may still take: the OS's free memory, a cgroup's
-    limit, jetsam's (iOS). The smallest is what the budget may use."""
-    import psutil
-
-    from kimitui.engine.memory import cgroup_headroom, jetsam_headroom
-
-    sources = [("free memory", int(psutil.virtual_memory().available))]
-    cg = cgroup_headroom()
-    if cg is not None:
-        sources.append(("memory cgroup", max(0, cg[0] - cg[1])))
-    jetsam = jetsam_headroom()
-    if jetsam is not None:
-        sources.append(("jetsam", jetsam))
-    return sources
-
-
 def check_memory(model, budget_setting) -> tuple[Check, int]:
     from kimitui.engine.budget import budget_shortfall, minimum_budget
-    from kimitui.engine.memory import SAFE_SHARE
+    from kimitui.engine.memory import SAFE_SHARE, memory_sources
 
     sources = memory_sources()
     name, room = min(sources, key=lambda s: s[1])

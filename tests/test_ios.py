@@ -17,10 +17,10 @@ import pytest
 
 from kimitui.engine import loadhooks, memory, platform as plat
 from kimitui.engine.darwin_placer import (
-    F_NOCACHE, F_RDAHEAD, MAP_ANON, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, VM_FLAGS_OVERWRITE, DarwinCalls, DarwinPlacer,
+    MAP_ANON, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, VM_FLAGS_OVERWRITE, DarwinCalls, DarwinPlacer,
 )
 from kimitui.engine.macho import CPU_SUBTYPE_ARM64E, CPU_TYPE_ARM64, FAT_MAGIC, MachOSlotFinder
-from kimitui.engine.platform import F_RDADVISE, PlatformIO, is_darwin
+from kimitui.engine.platform import F_NOCACHE, F_RDADVISE, F_RDAHEAD, PlatformIO, is_darwin
 
 from helpers import peak_while
 from test_fast_start import macho_image

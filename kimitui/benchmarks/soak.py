@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path

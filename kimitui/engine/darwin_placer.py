@@ -42,8 +42,8 @@ import threading
 from typing import Protocol
 
 from kimitui.engine.direct import PlacedParts
+from kimitui.engine.platform import F_GETPATH, F_NOCACHE, F_RDAHEAD
 
-F_RDAHEAD, F_NOCACHE, F_GETPATH = 45, 48, 50
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANON = 0x1, 0x2, 0x10, 0x1000  # Darwin's values
 VM_FLAGS_FIXED, VM_FLAGS_OVERWRITE = 0x0, 0x4000
@@ -214,11 +214,6 @@ class DarwinPlacer(PlacedParts):
                 break
             got += n
         return got
-
-    def _complete(self, file: int, offset: int, got: int, length: int) -> bool:
-        """Whether a read of ``length`` that gave ``got`` has all there is: the file may end
-        inside the last page."""
-        return got == length or offset + got >= os.fstat(self._file_fds[file]).st_size
 
     def _in_place(self, file: int, offset: int, length: int) -> int:
         """Fresh anonymous memory at [offset, offset+length) of the mapping, read into, and

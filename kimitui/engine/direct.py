@@ -131,6 +131,7 @@ class PlacedParts:
     page: int
     _lock: threading.Lock
     _placed: dict
+    _file_fds: dict[int, int]
 
     def holds(self, file: int, offset: int) -> bool:
         with self._lock:
@@ -149,6 +150,11 @@ class PlacedParts:
 
     def _unplace(self, file: int, offset: int) -> None:
         raise NotImplementedError
+
+    def _complete(self, file: int, offset: int, got: int, length: int) -> bool:
+        """Whether a read of ``length`` that gave ``got`` has all there is: the file may end
+        inside the last page."""
+        return got == length or offset + got >= os.fstat(self._file_fds[file]).st_size
 
 
 class DirectPlacer(PlacedParts):
@@ -440,7 +446,7 @@ class DirectPlacer(PlacedParts):
         except OSError:
             undo()
             raise
-        if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
+        if not self._complete(file, offset, got, length):
             undo()
             return got
         with self._moves:
@@ -470,7 +476,7 @@ class DirectPlacer(PlacedParts):
         except OSError:
             c.munmap(buf, length)
             raise
-        if got != length and offset + got < os.fstat(self._file_fds[file]).st_size:
+        if not self._complete(file, offset, got, length):
             c.munmap(buf, length)
             return got
         target = self.addresses[file] + offset

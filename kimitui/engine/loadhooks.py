@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
-from kimitui.engine.platform import is_darwin
+from kimitui.engine.platform import F_GETPATH, is_darwin
 
 HOOKED = ("mmap", "posix_madvise", "posix_fadvise")
 
@@ -216,7 +216,6 @@ def _fd_path(fd: int) -> str:
     if is_darwin():
         import fcntl
 
-        F_GETPATH = 50
         try:
             return fcntl.fcntl(fd, F_GETPATH, b"\0" * 1024).split(b"\0", 1)[0].decode()
         except OSError:

@@ -89,16 +89,22 @@ def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes
     return room or None
 
 
-def available_memory() -> int:
-    avail = int(psutil.virtual_memory().available)
+def memory_sources() -> list[tuple[str, int]]:
+    """What each source says this process may still take: the OS's free memory, a cgroup's
+    limit, jetsam's (iOS). The smallest is what the budget may use."""
+    sources = [("free memory", int(psutil.virtual_memory().available))]
     cg = cgroup_headroom()
     if cg is not None:
         limit, usage = cg
-        avail = min(avail, max(0, limit - usage))
+        sources.append(("memory cgroup", max(0, limit - usage)))
     jetsam = jetsam_headroom()
     if jetsam is not None:
-        avail = min(avail, jetsam)
-    return avail
+        sources.append(("jetsam", jetsam))
+    return sources
+
+
+def available_memory() -> int:
+    return min(room for _, room in memory_sources())
 
 
 def default_budget() -> int:

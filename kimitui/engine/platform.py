@@ -17,6 +17,7 @@ import os
 import resource
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 MADV_DONTNEED = 4
@@ -26,6 +27,8 @@ POSIX_FADV_WILLNEED = 3
 POSIX_FADV_DONTNEED = 4
 F_RDADVISE = 44  # Darwin fcntl: struct radvisory { off_t ra_offset; int ra_count; }
 F_RDAHEAD = 45  # Darwin fcntl: read-ahead on (1) or off (0) for this descriptor
+F_NOCACHE = 48  # Darwin fcntl: this descriptor's reads and writes skip the unified buffer cache
+F_GETPATH = 50  # Darwin fcntl: the path of the file a descriptor holds
 MS_INVALIDATE = 2  # Darwin msync flag
 
 
@@ -259,17 +262,37 @@ def address_space_fix(platform: str = sys.platform, python: str = sys.executable
     return "check `ulimit -v` and vm.overcommit_memory (0 or 1 maps a model larger than memory)"
 
 
+@dataclass(frozen=True)
+class DescriptorLimit:
+    needed: int
+    soft: int
+    hard: int
+
+    @property
+    def enough(self) -> bool:
+        return self.soft == resource.RLIM_INFINITY or self.soft >= self.needed
+
+    @staticmethod
+    def shown(limit: int) -> str:
+        return "unlimited" if limit == resource.RLIM_INFINITY else str(limit)
+
+
+def descriptor_limit(n_files: int, platform: str = sys.platform) -> DescriptorLimit:
+    """The soft limit raised for a model of ``n_files`` files where it can be, against what it needs."""
+    needed = descriptors_needed(n_files)
+    return DescriptorLimit(needed, *raise_descriptor_limit(needed, platform))
+
+
 def model_fits_limits(files: list, total_bytes: int, platform: str = sys.platform, reserve: Callable[[int], bool] | None = None) -> str | None:
     """One line naming what this process's limits refuse the model, after raising what can be
     raised; None where both fit. Checked before llama.cpp maps anything: past that, an address
     space too small is a load that fails with no reason, and too few descriptors a read that
     fails halfway through a reply."""
-    needed = descriptors_needed(len(files))
-    soft, hard = raise_descriptor_limit(needed, platform)
-    if soft != resource.RLIM_INFINITY and soft < needed:
+    limit = descriptor_limit(len(files), platform)
+    if not limit.enough:
         return (
-            f"the model's {len(files)} files need about {needed} open descriptors and this process may have "
-            f"{soft} (hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}): run `ulimit -n {needed}` first"
+            f"the model's {len(files)} files need about {limit.needed} open descriptors and this process may have "
+            f"{limit.soft} (hard limit {limit.shown(limit.hard)}): run `ulimit -n {limit.needed}` first"
         )
     if total_bytes and not (reserve or (lambda n: can_reserve(n, platform)))(total_bytes):
         return f"this process cannot map the model's {total_bytes / 2**30:.1f} GiB of files at once: {address_space_fix(platform)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -138,11 +139,9 @@ class MainScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.model_name, self.model_bytes = self.engine.label()
-        self.model_bytes = self.model_bytes or 0
+        self._show_label()
         self.budget = self.engine.metrics.budget_bytes or 0
         self.engine_state = "loading"
-        self.chat_log.show_hint(self.model_name)
         self.tuning_panel.display = False
         # On a phone-sized terminal the chat needs the room: the pane starts hidden (key 9 shows it).
         self.trace_log.display = self.trace is not None and self.app.size.width >= 100
@@ -163,6 +162,11 @@ class MainScreen(Screen):
         self.sampler.start()
         self.prompt.focus()
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
+
+    def _show_label(self) -> None:
+        self.model_name, model_bytes = self.engine.label()
+        self.model_bytes = model_bytes or 0
+        self.chat_log.show_hint(self.model_name)
 
     def on_unmount(self) -> None:
         if self.reply is not None and self.reply.generation is not None:
@@ -233,9 +237,7 @@ class MainScreen(Screen):
 
     def on_load_finished(self, message: LoadFinished) -> None:
         self.engine_state, self.status_detail = "idle", f"(loaded in {message.seconds:.1f}s)"
-        self.model_name, model_bytes = self.engine.label()
-        self.model_bytes = model_bytes or 0
-        self.chat_log.show_hint(self.model_name)
+        self._show_label()  # a remote engine knows its model only now
         for notice in self.engine.notices():
             self.notify(notice, severity="warning", timeout=15)
         self.tuning_panel.current = self.engine.tuning()
@@ -275,15 +277,22 @@ class MainScreen(Screen):
             return
         self.prompt.clear()
         store = self.history.store
-        self._starting = True  # the awaits below let keys in: none may start or clear meanwhile
-        try:
+        with self._starting_reply():
             if self.conversation_id is None:
                 self.conversation_id = await self.history.call(store.create_conversation, event.text.splitlines()[0], self.model_name)
             message_id = await self.history.call(store.add_message, self.conversation_id, "user", event.text)
             await self.chat_log.add(MessageView("user", event.text, message_id=message_id))
             await self._start_reply()
+
+    @contextmanager
+    def _starting_reply(self):
+        """Held while a message or a reply's rows are written and its reply started: the awaits
+        let keys in, and none may start another reply or clear the chat meanwhile (nests)."""
+        held, self._starting = self._starting, True
+        try:
+            yield
         finally:
-            self._starting = False
+            self._starting = held
 
     @property
     def busy(self) -> bool:
@@ -298,17 +307,11 @@ class MainScreen(Screen):
         return msgs
 
     async def _start_reply(self) -> None:
-        starting, self._starting = self._starting, True
-        try:
-            await self._begin_reply()
-        finally:
-            self._starting = starting
-
-    async def _begin_reply(self) -> None:
         messages = self._history_messages()
         view = MessageView("assistant", "")
-        await self.chat_log.add(view)
-        view.message_id = await self.history.call(self.history.store.add_message, self.conversation_id, "assistant", "", complete=False)
+        with self._starting_reply():
+            await self.chat_log.add(view)
+            view.message_id = await self.history.call(self.history.store.add_message, self.conversation_id, "assistant", "", complete=False)
         self.reply = Reply(next(self._reply_ids), view, view.message_id)
         self.engine_state, self.status_detail = "generating", ""
         self.run_worker(
@@ -417,23 +420,17 @@ class MainScreen(Screen):
         if last is None or not views or views[-1] is not last:
             self.notify("nothing to regenerate yet")
             return
-        self._starting = True  # held across the awaits: a message sent meanwhile waits its turn
-        try:
+        with self._starting_reply():
             if last.message_id is not None:
                 self.history.post(self.history.store.delete_message, last.message_id)
             await last.remove()
             await self._start_reply()
-        finally:
-            self._starting = False
 
     async def action_new_chat(self) -> None:
         if self._refused_while_starting():
             return
-        self._starting = True
-        try:
+        with self._starting_reply():
             await self._clear_chat()
-        finally:
-            self._starting = False
 
     async def _clear_chat(self) -> None:
         if self.reply is not None and self.reply.generation is not None:
@@ -451,11 +448,8 @@ class MainScreen(Screen):
     async def _open_conversation(self, conversation_id: int | None) -> None:
         if self._refused_while_starting():
             return
-        self._starting = True
-        try:
+        with self._starting_reply():
             await self._show_conversation(conversation_id)
-        finally:
-            self._starting = False
 
     async def _show_conversation(self, conversation_id: int | None) -> None:
         store = self.history.store
