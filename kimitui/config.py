@@ -43,6 +43,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "n_threads": Key("int", 0, 0, 1024),
         "n_batch": Key("int", 512, 1, 1 << 16),
         "chat_template_file": Key("str", ""),
+        # One of llama.cpp's built-in template names (llama3, chatml, command-r, ...) or a
+        # Jinja template's text; chat_template_file wins where both are set.
+        "chat_template": Key("str", ""),
     },
     "sampling": {
         "temperature": Key("float", 0.7, 0.0, 5.0),
@@ -81,7 +84,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_n_predict": Key("int", 2048, 1, 1 << 20),
         "allowed_hosts": Key("str_list", []),
         "cors_origins": Key("str_list", []),
-        "alias": Key("str", ""),
+        "alias": Key("str", ""),  # one name, or several comma-separated (any of them names the model)
+        "tags": Key("str_list", []),
+        "verbose": Key("bool", False),  # every reply carries llama-server's __verbose object
     },
 }
 

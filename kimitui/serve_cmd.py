@@ -29,7 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body", help="largest request body, e.g. 1MiB")
     parser.add_argument("--seed", help="the sampler's seed when a request gives none (default -1: a new one every reply)")
     parser.add_argument("--chat-template-file", help="a Jinja chat template used instead of the model's own")
-    parser.add_argument("--alias", help="the model's name in replies and /v1/models (default: its file name)")
+    parser.add_argument(
+        "--chat-template", help="a chat template: one of llama.cpp's built-in names (llama3, chatml, command-r, ...) or Jinja text",
+    )
+    parser.add_argument("--batch-size", help="prompt tokens evaluated at a time (model.n_batch)")
+    parser.add_argument(
+        "--alias", help="the model's name in replies and /v1/models, or several comma-separated (default: its file name)",
+    )
+    parser.add_argument("--tags", help="labels listed with the model in /v1/models, comma-separated")
+    parser.add_argument("--verbose", action="store_true", help="add llama-server's __verbose object (the prompt as tokenized, ...) to every reply")
     parser.add_argument(
         "--cors-origins", help="web origins allowed to call the API, comma-separated; 'localhost' = pages on this machine, any port",
     )
@@ -49,8 +57,14 @@ def resolve(args: argparse.Namespace):
         ("server.max_body", "--max-body", args.max_body),
         ("server.alias", "--alias", args.alias),
         ("model.chat_template_file", "--chat-template-file", args.chat_template_file),
+        ("model.chat_template", "--chat-template", args.chat_template),
+        ("model.n_batch", "--batch-size", args.batch_size),
         ("sampling.seed", "--seed", args.seed),
     )
+    if args.tags is not None:
+        settings["server.tags"] = [t.strip() for t in args.tags.split(",") if t.strip()]
+    if args.verbose:
+        apply_override(settings, "server.verbose", True, "--verbose")
     if args.cors_origins is not None:
         settings["server.cors_origins"] = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
     for dotted, flag, value in overrides:

@@ -13,8 +13,10 @@ VALUE_FLAGS = {
     "--host": "--host", "--port": "--port", "--ctx-size": "--n-ctx", "-c": "--n-ctx", "--threads": "--threads",
     "-t": "--threads", "--api-key": "--api-key", "--n-predict": "--max-n-predict", "-n": "--max-n-predict",
     "--alias": "--alias", "--cors-origins": "--cors-origins", "--chat-template-file": "--chat-template-file",
-    "--seed": "--seed", "-s": "--seed",
+    "--seed": "--seed", "-s": "--seed", "--chat-template": "--chat-template", "--batch-size": "--batch-size",
+    "-b": "--batch-size", "--tags": "--tags", "--parallel": "--parallel", "-np": "--parallel",
 }
+SWITCHES = {"--verbose", "--no-slots"}
 
 
 def translate(args: list[str]) -> list[str]:
@@ -24,6 +26,9 @@ def translate(args: list[str]) -> list[str]:
         has_value = i + 1 < len(args) and not args[i + 1].startswith("-")
         if flag in ("--n-predict", "-n") and i + 1 < len(args) and args[i + 1] == "-1":
             i += 2  # llama-server's "no limit": kimitui's configured cap
+        elif flag in SWITCHES:
+            out.append(flag)
+            i += 1
         elif flag in VALUE_FLAGS and i + 1 < len(args):
             out += [VALUE_FLAGS[flag], args[i + 1]]
             i += 2

@@ -298,6 +298,43 @@ def chat_formatter():
     return ChatFormatter
 
 
+def builtin_chat_templates() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat templates (llama3, chatml, command-r, ...)."""
+    import llama_cpp
+
+    count = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * count)()
+    llama_cpp.llama_chat_builtin_templates(names, count)
+    return tuple(name.decode() for name in names)
+
+
+class BuiltinChatFormatter:
+    """A built-in chat template, rendered by llama.cpp itself (``llama_chat_apply_template``),
+    as llama-server renders ``--chat-template NAME``. Such a template knows roles and text only."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *, messages: list[dict], tools: list[dict] | None = None):
+        import llama_cpp
+        from llama_cpp.llama_chat_format import ChatFormatterResponse
+
+        if tools:
+            raise ValueError(f"the built-in template {self.name} renders no tools")
+        texts = [(m["role"].encode(), (m.get("content") or "").encode()) for m in messages]
+        chat = (llama_cpp.llama_chat_message * len(texts))(*(llama_cpp.llama_chat_message(r, c) for r, c in texts))
+        size = 2 * sum(len(c) + len(r) for r, c in texts) + 256
+        for _ in range(2):  # the first call says how long the prompt is when the buffer is short
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_chat_apply_template(self.name.encode(), chat, len(texts), True, buf, size)
+            if n < 0:
+                raise ValueError(f"llama.cpp's built-in template {self.name} cannot render these messages")
+            if n <= size:
+                return ChatFormatterResponse(prompt=buf.raw[:n].decode("utf-8", errors="replace"), added_special=False)
+            size = n
+        raise ValueError(f"llama.cpp's built-in template {self.name} gave no prompt")
+
+
 def chat_template_file(path: str) -> str | None:
     if not path:
         return None

@@ -28,7 +28,7 @@ from kimitui.model.gguf_file import ModelInfo, read_model_info
 from kimitui.units import format_bytes
 from kimitui.engine.generation import Generation, Sampling, Tracer
 from kimitui.engine.llama_glue import (
-    FALLBACK_TEMPLATE, LAYER_ZERO_NODES, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
+    FALLBACK_TEMPLATE, LAYER_ZERO_NODES, BuiltinChatFormatter, builtin_chat_templates, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
     ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
     topk_ids,
 )
@@ -57,7 +57,8 @@ class Engine:
         chat_template: str | None = None,
     ) -> None:
         self.model_path = Path(model_path)
-        self.chat_template = chat_template  # replaces the model's own (llama-server's --chat-template-file)
+        # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
+        self.chat_template = chat_template
         self.n_ctx = n_ctx
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
@@ -673,6 +674,8 @@ class Engine:
         """The chat formatter, or None and why: a template that does not compile leaves the
         model usable for plain completions, and each chat request is told why it cannot be."""
         llm = self._llm
+        if self.chat_template in builtin_chat_templates():
+            return BuiltinChatFormatter(self.chat_template), None
         template = self.chat_template or llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
         eos, bos = llm.token_eos(), llm.token_bos()
         try:
@@ -694,8 +697,8 @@ class Engine:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.llm.detokenize(list(tokens)).decode("utf-8", errors="replace")
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return self.llm.detokenize(list(tokens), special=special).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
         """One token's bytes (a piece of a multi-byte character is not text on its own)."""
@@ -800,7 +803,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
         metrics=metrics,
         budget=metrics.budget_bytes,
         shard_size=settings["engine.shard_size"],
-        chat_template=chat_template_file(settings["model.chat_template_file"]),
+        chat_template=chat_template_file(settings["model.chat_template_file"]) or settings["model.chat_template"] or None,
         stream_settings=StreamSettings(
             prefetch_depth=settings["engine.prefetch_depth"],
             policy=settings["engine.policy"],

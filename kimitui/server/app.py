@@ -388,15 +388,19 @@ class _Guard:
         return receive_limited
 
     def _authorized(self, scope) -> bool:
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            return hmac.compare_digest(token.strip().encode(), self.api_key)
+        # Anthropic's header, which llama-server also takes.
+        return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), self.api_key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
         elif self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             response = error_response(
-                401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)",
+                401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY, or X-Api-Key: KEY)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
             await response(scope, receive, send)
@@ -423,7 +427,11 @@ class Api:
         )
         # Its own sampler: scraping must not disturb the rates and history the TUI's sampler keeps.
         self.sampler = Sampler(engine.metrics, model_path=engine.model_path)
-        self.model_id = settings["server.alias"] or engine.model_path.name
+        self.aliases = sorted({a.strip() for a in settings["server.alias"].split(",") if a.strip()})
+        self.tags = list(settings["server.tags"])
+        # The first alias in alphabetical order, as llama-server names a model with several.
+        self.model_id = self.aliases[0] if self.aliases else engine.model_path.name
+        self.verbose = settings["server.verbose"]
         self.created = int(time.time())
         # Replies this API started that have not taken their turn yet (their thread is starting):
         # a burst of requests reaching an idle engine must not all be told "position 0". Weak,
@@ -586,6 +594,33 @@ class Api:
             503,
         )
 
+    def native_result(
+        self, index: int, prompt: list[int], generation: Generation, events: list[TokenEvent], content: str, *, return_tokens: bool = True,
+    ) -> dict:
+        """llama-server's own result object: /completion's reply, and the ``__verbose`` of an
+        OpenAI reply. Its prompt is the prompt's tokens as text, special tokens included."""
+        r, sampling = generation.result, generation.sampling
+        ids = [e.token_id for e in events if e.token_id >= 0]
+        stop_type, word = self.stop_type(r, sampling.stop, ids)
+        return {
+            "index": index,
+            "content": content,
+            "tokens": ids if return_tokens else [],
+            "id_slot": 0,
+            "stop": True,
+            "model": self.model_id,
+            "tokens_predicted": r.completion_tokens,
+            "tokens_evaluated": r.prompt_tokens,
+            "tokens_cached": r.cached_tokens,
+            "generation_settings": self.generation_settings(sampling),
+            "prompt": self.engine.detokenize(prompt, special=True),
+            "has_new_line": "\n" in r.text,
+            "truncated": False,  # a prompt that does not fit is refused, never cut
+            "stop_type": stop_type,
+            "stopping_word": word,
+            "timings": timings(r),
+        }
+
     def generation_settings(self, s: Sampling) -> dict:
         return {
             "n_predict": s.max_tokens,
@@ -613,28 +648,8 @@ class Api:
         prompts = prompts_of(fields.body.get("prompt"), "prompt", self.n_vocab)
         token_lists = [await self.prompt_tokens(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
 
-        def final(index: int, prompt, generation: Generation, events: list[TokenEvent], content: str) -> dict:
-            r = generation.result
-            ids = [e.token_id for e in events if e.token_id >= 0]
-            stop_type, word = self.stop_type(r, sampling.stop, ids)
-            body = {
-                "index": index,
-                "content": content,
-                "tokens": ids if return_tokens else [],
-                "id_slot": 0,
-                "stop": True,
-                "model": self.model_id,
-                "tokens_predicted": r.completion_tokens,
-                "tokens_evaluated": r.prompt_tokens,
-                "tokens_cached": r.cached_tokens,
-                "generation_settings": self.generation_settings(sampling),
-                "prompt": prompt if isinstance(prompt, str) else self.engine.detokenize(token_lists[index]),
-                "has_new_line": "\n" in r.text,
-                "truncated": False,  # a prompt that does not fit is refused, never cut
-                "stop_type": stop_type,
-                "stopping_word": word,
-                "timings": timings(r),
-            }
+        def final(index: int, generation: Generation, events: list[TokenEvent], content: str) -> dict:
+            body = self.native_result(index, token_lists[index], generation, events, content, return_tokens=return_tokens)
             if sampling.n_probs and not stream:
                 body["completion_probabilities"] = native_probs(self.engine, events)
             return only_fields(body, wanted) if wanted else body  # [] asks for everything, as in llama-server
@@ -644,7 +659,7 @@ class Api:
             if done is None:
                 return Response(status_code=499)
             replies, headers = done
-            bodies = [final(i, prompts[i], generation, events, generation.result.text) for i, (generation, events) in enumerate(replies)]
+            bodies = [final(i, generation, events, generation.result.text) for i, (generation, events) in enumerate(replies)]
             return JSONResponse(bodies[0] if len(bodies) == 1 else bodies, headers=headers)
 
         first, headers = self.start(request, token_lists[0], sampling)
@@ -668,7 +683,7 @@ class Api:
                     return
                 finally:
                     self.account(request, generation.result)
-                yield _dumps(final(index, prompts[index], generation, events, ""))
+                yield _dumps(final(index, generation, events, ""))
 
         return EventSourceResponse(sse(), headers=headers, sep="\n", ping=0)
 
@@ -683,6 +698,33 @@ class Api:
         except ChatTemplateError as exc:
             raise ApiError(f"messages: {exc}") from None
         return JSONResponse({"prompt": rendered.prompt})
+
+    def tool_format(self) -> str:
+        """The tool-call format of the chat template in use; a 400 where it has none."""
+        form = tool_calls.tool_format(self.engine.template_text)
+        if form is None:
+            raise ApiError(
+                f"tools: the chat template of {self.engine.model_path.name} has no Kimi K2 or K3 tool-call section, the "
+                "formats kimitui reads (give one with --chat-template-file)"
+            )
+        return form
+
+    async def chat_input_tokens(self, request: Request) -> Response:
+        """llama-server's /chat/completions/input_tokens: the length of a chat request's prompt,
+        in tokens, without a reply."""
+        self.require_ready()
+        fields = await self.body(request)
+        messages = chat_messages(fields.body.get("messages"))
+        check_prefill(fields, messages)
+        tools = tool_calls.tools_of(fields.body.get("tools"))
+        offered = tools if tools and tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools) != "none" else None
+        if offered:
+            self.tool_format()
+        try:
+            tokens, _ = await run_in_threadpool(self.engine.chat_prompt, messages, offered)
+        except ChatTemplateError as exc:
+            raise ApiError(f"messages: {exc}") from None
+        return JSONResponse({"input_tokens": len(tokens)})
 
     async def tokenize(self, request: Request) -> Response:
         self.require_ready()
@@ -758,6 +800,8 @@ class Api:
                 "data": [
                     {
                         "id": self.model_id,
+                        "aliases": self.aliases or [self.model_id],
+                        "tags": self.tags,
                         "object": "model",
                         "created": self.created,
                         "owned_by": "kimitui",
@@ -799,13 +843,8 @@ class Api:
         tools = tool_calls.tools_of(fields.body.get("tools"))
         choice = tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools)
         calling = bool(tools) and choice != "none"
-        form = tool_calls.tool_format(self.engine.template_text)
+        form = self.tool_format() if calling else None
         if calling:
-            if form is None:
-                raise ApiError(
-                    f"tools: the chat template of {self.engine.model_path.name} has no Kimi K2 or K3 tool-call section, the "
-                    "formats kimitui reads (give one with --chat-template-file)"
-                )
             if choice != "auto":
                 if sampling.grammar is not None:
                     raise ApiError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} makes its own grammar; drop grammar, json_schema or response_format")
@@ -824,13 +863,14 @@ class Api:
                     raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
         return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True, calling=form if calling else None, per_prompt=n)
 
-    async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool, per_prompt: int) -> Response:
+    async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool, per_prompt: int, debug) -> Response:
         """A streamed reply that may call tools: each choice is decoded whole (its calls are
         known only at its end), then sent as OpenAI's chunks: role, content, one chunk per call."""
         done = await self.decode_each(request, asked, sampling_for)
         if done is None:
             return Response(status_code=499)
-        replies, headers = [generation.result for generation, _ in done[0]], done[1]
+        decoded, headers = done
+        replies = [generation.result for generation, _ in decoded]
         extra = {"usage": None} if include_usage else {}
 
         def chunk(index: int, delta: dict, finish: str | None = None, **more) -> str:
@@ -844,7 +884,7 @@ class Api:
                     yield chunk(index, {"content": message["content"]})
                 for i, call in enumerate(message.get("tool_calls", [])):
                     yield chunk(index, {"tool_calls": [{"index": i, **call}]})
-                yield chunk(index, {}, finish, timings=timings(r))
+                yield chunk(index, {}, finish, timings=timings(r), **debug(index, *decoded[index]))
             if include_usage:
                 yield _dumps(envelope([], usage=usage(replies, per_prompt), timings=timings(replies[-1])))
             yield "[DONE]"
@@ -870,6 +910,7 @@ class Api:
         stream = fields.boolean("stream", False)
         include_usage = self._include_usage(fields)
         per_token = fields.boolean("timings_per_token", False)
+        verbose = fields.boolean("verbose", self.verbose)
         logprobs = sampling.n_probs > 0
         n_top = fields.integer("top_logprobs", 0, 0, 20) if chat else (fields.integer("logprobs", 0, 0, 5) if logprobs else 0)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -899,8 +940,12 @@ class Api:
                 return {"role": "assistant", "content": content}, openai_finish(r)
             return {"role": "assistant", "content": r.text}, openai_finish(r)
 
+        def debug(index: int, generation: Generation, events: list[TokenEvent]) -> dict:
+            """llama-server's __verbose, when asked for: its own result, the prompt as the model saw it."""
+            return {"__verbose": self.native_result(index, asked[index], generation, events, generation.result.text)} if verbose else {}
+
         if calling and stream:
-            return await self._whole_as_stream(request, asked, sampling_for, envelope, message_of, include_usage, per_prompt)
+            return await self._whole_as_stream(request, asked, sampling_for, envelope, message_of, include_usage, per_prompt, debug)
 
         if not stream:
             done = await self.decode_each(request, asked, sampling_for)
@@ -916,7 +961,10 @@ class Api:
                 else:
                     choices.append({"index": index, "text": r.text, "logprobs": probs(events), "finish_reason": openai_finish(r)})
             timing = timings(results[0]) if len(results) == 1 else None
-            return JSONResponse(envelope(choices, usage=usage(results, per_prompt), **({"timings": timing} if timing else {})), headers=headers)
+            return JSONResponse(
+                envelope(choices, usage=usage(results, per_prompt), **({"timings": timing} if timing else {}), **debug(0, *done[0][0])),
+                headers=headers,
+            )
 
         # With include_usage, OpenAI sends "usage": null on every chunk but the extra last one.
         extra = {"usage": None} if include_usage else {}
@@ -939,8 +987,10 @@ class Api:
                 generation = first_generation if index == 0 else self.start(request, tokens, sampling_for(index))[0]
                 if chat:
                     yield _dumps(envelope([choice(index, None, None, first=True)], **extra))
+                events: list[TokenEvent] = []
                 try:
                     async for event in run_generation(generation):
+                        events.append(event)
                         more = {"timings": timings(generation.result)} if per_token else {}
                         yield _dumps(envelope([choice(index, event.text, None, [event] if event.token_id >= 0 else ())], **extra, **more))
                 except EngineError as exc:
@@ -950,7 +1000,7 @@ class Api:
                     self.account(request, generation.result)
                 r = generation.result
                 results.append(r)
-                yield _dumps(envelope([choice(index, None, openai_finish(r))], **extra, timings=timings(r)))
+                yield _dumps(envelope([choice(index, None, openai_finish(r))], **extra, timings=timings(r), **debug(index, generation, events)))
             if include_usage:
                 yield _dumps(envelope([], usage=usage(results, per_prompt), timings=timings(results[-1])))
             yield "[DONE]"
@@ -1008,6 +1058,8 @@ def create_app(
         Route("/v1/models", api.models, methods=get),
         Route("/v1/completions", api.openai_completions, methods=post),
         Route("/v1/chat/completions", api.chat_completions, methods=post),
+        Route("/v1/chat/completions/input_tokens", api.chat_input_tokens, methods=post),
+        Route("/chat/completions/input_tokens", api.chat_input_tokens, methods=post),
         # llama-server's aliases, for clients configured with a base URL without /v1.
         Route("/models", api.models, methods=get),
         Route("/completions", api.completion, methods=post),  # llama-server's own, as there

@@ -346,7 +346,9 @@ def chat_messages(value: Any) -> list[dict]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ApiError(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
                 parts.append(part["text"])
-            content = "".join(parts)
+            # llama.cpp's joins: a newline between parts, two in a final assistant message
+            # (the text a reply continues).
+            content = ("\n\n" if role == "assistant" and i == len(value) - 1 else "\n").join(parts)
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):
@@ -383,6 +385,8 @@ def check_prefill(fields: "Fields", messages: list[dict]) -> None:
     and ``add_generation_prompt`` false is taken only with it (the reply always fills a turn)."""
     add = fields.boolean("add_generation_prompt", True)
     cont = fields.boolean("continue_final_message", False)
+    if add and not cont and len(messages) >= 2 and messages[-1]["role"] == messages[-2]["role"] == "assistant":
+        raise ApiError("messages: two assistant messages at the end; only the last one can be continued")
     if add and cont:
         raise ApiError("add_generation_prompt, continue_final_message: at most one may be true (give add_generation_prompt false)")
     if cont and messages[-1]["role"] != "assistant":
