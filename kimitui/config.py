@@ -87,6 +87,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "alias": Key("str", ""),  # one name, or several comma-separated (any of them names the model)
         "tags": Key("str_list", []),
         "verbose": Key("bool", False),  # every reply carries llama-server's __verbose object
+        "slots": Key("int", 1, 1, 64),  # the context split into this many prompt caches (engine/slots.py)
+        "slots_endpoint": Key("bool", True),  # GET /slots answers (else 501, as llama-server --no-slots)
     },
 }
 

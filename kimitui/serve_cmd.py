@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--alias", help="the model's name in replies and /v1/models, or several comma-separated (default: its file name)",
     )
+    parser.add_argument(
+        "--parallel", help="slots: the context split into this many prompt caches, kept apart between clients (server.slots)",
+    )
+    parser.add_argument("--no-slots", action="store_true", help="GET /slots answers 501")
     parser.add_argument("--tags", help="labels listed with the model in /v1/models, comma-separated")
     parser.add_argument("--verbose", action="store_true", help="add llama-server's __verbose object (the prompt as tokenized, ...) to every reply")
     parser.add_argument(
@@ -59,10 +63,13 @@ def resolve(args: argparse.Namespace):
         ("model.chat_template_file", "--chat-template-file", args.chat_template_file),
         ("model.chat_template", "--chat-template", args.chat_template),
         ("model.n_batch", "--batch-size", args.batch_size),
+        ("server.slots", "--parallel", args.parallel),
         ("sampling.seed", "--seed", args.seed),
     )
     if args.tags is not None:
         settings["server.tags"] = [t.strip() for t in args.tags.split(",") if t.strip()]
+    if args.no_slots:
+        apply_override(settings, "server.slots_endpoint", False, "--no-slots")
     if args.verbose:
         apply_override(settings, "server.verbose", True, "--verbose")
     if args.cors_origins is not None:

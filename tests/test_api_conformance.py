@@ -168,7 +168,7 @@ def test_slots_and_a_configured_seed(served, tmp_path):
     from kimitui.server.runner import ServerThread, bind_socket
 
     slots = httpx.get(served.url + "/slots", timeout=TIMEOUT).json()
-    assert slots == [{"id": 0, "n_ctx": served.engine.n_ctx, "is_processing": False}]
+    assert len(slots) == 1 and slots[0]["id"] == 0 and slots[0]["n_ctx"] == served.engine.n_ctx and not slots[0]["is_processing"]
     config = tmp_path / "seeded.toml"
     config.write_text("[sampling]\nseed = 1234\ntemperature = 1.0\n[server]\nmax_n_predict = 200\n")
     seeded = ServerThread(create_app(served.engine, load_settings(config, explicit=True)), bind_socket("127.0.0.1", 0)).start()
@@ -208,3 +208,122 @@ def test_turn_flags_that_cannot_be_honoured_are_a_400_naming_them(served, body, 
     for path in ("/v1/chat/completions", "/apply-template"):
         reply = post(served, path, dict(body, max_tokens=4))
         assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
+
+
+ONCE = "Once upon a time, in a village by the sea, there lived"
+
+
+@pytest.fixture(scope="module")
+def two_slots(tmp_path_factory):
+    """The same engine, its 512-token context split into two slots (llama-server's --parallel 2)."""
+    from kimitui.config import load_settings
+    from kimitui.engine.metrics import EngineMetrics
+    from kimitui.engine.session import Engine
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import ServerThread, bind_socket
+
+    config = tmp_path_factory.mktemp("slots") / "config.toml"
+    config.write_text("[server]\nslots = 2\nmax_n_predict = 200\n[model]\nn_ctx = 512\nn_threads = 1\n")
+    settings = load_settings(config, explicit=True)
+    engine = Engine(default_model_path(), n_ctx=512, n_threads=1, metrics=EngineMetrics(), n_slots=2)
+    engine.load()
+    server = ServerThread(create_app(engine, settings), bind_socket("127.0.0.1", 0)).start()
+    yield server.url
+    server.stop()
+    engine.close()
+
+
+def test_two_slots_keep_their_prompts_apart_and_give_stock_tokens(two_slots, stock):
+    """Two clients taking turns: each one's second request reuses its own cached prompt, though
+    the other ran in between (its state was parked and put back), with stock greedy tokens."""
+    ask = lambda prompt: httpx.post(two_slots + "/completion", json={"prompt": prompt, "n_predict": 12, "temperature": 0}, timeout=TIMEOUT).json()
+    first_a, first_b = ask(FRANCE), ask(ONCE)
+    assert first_a["id_slot"] != first_b["id_slot"]
+    again_a, again_b = ask(FRANCE), ask(ONCE)
+    assert again_a["id_slot"] == first_a["id_slot"] and again_b["id_slot"] == first_b["id_slot"]
+    assert again_a["tokens_cached"] >= again_a["tokens_evaluated"] - 1 > 0
+    assert again_b["tokens_cached"] >= again_b["tokens_evaluated"] - 1 > 0
+    for first, again, prompt in ((first_a, again_a, FRANCE), (first_b, again_b, ONCE)):
+        assert first["content"] == stock_text(stock, prompt, max_tokens=12)
+        # Stock llama-cpp-python asked the same twice in a row: its prefix reused, as in the slot.
+        reused = stock.create_completion(prompt, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, max_tokens=12)
+        assert again["content"] == reused["choices"][0]["text"]
+    slots = httpx.get(two_slots + "/slots", timeout=TIMEOUT).json()
+    assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 256 and s["n_cached"] > 0 for s in slots)
+    props = httpx.get(two_slots + "/props", timeout=TIMEOUT).json()
+    assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 256
+
+
+def test_a_slot_holds_its_share_of_the_context(two_slots):
+    long = httpx.post(two_slots + "/completion", json={"prompt": FRANCE * 60, "n_predict": 4}, timeout=TIMEOUT)
+    assert long.status_code == 400
+    error = long.json()["error"]
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 256 and "a slot holds 256" in error["message"]
+    asked = httpx.post(two_slots + "/completion", json={"prompt": FRANCE, "n_predict": 4, "id_slot": 1}, timeout=TIMEOUT).json()
+    assert asked["id_slot"] == 1
+    wrong = httpx.post(two_slots + "/completion", json={"prompt": FRANCE, "n_predict": 4, "id_slot": 2}, timeout=TIMEOUT)
+    assert wrong.status_code == 400 and "id_slot" in wrong.json()["error"]["message"]
+
+
+def test_verbose_gives_the_prompt_as_the_model_saw_it(served):
+    body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    plain = post(served, "/v1/chat/completions", body).json()
+    assert "__verbose" not in plain
+    shown = post(served, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    verbose = post(served, "/v1/chat/completions", {**body, "verbose": True}).json()
+    assert verbose["__verbose"]["prompt"] == shown and verbose["__verbose"]["tokens_predicted"] == verbose["usage"]["completion_tokens"]
+    _, blocks = stream(served, "/v1/chat/completions", {**body, "verbose": True})
+    last = json.loads(blocks[-2])
+    assert last["choices"][0]["finish_reason"] and last["__verbose"]["prompt"] == shown
+
+
+def test_input_tokens_counts_a_chat_prompt(served):
+    count = post(served, "/v1/chat/completions/input_tokens", {"messages": MESSAGES}).json()["input_tokens"]
+    reply = post(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
+    assert count == reply["usage"]["prompt_tokens"] > 0
+    assert post(served, "/chat/completions/input_tokens", {"messages": "hi"}).status_code == 400
+
+
+def test_two_assistant_messages_at_the_end_are_refused(served):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "assistant", "content": "there"}]
+    refused = post(served, "/v1/chat/completions", {"messages": messages})
+    assert refused.status_code == 400 and "two assistant messages" in refused.json()["error"]["message"]
+
+
+def test_a_built_in_template_by_name_is_rendered_by_llama_cpp(tmp_path):
+    from kimitui.engine.metrics import EngineMetrics
+    from kimitui.engine.session import Engine
+    from kimitui.engine.state import ChatTemplateError
+
+    engine = Engine(default_model_path(), n_ctx=256, n_threads=1, metrics=EngineMetrics(), chat_template="command-r")
+    engine.load()
+    try:
+        messages = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
+        assert engine.render_chat(messages).prompt == (
+            "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|>"
+            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+        )
+        prefilled = engine.render_chat([*messages, {"role": "assistant", "content": "Sure"}]).prompt
+        assert prefilled == engine.render_chat(messages).prompt + "Sure"
+        with pytest.raises(ChatTemplateError, match="command-r renders no tools"):
+            engine.render_chat(messages, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    finally:
+        engine.close()
+
+
+def test_models_lists_aliases_and_tags_and_x_api_key_is_a_key(served, tmp_path):
+    from kimitui.config import load_settings
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import ServerThread, bind_socket
+
+    config = tmp_path / "named.toml"
+    config.write_text('[server]\nalias = "kimi,k3,chat"\ntags = ["moe", "big"]\napi_key = "sesame"\n')
+    named = ServerThread(create_app(served.engine, load_settings(config, explicit=True)), bind_socket("127.0.0.1", 0)).start()
+    try:
+        model = httpx.get(named.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]
+        assert model["id"] == "chat" and set(model["aliases"]) == {"kimi", "k3", "chat"} and model["tags"] == ["moe", "big"]
+        ask = {"prompt": FRANCE, "n_predict": 2}
+        assert httpx.post(named.url + "/completion", json=ask, headers={"X-Api-Key": "sesame"}, timeout=TIMEOUT).status_code == 200
+        assert httpx.post(named.url + "/completion", json=ask, headers={"X-Api-Key": "wrong"}, timeout=TIMEOUT).status_code == 401
+    finally:
+        named.stop()

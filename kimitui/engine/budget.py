@@ -196,8 +196,10 @@ PROCESS_RESERVE = 32 * 2**20
 MIN_CTX = 256
 
 
-def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int) -> int:
-    """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers."""
+def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1) -> int:
+    """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers; with
+    several slots, also the prompts parked beside it (each up to a slot's share of the context,
+    and a recurrent state of its own)."""
     arch = model.architecture
     kv = model.hparams
     n_vocab = int(kv.get(f"{arch}.vocab_size") or 0) or 32000
@@ -205,15 +207,16 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int) -> int:
     n_head = int(kv.get(f"{arch}.attention.head_count") or 1)
     tokens = min(n_ubatch, n_ctx)
     compute = 4 * tokens * (n_vocab + n_head * n_ctx + 8 * n_embd)
-    return context_bytes(kv, arch, n_ctx) + int(compute * COMPUTE_MARGIN)
+    parked = (slots - 1) * context_bytes(kv, arch, n_ctx // slots)
+    return context_bytes(kv, arch, n_ctx) + parked + int(compute * COMPUTE_MARGIN)
 
 
-def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int) -> int | None:
+def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1) -> int | None:
     """The largest context up to ``n_ctx`` (halving, down to MIN_CTX) whose working memory fits
     ``room`` beside ``weights`` bytes of model pages; None when not even the smallest does."""
     ctx = n_ctx
     while True:
-        if weights + working_estimate(model, ctx, n_ubatch) + PROCESS_RESERVE <= room:
+        if weights + working_estimate(model, ctx, n_ubatch, slots) + PROCESS_RESERVE <= room:
             return ctx
         if ctx <= MIN_CTX:
             return None

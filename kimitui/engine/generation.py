@@ -93,6 +93,7 @@ class GenerationResult:
     prompt_s: float = 0.0
     decode_s: float = 0.0
     queued_s: float = 0.0
+    slot: int = 0  # the slot it ran in (Engine.slots)
     error: str | None = None
     timings: list[float] = field(default_factory=list)
 
@@ -130,9 +131,12 @@ class Generation:
     queued, gives the turn up at once).
     """
 
-    def __init__(self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling):
+    def __init__(
+        self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling, slot: int | None = None,
+    ):
         self.engine = engine
         self.sampling = sampling
+        self.slot_asked = slot
         self.result = GenerationResult()
         self.id = f"req-{next(_request_ids)}"
         self._build = build
@@ -191,7 +195,14 @@ class Generation:
             raise
         stops = tuple(dict.fromkeys(tuple(s.stop) + template_stops))
         result.prompt_tokens = len(prompt_tokens)
-        budget = max(0, min(s.max_tokens, engine.n_ctx - len(prompt_tokens)))
+        try:
+            result.slot = engine.slots.choose(llm, prompt_tokens, self.slot_asked)
+        except EngineError as exc:
+            result.finish_reason, result.error = "error", str(exc)
+            metrics.request_finished()
+            raise
+        engine.slots.activate(llm, result.slot)
+        budget = max(0, min(s.max_tokens, engine.slot_ctx - len(prompt_tokens)))
         llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         import llama_cpp

@@ -32,6 +32,7 @@ from kimitui.engine.llama_glue import (
     ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
     topk_ids,
 )
+from kimitui.engine.slots import Slots
 from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
 
 
@@ -55,11 +56,13 @@ class Engine:
         shard_size: int = 64 * 2**20,
         n_ctx_fixed: bool = False,
         chat_template: str | None = None,
+        n_slots: int = 1,
     ) -> None:
         self.model_path = Path(model_path)
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
+        self.slots = Slots(n_slots)  # the context split between clients' prompt caches (slots.py)
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
         self.repack = repack
@@ -307,11 +310,11 @@ class Engine:
         model = self.model_map()
         weights = min(self.budget, model.tensor_bytes)
         room = available_memory()
-        fitted = context_fits(model, weights, room, self.n_ctx, self.n_ubatch)
+        fitted = context_fits(model, weights, room, self.n_ctx, self.n_ubatch, self.slots.count)
         if fitted == self.n_ctx:
             return
         if fitted is None or self.n_ctx_fixed:
-            need = working_estimate(model, self.n_ctx, self.n_ubatch)
+            need = working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
             lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
             raise EngineError(
                 f"context of {self.n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
@@ -762,29 +765,41 @@ class Engine:
         msgs = list(messages)
         while True:
             tokens, stops = self.chat_prompt(msgs)
-            room = self.n_ctx - len(tokens)
+            room = self.slot_ctx - len(tokens)
             if room >= min(max_tokens, 16):
                 return tokens, stops
             first = 1 if msgs and msgs[0].get("role") == "system" else 0
             if len(msgs) - first <= 1:
-                raise EngineError(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
+                raise EngineError(f"the prompt is {len(tokens)} tokens; {self.context_words}")
             del msgs[first]
 
     # -- generation ----------------------------------------------------------------------
 
+    @property
+    def slot_ctx(self) -> int:
+        """The tokens one reply may fill, prompt included: the context, or a slot's share of it."""
+        return self.n_ctx // self.slots.count
+
+    @property
+    def context_words(self) -> str:
+        if self.slots.count == 1:
+            return f"the context holds {self.n_ctx}"
+        return f"a slot holds {self.slot_ctx} (the context of {self.n_ctx} is split into {self.slots.count} slots)"
+
     def chat(self, messages: list[dict], sampling: Sampling) -> "Generation":
         return Generation(self, lambda: self.fit_chat(messages, sampling.max_tokens), sampling)
 
-    def complete(self, prompt: str | list[int], sampling: Sampling) -> "Generation":
+    def complete(self, prompt: str | list[int], sampling: Sampling, slot: int | None = None) -> "Generation":
+        """A reply to ``prompt``, in ``slot`` (None: the slot whose cached prompt fits it best)."""
         def build():
             tokens = list(prompt) if isinstance(prompt, list) else self.tokenize(prompt)
             if not tokens:
                 raise EngineError("the prompt is empty")
-            if len(tokens) >= self.n_ctx:
-                raise EngineError(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
+            if len(tokens) >= self.slot_ctx:
+                raise EngineError(f"the prompt is {len(tokens)} tokens; {self.context_words}")
             return tokens, ()
 
-        return Generation(self, build, sampling)
+        return Generation(self, build, sampling, slot=slot)
 
 
 def engine_from_settings(settings, model_path: Path) -> Engine:
@@ -804,6 +819,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
         budget=metrics.budget_bytes,
         shard_size=settings["engine.shard_size"],
         chat_template=chat_template_file(settings["model.chat_template_file"]) or settings["model.chat_template"] or None,
+        n_slots=settings["server.slots"],
         stream_settings=StreamSettings(
             prefetch_depth=settings["engine.prefetch_depth"],
             policy=settings["engine.policy"],

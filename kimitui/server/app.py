@@ -57,7 +57,6 @@ NOT_OFFERED = (
     ("post_sampling_probs", (False,), "probabilities are reported before sampling (the logits, bias applied)"),
     ("return_progress", (False,), "prompt progress is not streamed (one micro-batch at a time is all there is)"),
     ("lora", ([],), "kimitui loads no LoRA adapters"),
-    ("id_slot", (-1, 0), "kimitui has one slot"),
     ("mirostat", (0,), "mirostat sampling is not offered"),
 )
 
@@ -432,6 +431,7 @@ class Api:
         # The first alias in alphabetical order, as llama-server names a model with several.
         self.model_id = self.aliases[0] if self.aliases else engine.model_path.name
         self.verbose = settings["server.verbose"]
+        self.slots_endpoint = settings["server.slots_endpoint"]
         self.created = int(time.time())
         # Replies this API started that have not taken their turn yet (their thread is starting):
         # a burst of requests reaching an idle engine must not all be told "position 0". Weak,
@@ -467,8 +467,8 @@ class Api:
 
     def _too_long(self, name: str, n_prompt: int) -> ApiError:
         return ApiError(
-            f"{name}: the prompt is {n_prompt} tokens; the context holds {self.engine.n_ctx}", 400,
-            "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=self.engine.n_ctx,
+            f"{name}: the prompt is {n_prompt} tokens; {self.engine.context_words}", 400,
+            "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=self.engine.slot_ctx,
         )
 
     async def prompt_tokens(self, prompt: str | list, name: str) -> list[int]:
@@ -483,7 +483,7 @@ class Api:
             tokens = prompt
         if not tokens:
             raise ApiError(f"{name}: the prompt is empty")
-        if len(tokens) >= self.engine.n_ctx:
+        if len(tokens) >= self.engine.slot_ctx:
             raise self._too_long(name, len(tokens))
         return tokens
 
@@ -493,7 +493,7 @@ class Api:
         except ChatTemplateError as exc:
             raise ApiError(f"messages: {exc}") from None
         # Engine.chat would drop old turns to make room; an API client gets told instead.
-        if self.engine.n_ctx - len(tokens) < min(max_tokens, 16):
+        if self.engine.slot_ctx - len(tokens) < min(max_tokens, 16):
             raise self._too_long("messages", len(tokens))
         return tokens, stops
 
@@ -516,8 +516,13 @@ class Api:
         for name, off, why in NOT_OFFERED:
             fields.unsupported(name, *off, why=why)
 
+    def ask_slot(self, request: Request, fields: Fields) -> None:
+        """The request's ``id_slot`` (-1: the slot whose cached prompt fits best), for start()."""
+        asked = fields.integer("id_slot", -1, -1, self.engine.slots.count - 1)
+        request.state.slot = None if asked == -1 else asked
+
     def start(self, request: Request, tokens: list[int], sampling: Sampling) -> tuple[Generation, dict]:
-        generation = self.engine.complete(tokens, sampling)
+        generation = self.engine.complete(tokens, sampling, getattr(request.state, "slot", None))
         # Ahead of this request when it arrives (0 = starts now): replies in line or computing,
         # and replies of this API that arrived just before and are still taking their turn.
         ahead = sum(1 for g in list(self._arriving) if g.ticket is None and not g.cancelled)
@@ -606,7 +611,7 @@ class Api:
             "index": index,
             "content": content,
             "tokens": ids if return_tokens else [],
-            "id_slot": 0,
+            "id_slot": r.slot,
             "stop": True,
             "model": self.model_id,
             "tokens_predicted": r.completion_tokens,
@@ -638,6 +643,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
+        self.ask_slot(request, fields)
         sampling = await self.sampling(fields, openai=False)
         stream = fields.boolean("stream", False)
         return_tokens = fields.boolean("return_tokens", False)
@@ -671,7 +677,7 @@ class Api:
                 try:
                     async for event in run_generation(generation):
                         events.append(event)
-                        chunk = {"index": index, "content": event.text, "stop": False, "id_slot": 0,
+                        chunk = {"index": index, "content": event.text, "stop": False, "id_slot": generation.result.slot,
                                  "tokens": [event.token_id] if event.token_id >= 0 else []}
                         if sampling.n_probs and event.token_id >= 0:
                             chunk["completion_probabilities"] = native_probs(self.engine, [event])
@@ -758,10 +764,22 @@ class Api:
         return JSONResponse({"content": await run_in_threadpool(self.engine.detokenize, ids)})
 
     async def slots(self, request: Request) -> Response:
-        """llama-server's /slots, for its one slot: whether a reply is being computed."""
+        """llama-server's /slots: each slot's share of the context, whether a reply is being
+        computed in it, and how many prompt tokens it holds cached."""
+        if not self.slots_endpoint:
+            raise ApiError("the /slots endpoint is off (--no-slots)", 501, "not_supported_error")
         self.require_ready()
         processing, _ = self.queue()
-        return JSONResponse([{"id": 0, "n_ctx": self.engine.n_ctx, "is_processing": processing > 0}])
+        engine = self.engine
+        return JSONResponse([
+            {
+                "id": slot.id,
+                "n_ctx": engine.slot_ctx,
+                "is_processing": processing > 0 and slot.id == engine.slots.active,
+                "n_cached": engine.llm.n_tokens if slot.id == engine.slots.active else len(slot.tokens),
+            }
+            for slot in engine.slots.slots
+        ])
 
     async def props(self, request: Request) -> Response:
         self.require_ready()
@@ -770,11 +788,11 @@ class Api:
         return JSONResponse(
             {
                 "default_generation_settings": {
-                    "n_ctx": self.engine.n_ctx,
+                    "n_ctx": self.engine.slot_ctx,
                     "is_processing": processing > 0,
                     "params": self.generation_settings(defaults),
                 },
-                "total_slots": 1,
+                "total_slots": self.engine.slots.count,
                 "model_path": str(self.engine.model_path),
                 "n_ctx": self.engine.n_ctx,
                 "chat_template": self.engine.template_text,
@@ -821,6 +839,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
+        self.ask_slot(request, fields)
         sampling = await self.sampling(fields, openai=True)
         fields.unsupported("echo", False)
         fields.unsupported("suffix", "")
@@ -836,6 +855,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
+        self.ask_slot(request, fields)
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
         messages = chat_messages(fields.body.get("messages"))

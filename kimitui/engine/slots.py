@@ -1,0 +1,109 @@
+"""Slots: several clients' prompt caches in one llama.cpp context (llama-server's --parallel).
+
+The context is split into ``count`` slots of ``n_ctx // count`` tokens each. Replies are still
+computed one at a time, in the engine's turn; what a slot adds is that its cached prompt (its
+KV cells and recurrent state) survives another client's replies, so two apps taking turns both
+reuse their prefixes. The context holds the active slot; the others are parked in memory as
+llama.cpp's per-sequence state (KV cells and recurrent state only, no logits), which the context
+fit counts (budget.working_estimate).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+
+from kimitui.engine.state import EngineError
+
+
+@dataclass
+class Slot:
+    id: int
+    tokens: list[int] = field(default_factory=list)  # its cached prompt, while parked
+    state: bytes = b""  # llama.cpp's state of sequence 0 for those tokens, while parked
+    used_at: float = 0.0
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Slots:
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError("at least one slot")
+        self.slots = [Slot(i) for i in range(count)]
+        self.active = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.slots)
+
+    def cached(self, llm, slot: Slot) -> list[int]:
+        return llm.input_ids[: llm.n_tokens].tolist() if slot.id == self.active else slot.tokens
+
+    def choose(self, llm, prompt: list[int], asked: int | None) -> int:
+        """The slot a reply runs in: the one asked for, else the one whose cached prompt shares
+        the longest prefix with ``prompt`` (llama-server's pick), else the least recently used."""
+        if asked is not None:
+            if not 0 <= asked < self.count:
+                raise EngineError(f"id_slot: {asked} is not a slot (there are {self.count}: 0 to {self.count - 1})")
+            return asked
+        if self.count == 1:
+            return 0
+        best = max(self.slots, key=lambda s: (common_prefix(self.cached(llm, s), prompt), -s.used_at))
+        if common_prefix(self.cached(llm, best), prompt) == 0:
+            best = min(self.slots, key=lambda s: s.used_at)
+        return best.id
+
+    def activate(self, llm, slot_id: int) -> None:
+        """Put ``slot_id``'s cached prompt in the context, parking the active slot's. Called in
+        the engine's turn, between replies."""
+        import llama_cpp
+
+        self.slots[slot_id].used_at = time.monotonic()
+        if slot_id == self.active:
+            return
+        ctx = llm._ctx.ctx
+        current = self.slots[self.active]
+        current.tokens = llm.input_ids[: llm.n_tokens].tolist()
+        current.state = b""
+        if current.tokens:
+            size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+            buffer = (ctypes.c_uint8 * size)()
+            written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
+            current.state = bytes(buffer[:written]) if written else b""
+            if not current.state:
+                current.tokens = []  # llama.cpp could not copy it: the slot starts afresh next time
+        # Cleared whole (only sequence 0 is used), so the next tokens fill the cells from the
+        # first, as on a fresh context: removing the sequence alone would leave llama.cpp's
+        # cache head where it was, and a different cell layout can change a greedy token.
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        llm.n_tokens = 0
+        wanted = self.slots[slot_id]
+        if wanted.tokens and wanted.state:
+            buffer = (ctypes.c_uint8 * len(wanted.state)).from_buffer_copy(wanted.state)
+            if llama_cpp.llama_state_seq_set_data(ctx, buffer, len(wanted.state), 0):
+                llm.input_ids[: len(wanted.tokens)] = wanted.tokens
+                llm.n_tokens = len(wanted.tokens)
+                # The logits are not part of a sequence's state: the next reply re-evaluates
+                # at least the prompt's last token (llama-cpp-python's generate does so).
+                llm._requires_eval = True
+            else:
+                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        wanted.tokens, wanted.state = [], b""
+        self.active = slot_id
+
+    def forget(self) -> None:
+        """Drop every parked prompt (the context was reset or recreated)."""
+        for slot in self.slots:
+            slot.tokens, slot.state = [], b""
+
+    def parked_bytes(self) -> int:
+        return sum(len(s.state) for s in self.slots)
