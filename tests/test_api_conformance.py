@@ -327,3 +327,59 @@ def test_models_lists_aliases_and_tags_and_x_api_key_is_a_key(served, tmp_path):
         assert httpx.post(named.url + "/completion", json=ask, headers={"X-Api-Key": "wrong"}, timeout=TIMEOUT).status_code == 401
     finally:
         named.stop()
+
+
+def test_post_sampling_probs_are_what_the_token_was_drawn_from(served):
+    """llama-server's post_sampling_probs: the candidates the sampler chain left (here top_k 3),
+    their probabilities summing to one; the tokens are those of the same seed without them."""
+    ask = {"prompt": FRANCE, "n_predict": 6, "temperature": 1.0, "top_k": 3, "seed": 7, "n_probs": 5, "cache_prompt": False}
+    plain = post(served, "/completion", ask).json()
+    post_sampled = post(served, "/completion", {**ask, "post_sampling_probs": True}).json()
+    assert post_sampled["content"] == plain["content"]
+    entries = post_sampled["completion_probabilities"]
+    assert [e["id"] for e in entries] == [e["id"] for e in plain["completion_probabilities"]]
+    for entry in entries:
+        top = entry["top_probs"]
+        assert 1 <= len(top) <= 3 and all(0.0 < t["prob"] <= 1.0 for t in top)
+        assert sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-4)
+        assert entry["prob"] == pytest.approx(next(t["prob"] for t in top if t["id"] == entry["id"]))
+    greedy = post(served, "/completion", {**ask, "temperature": 0, "post_sampling_probs": True}).json()
+    assert all(e["prob"] == 1.0 and len(e["top_probs"]) == 1 for e in greedy["completion_probabilities"])
+
+
+def test_prompt_progress_comes_batch_by_batch_and_changes_no_token(tmp_path):
+    """return_progress: a PromptProgress before the first micro-batch and after each; the reply's
+    tokens are those of the same request without it (the same batches are evaluated)."""
+    from kimitui.engine.generation import PromptProgress, Sampling
+    from kimitui.engine.metrics import EngineMetrics
+    from kimitui.engine.session import Engine
+
+    engine = Engine(default_model_path(), n_ctx=512, n_batch=8, n_threads=1, metrics=EngineMetrics())
+    engine.load()
+    try:
+        prompt = engine.tokenize(ONCE * 2)
+        greedy = Sampling(temperature=0.0, max_tokens=8, cache_prompt=False)
+        plain = [e.token_id for e in engine.complete(prompt, greedy) if e.token_id >= 0]
+        events = list(engine.complete(prompt, greedy, progress=True))
+        progress = [e for e in events if isinstance(e, PromptProgress)]
+        assert [e.token_id for e in events if not isinstance(e, PromptProgress) and e.token_id >= 0] == plain
+        assert len(progress) == -(-len(prompt) // 8) + 1 and progress[0].processed == progress[0].cache == 0
+        assert [p.processed for p in progress] == sorted({p.processed for p in progress}) and progress[-1].processed == len(prompt)
+        # Asked again, the prompt is kept but for its last token, which is evaluated afresh.
+        again = [e for e in engine.complete(prompt, Sampling(temperature=0.0, max_tokens=8), progress=True) if isinstance(e, PromptProgress)]
+        assert [(p.cache, p.processed) for p in again] == [(len(prompt) - 1,) * 2, (len(prompt) - 1, len(prompt))]
+    finally:
+        engine.close()
+
+
+def test_return_progress_over_http(served):
+    ask = {"prompt": ONCE, "n_predict": 4, "temperature": 0, "cache_prompt": False}
+    _, blocks = stream(served, "/completion", {**ask, "return_progress": True})
+    chunks = [json.loads(b) for b in blocks]
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert progress[0]["processed"] == progress[0]["cache"] and progress[-1]["processed"] == progress[-1]["total"] > 0
+    assert "".join(c["content"] for c in chunks if "prompt_progress" not in c) == post(served, "/completion", ask).json()["content"]
+    _, blocks = stream(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "return_progress": True})
+    assert any("prompt_progress" in json.loads(b) for b in blocks if b != "[DONE]")
+    refused = post(served, "/completion", {**ask, "return_progress": True})
+    assert refused.status_code == 400 and "return_progress" in refused.json()["error"]["message"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 
 from kimitui.engine.llama_glue import llama_log
+from kimitui.engine.slots import common_prefix
 from kimitui.engine.state import EngineError, EngineState
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class Sampling:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
     grammar: str | None = None  # GBNF the reply must match (llama-cpp-python's LlamaGrammar)
     n_probs: int = 0  # with each token, the most likely n tokens and their log-probabilities
+    post_sampling: bool = False  # n_probs from what the sampler chain left, not the raw logits
     cache_prompt: bool = True  # False: evaluate the whole prompt afresh (same numerics every time)
     special: bool = False  # special tokens in the reply's text (a tool-call section's markers)
 
@@ -44,9 +46,21 @@ class TokenEvent:
     index: int
     wall_s: float  # since the previous token (the first: since the request began, prefill included)
     # With Sampling.n_probs: the token's own log-probability and the top n (id, log-probability),
-    # from the logits it was sampled from (logit bias applied, before temperature and the rest).
+    # from the logits it was sampled from (logit bias applied, before temperature and the rest);
+    # with Sampling.post_sampling, from the candidates the whole sampler chain left.
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far the prompt's evaluation is (llama-server's prompt_progress), for a Generation
+    made with ``progress``: before the first micro-batch, then after each."""
+
+    total: int  # the prompt's tokens
+    cache: int  # of them, kept from the context's last contents
+    processed: int  # evaluated so far, the kept ones included
+    time_ms: float  # since the reply began computing
 
 
 class LogitsHook:
@@ -81,6 +95,62 @@ class LogitsHook:
         best = np.argpartition(-lp, min(self.n_probs, len(lp) - 1))[: self.n_probs]
         best = best[np.argsort(-lp[best])]
         return float(lp[token]), tuple((int(i), float(lp[i])) for i in best)
+
+
+class SampledFrom:
+    """What each token was drawn from after the whole sampler chain (llama-server's
+    post_sampling_probs): the candidates top-k, top-p, min-p and the rest left, with the
+    probabilities the chain's last sampler normalised. It is appended to the chain
+    llama-cpp-python builds in generate(), after that sampler, so it reads and changes nothing."""
+
+    def __init__(self, n_probs: int, greedy: bool) -> None:
+        self.n_probs = n_probs
+        self.greedy = greedy  # the greedy sampler computes no probabilities: the pick is certain
+        self.selected: tuple[int, float] | None = None
+        self.top: tuple[tuple[int, float], ...] = ()
+
+    def __call__(self, cur_p) -> None:
+        import ctypes
+
+        import llama_cpp
+        import numpy as np
+
+        array = cur_p.contents
+        size = int(array.size)
+        if size == 0 or array.selected < 0:
+            self.selected, self.top = None, ()
+            return
+        if self.greedy:
+            self.selected = (int(array.data[array.selected].id), 1.0)
+            self.top = (self.selected,)
+            return
+        raw = (ctypes.c_char * (size * ctypes.sizeof(llama_cpp.llama_token_data))).from_address(ctypes.addressof(array.data.contents))
+        data = np.frombuffer(raw, dtype=np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True))
+        self.selected = (int(data["id"][array.selected]), float(data["p"][array.selected]))
+        best = np.argsort(-data["p"], kind="stable")[: self.n_probs]
+        self.top = tuple((int(data["id"][i]), float(data["p"][i])) for i in best if data["p"][i] > 0.0)
+
+    def install(self, llm) -> None:
+        build = type(llm)._init_sampler
+
+        def with_recorder(*args, **kwargs):
+            sampler = build(llm, *args, **kwargs)
+            sampler.add_custom(self)
+            return sampler
+
+        llm._init_sampler = with_recorder
+
+    @staticmethod
+    def uninstall(llm) -> None:
+        llm.__dict__.pop("_init_sampler", None)
+
+    def of(self, token: int) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+        """The token's log-probability and the top n (id, log-probability), as LogitsHook.of."""
+        import math
+
+        if self.selected is None or self.selected[0] != token:
+            return None, ()
+        return math.log(self.selected[1]), tuple((i, math.log(p)) for i, p in self.top)
 
 
 @dataclass
@@ -133,10 +203,12 @@ class Generation:
 
     def __init__(
         self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling, slot: int | None = None,
+        progress: bool = False,
     ):
         self.engine = engine
         self.sampling = sampling
         self.slot_asked = slot
+        self.progress = progress  # also yield PromptProgress while the prompt is evaluated
         self.result = GenerationResult()
         self.id = f"req-{next(_request_ids)}"
         self._build = build
@@ -154,7 +226,7 @@ class Generation:
     def queue_position(self) -> int | None:
         return None if self.ticket is None else self.engine.turns.position(self.ticket)
 
-    def __iter__(self) -> Iterator[TokenEvent]:
+    def __iter__(self) -> Iterator[TokenEvent | PromptProgress]:
         engine = self.engine
         queued_at = time.perf_counter()
         self.ticket = engine.turns.take()
@@ -177,7 +249,31 @@ class Generation:
         finally:
             engine.turns.release(self.ticket)
 
-    def _run(self) -> Iterator[TokenEvent]:
+    @staticmethod
+    def _prefill_in_batches(llm, prompt: list[int], started: float) -> Iterator[PromptProgress]:
+        """The prompt evaluated n_batch tokens at a time, as llama-cpp-python's generate() would
+        (the same prefix kept, the same batches), with a PromptProgress before the first batch and
+        after each; generate() then finds the whole prompt evaluated and samples from its logits,
+        so the tokens are those of a reply without progress."""
+        total = len(prompt)
+        kept = common_prefix(llm.input_ids[: llm.n_tokens].tolist(), prompt)
+        if not (kept == total == llm.n_tokens and not llm._requires_eval):
+            kept = kept - 1 if kept == total else kept  # generate() re-evaluates at least one token
+            if kept > 0 and llm._ctx.kv_cache_seq_rm(-1, kept, -1):
+                llm.n_tokens = kept
+            else:
+                llm.reset()
+                kept = 0
+
+        def progress() -> PromptProgress:
+            return PromptProgress(total, kept, llm.n_tokens, (time.perf_counter() - started) * 1000.0)
+
+        yield progress()
+        for start in range(kept, total, llm.n_batch):
+            llm.eval(prompt[start : start + llm.n_batch])
+            yield progress()
+
+    def _run(self) -> Iterator[TokenEvent | PromptProgress]:
         engine, s, result = self.engine, self.sampling, self.result
         llm = engine.llm
         metrics = engine.metrics
@@ -220,13 +316,18 @@ class Generation:
             tracer.request_started(self.id, engine.model_path.name, engine.trace_settings())
         text, emitted, cut = "", 0, -1
         last = started
+        sampled_from: SampledFrom | None = None
         finish = "length"
         try:
             if budget == 0:
                 return
             from llama_cpp import LlamaGrammar, LogitsProcessorList
 
-            logits = LogitsHook(s.logit_bias, s.n_probs) if s.logit_bias or s.n_probs else None
+            post = s.post_sampling and s.n_probs > 0
+            logits = LogitsHook(s.logit_bias, 0 if post else s.n_probs) if s.logit_bias or (s.n_probs and not post) else None
+            if post:
+                sampled_from = SampledFrom(s.n_probs, greedy=s.temperature <= 0)
+                sampled_from.install(llm)
             grammar = None
             if s.grammar is not None:
                 error = engine.grammar_error(s.grammar)  # a refused grammar in the sampler chain would crash the process
@@ -252,6 +353,8 @@ class Generation:
             experts = engine.streamer.experts if engine.streamer is not None else None
             if experts is not None:
                 experts.begin_prefill()
+            if self.progress:
+                yield from self._prefill_in_batches(llm, prompt_tokens, started)
             for index, token in enumerate(tokens):
                 now = time.perf_counter()
                 wall = now - last
@@ -279,7 +382,10 @@ class Generation:
                     at = text.find(stop, max(0, emitted - len(stop)))
                     if at != -1 and (cut == -1 or at < cut):
                         cut = at
-                logprob, top = logits.of(token) if logits is not None else (None, ())
+                if sampled_from is not None:
+                    logprob, top = sampled_from.of(token)
+                else:
+                    logprob, top = logits.of(token) if logits is not None and logits.n_probs else (None, ())
                 if cut != -1:
                     text = text[:cut]
                     yield TokenEvent(text[emitted:], token, index, wall, logprob, top)
@@ -321,6 +427,8 @@ class Generation:
                 result.error = f"generation failed: {exc}" + (f" (llama.cpp: {reason})" if reason else "")
             raise EngineError(result.error) from None
         finally:
+            if sampled_from is not None:
+                sampled_from.uninstall(llm)
             result.text = text
             result.finish_reason = finish
             result.decode_s = max(0.0, last - started - result.prompt_s)

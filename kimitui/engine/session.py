@@ -789,8 +789,9 @@ class Engine:
     def chat(self, messages: list[dict], sampling: Sampling) -> "Generation":
         return Generation(self, lambda: self.fit_chat(messages, sampling.max_tokens), sampling)
 
-    def complete(self, prompt: str | list[int], sampling: Sampling, slot: int | None = None) -> "Generation":
-        """A reply to ``prompt``, in ``slot`` (None: the slot whose cached prompt fits it best)."""
+    def complete(self, prompt: str | list[int], sampling: Sampling, slot: int | None = None, progress: bool = False) -> "Generation":
+        """A reply to ``prompt``, in ``slot`` (None: the slot whose cached prompt fits it best);
+        with ``progress``, PromptProgress events come before its tokens."""
         def build():
             tokens = list(prompt) if isinstance(prompt, list) else self.tokenize(prompt)
             if not tokens:
@@ -799,7 +800,7 @@ class Engine:
                 raise EngineError(f"the prompt is {len(tokens)} tokens; {self.context_words}")
             return tokens, ()
 
-        return Generation(self, build, sampling, slot=slot)
+        return Generation(self, build, sampling, slot=slot, progress=progress)
 
 
 def engine_from_settings(settings, model_path: Path) -> Engine:

@@ -13,11 +13,12 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import threading
 import time
 import uuid
 import weakref
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse
@@ -34,7 +35,7 @@ from starlette.routing import Route
 from kimitui import __version__
 from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
-from kimitui.engine.generation import Generation, GenerationResult, Sampling, TokenEvent
+from kimitui.engine.generation import Generation, GenerationResult, PromptProgress, Sampling, TokenEvent
 from kimitui.engine.session import Engine
 from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
 from kimitui.server import prom
@@ -54,8 +55,6 @@ FINGERPRINT = f"b{__version__}-kimitui"  # OpenAI's system_fingerprint; llama-se
 QUEUE_HEADER = "X-Queue-Position"
 # llama-server's fields kimitui does not offer: (name, the values that mean "off", why).
 NOT_OFFERED = (
-    ("post_sampling_probs", (False,), "probabilities are reported before sampling (the logits, bias applied)"),
-    ("return_progress", (False,), "prompt progress is not streamed (one micro-batch at a time is all there is)"),
     ("lora", ([],), "kimitui loads no LoRA adapters"),
     ("mirostat", (0,), "mirostat sampling is not offered"),
 )
@@ -195,8 +194,9 @@ def _piece(engine: Engine, token: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def native_probs(engine: Engine, events: list[TokenEvent]) -> list[dict]:
-    """llama-server's completion_probabilities: each token, its log-probability and the top n."""
+def native_probs(engine: Engine, events: list[TokenEvent], post_sampling: bool = False) -> list[dict]:
+    """llama-server's completion_probabilities: each token, its log-probability and the top n;
+    with post_sampling_probs, as llama-server gives them then: probabilities, under "prob"."""
     out = []
     for e in events:
         if e.token_id < 0 or e.logprob is None:
@@ -205,8 +205,11 @@ def native_probs(engine: Engine, events: list[TokenEvent]) -> list[dict]:
         top = []
         for tid, lp in e.top:
             t_text, t_raw = _piece(engine, tid)
-            top.append({"id": tid, "token": t_text, "bytes": t_raw, "logprob": lp})
-        out.append({"id": e.token_id, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top})
+            top.append({"id": tid, "token": t_text, "bytes": t_raw, **({"prob": math.exp(lp)} if post_sampling else {"logprob": lp})})
+        if post_sampling:
+            out.append({"id": e.token_id, "token": text, "bytes": raw, "prob": math.exp(e.logprob), "top_probs": top})
+        else:
+            out.append({"id": e.token_id, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top})
     return out
 
 
@@ -516,13 +519,18 @@ class Api:
         for name, off, why in NOT_OFFERED:
             fields.unsupported(name, *off, why=why)
 
-    def ask_slot(self, request: Request, fields: Fields) -> None:
-        """The request's ``id_slot`` (-1: the slot whose cached prompt fits best), for start()."""
+    def read_turn(self, request: Request, fields: Fields) -> None:
+        """The request's ``id_slot`` (-1: the slot whose cached prompt fits best) and
+        ``return_progress``, for start()."""
         asked = fields.integer("id_slot", -1, -1, self.engine.slots.count - 1)
         request.state.slot = None if asked == -1 else asked
+        request.state.progress = fields.boolean("return_progress", False)
+        if request.state.progress and not fields.boolean("stream", False):
+            raise ApiError("return_progress: prompt progress is sent on a streamed reply only (give stream: true)")
 
     def start(self, request: Request, tokens: list[int], sampling: Sampling) -> tuple[Generation, dict]:
-        generation = self.engine.complete(tokens, sampling, getattr(request.state, "slot", None))
+        state = request.state
+        generation = self.engine.complete(tokens, sampling, getattr(state, "slot", None), getattr(state, "progress", False))
         # Ahead of this request when it arrives (0 = starts now): replies in line or computing,
         # and replies of this API that arrived just before and are still taking their turn.
         ahead = sum(1 for g in list(self._arriving) if g.ticket is None and not g.cancelled)
@@ -643,7 +651,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
-        self.ask_slot(request, fields)
+        self.read_turn(request, fields)
         sampling = await self.sampling(fields, openai=False)
         stream = fields.boolean("stream", False)
         return_tokens = fields.boolean("return_tokens", False)
@@ -657,7 +665,7 @@ class Api:
         def final(index: int, generation: Generation, events: list[TokenEvent], content: str) -> dict:
             body = self.native_result(index, token_lists[index], generation, events, content, return_tokens=return_tokens)
             if sampling.n_probs and not stream:
-                body["completion_probabilities"] = native_probs(self.engine, events)
+                body["completion_probabilities"] = native_probs(self.engine, events, sampling.post_sampling)
             return only_fields(body, wanted) if wanted else body  # [] asks for everything, as in llama-server
 
         if not stream:
@@ -676,11 +684,15 @@ class Api:
                 events: list[TokenEvent] = []
                 try:
                     async for event in run_generation(generation):
+                        if isinstance(event, PromptProgress):
+                            yield _dumps({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": generation.result.slot,
+                                          "prompt_progress": asdict(event)})
+                            continue
                         events.append(event)
                         chunk = {"index": index, "content": event.text, "stop": False, "id_slot": generation.result.slot,
                                  "tokens": [event.token_id] if event.token_id >= 0 else []}
                         if sampling.n_probs and event.token_id >= 0:
-                            chunk["completion_probabilities"] = native_probs(self.engine, [event])
+                            chunk["completion_probabilities"] = native_probs(self.engine, [event], sampling.post_sampling)
                         if per_token:
                             chunk["timings"] = timings(generation.result)
                         yield _dumps(chunk)
@@ -839,7 +851,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
-        self.ask_slot(request, fields)
+        self.read_turn(request, fields)
         sampling = await self.sampling(fields, openai=True)
         fields.unsupported("echo", False)
         fields.unsupported("suffix", "")
@@ -855,7 +867,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
-        self.ask_slot(request, fields)
+        self.read_turn(request, fields)
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
         messages = chat_messages(fields.body.get("messages"))
@@ -878,7 +890,7 @@ class Api:
         sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
         if calling and fields.boolean("stream", False):
             # Such a reply is sent once whole (see _whole_as_stream): what comes per token cannot be.
-            for name in ("logprobs", "timings_per_token"):
+            for name in ("logprobs", "timings_per_token", "return_progress"):
                 if fields.body.get(name):
                     raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
         return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True, calling=form if calling else None, per_prompt=n)
@@ -1010,6 +1022,10 @@ class Api:
                 events: list[TokenEvent] = []
                 try:
                     async for event in run_generation(generation):
+                        if isinstance(event, PromptProgress):  # as llama-server sends it: an empty delta
+                            empty = choice(index, None, None, first=True) if chat else choice(index, "", None)
+                            yield _dumps(envelope([empty], **extra, prompt_progress=asdict(event)))
+                            continue
                         events.append(event)
                         more = {"timings": timings(generation.result)} if per_token else {}
                         yield _dumps(envelope([choice(index, event.text, None, [event] if event.token_id >= 0 else ())], **extra, **more))

@@ -256,6 +256,7 @@ def sampling_from(fields: Fields, limits: Limits, *, openai: bool, n_vocab: int,
         logit_bias=logit_bias(fields.body.get("logit_bias"), "logit_bias", n_vocab, tokenize),
         grammar=grammar,
         n_probs=_n_probs(fields, openai),
+        post_sampling=fields.boolean("post_sampling_probs", False),
         cache_prompt=fields.boolean("cache_prompt", True),
     )
 
