@@ -383,3 +383,14 @@ def test_return_progress_over_http(served):
     assert any("prompt_progress" in json.loads(b) for b in blocks if b != "[DONE]")
     refused = post(served, "/completion", {**ask, "return_progress": True})
     assert refused.status_code == 400 and "return_progress" in refused.json()["error"]["message"]
+
+
+def test_truncated_says_the_context_filled(served):
+    """llama-server's truncated: the reply stopped because the context was full, not at its
+    n_predict (end-of-text banned, so only a limit can stop it)."""
+    eos = served.engine.llm.token_eos()
+    prompt = "hello " * 400  # 400 tokens of the 512: room for 112, fewer than the 200 asked
+    full = post(served, "/completion", {"prompt": prompt, "n_predict": 200, "logit_bias": [[eos, False]], "temperature": 0}).json()
+    assert full["truncated"] is True and full["tokens_predicted"] == 512 - full["tokens_evaluated"] and full["stop_type"] == "limit"
+    short = post(served, "/completion", {"prompt": prompt, "n_predict": 8, "logit_bias": [[eos, False]], "temperature": 0}).json()
+    assert short["truncated"] is False and short["tokens_predicted"] == 8

@@ -164,6 +164,7 @@ class GenerationResult:
     decode_s: float = 0.0
     queued_s: float = 0.0
     slot: int = 0  # the slot it ran in (Engine.slots)
+    context_full: bool = False  # it ended at "length" because the context (the slot) was full
     error: str | None = None
     timings: list[float] = field(default_factory=list)
 
@@ -431,6 +432,7 @@ class Generation:
                 sampled_from.uninstall(llm)
             result.text = text
             result.finish_reason = finish
+            result.context_full = finish == "length" and budget < s.max_tokens and result.completion_tokens >= budget
             result.decode_s = max(0.0, last - started - result.prompt_s)
             metrics.request_finished()
             engine.save_heatmap()

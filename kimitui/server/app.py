@@ -628,7 +628,9 @@ class Api:
             "generation_settings": self.generation_settings(sampling),
             "prompt": self.engine.detokenize(prompt, special=True),
             "has_new_line": "\n" in r.text,
-            "truncated": False,  # a prompt that does not fit is refused, never cut
+            # llama-server's meaning: the reply was cut because the context filled (a prompt
+            # that does not fit is refused, never cut).
+            "truncated": r.context_full,
             "stop_type": stop_type,
             "stopping_word": word,
             "timings": timings(r),
