@@ -308,3 +308,51 @@ def test_a_split_set_whose_files_end_inside_a_page_streams(tmp_path):
         assert reply_tokens(engine, tokens=8) == expected
     finally:
         engine.close()
+
+
+def test_two_slots_keep_each_conversations_kda_state(k3_model):
+    """Two conversations taking turns in two slots of a streamed K3: each turn gives the tokens
+    stock llama.cpp gives that conversation alone, and evaluates as many prompt tokens as there
+    (its KDA state was parked while the other conversation ran, then put back)."""
+    openers = {"a": "Tell me about foxes.", "b": "Name three rivers."}
+
+    def turn(engine: Engine, messages: list[dict], slot: int | None, evaluated: list[int]) -> tuple[str, int]:
+        evaluated.clear()
+        tokens, stops = engine.chat_prompt(messages)
+        gen = engine.complete(tokens, Sampling(temperature=0.0, max_tokens=6, stop=stops), slot=slot)
+        list(gen)
+        messages += [{"role": "assistant", "content": gen.result.text}, {"role": "user", "content": "And then?"}]
+        return gen.result.text, evaluated[0] if evaluated else 0  # the prompt's decode: its new tokens
+
+    def counting(engine: Engine) -> list[int]:
+        evaluated: list[int] = []
+        real_decode = engine.llm._ctx.decode
+        engine.llm._ctx.decode = lambda batch: (evaluated.append(batch.batch.n_tokens), real_decode(batch))[1]
+        return evaluated
+
+    stock = Engine(k3_model, n_ctx=256, fast_load=False)
+    stock.load()
+    try:
+        evaluated = counting(stock)
+        expected = {}
+        for name, opener in openers.items():  # each conversation alone, both turns
+            messages = [{"role": "user", "content": opener}]
+            expected[name] = [turn(stock, messages, None, evaluated) for _ in range(2)]
+    finally:
+        stock.close()
+    model = load_model_map(k3_model)
+    engine = Engine(k3_model, n_ctx=512, budget=minimum_budget(model) + 2 * MIB, n_slots=2)
+    engine.load()
+    engine.pin()
+    try:
+        evaluated = counting(engine)
+        conversations = {name: [{"role": "user", "content": opener}] for name, opener in openers.items()}
+        got: dict[str, list[tuple[str, int]]] = {name: [] for name in openers}
+        for _ in range(2):
+            for slot, name in enumerate(openers):
+                got[name].append(turn(engine, conversations[name], slot, evaluated))
+        assert got == expected
+        reused = [name for name in openers if got[name][1][1] < len(engine.chat_prompt(conversations[name][:3])[0])]
+        assert reused, "no second turn reused its conversation's state"
+    finally:
+        engine.close()

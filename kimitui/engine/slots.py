@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 from kimitui.engine.state import EngineError
 
 
+# llama-server's --slot-prompt-similarity default: a cached prompt sharing less of a new prompt
+# than this is not worth its slot (a shared chat template's opening is not a conversation).
+SIMILARITY = 0.1
+
+
 @dataclass
 class Slot:
     id: int
@@ -49,18 +54,19 @@ class Slots:
         return llm.input_ids[: llm.n_tokens].tolist() if slot.id == self.active else slot.tokens
 
     def choose(self, llm, prompt: list[int], asked: int | None) -> int:
-        """The slot a reply runs in: the one asked for, else the one whose cached prompt shares
-        the longest prefix with ``prompt`` (llama-server's pick), else the least recently used."""
+        """The slot a reply runs in, as llama-server picks it: the one asked for; else the one
+        whose cached prompt shares the longest prefix with ``prompt``, if that prefix is more
+        than SIMILARITY of the prompt; else the least recently used (an unused one first)."""
         if asked is not None:
             if not 0 <= asked < self.count:
                 raise EngineError(f"id_slot: {asked} is not a slot (there are {self.count}: 0 to {self.count - 1})")
             return asked
-        if self.count == 1:
-            return 0
-        best = max(self.slots, key=lambda s: (common_prefix(self.cached(llm, s), prompt), -s.used_at))
-        if common_prefix(self.cached(llm, best), prompt) == 0:
-            best = min(self.slots, key=lambda s: s.used_at)
-        return best.id
+        best, best_share = None, SIMILARITY
+        for slot in self.slots:
+            share = common_prefix(self.cached(llm, slot), prompt) / max(1, len(prompt))
+            if share > best_share:
+                best, best_share = slot, share
+        return (best or min(self.slots, key=lambda s: s.used_at)).id
 
     def activate(self, llm, slot_id: int) -> None:
         """Put ``slot_id``'s cached prompt in the context, parking the active slot's. Called in
