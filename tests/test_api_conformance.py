@@ -265,22 +265,23 @@ def test_a_slot_holds_its_share_of_the_context(two_slots):
     assert wrong.status_code == 400 and "id_slot" in wrong.json()["error"]["message"]
 
 
-def test_verbose_gives_the_prompt_as_the_model_saw_it(served):
+def test_verbose_gives_the_prompt_as_the_model_saw_it(served, oai):
     body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
-    plain = post(served, "/v1/chat/completions", body).json()
-    assert "__verbose" not in plain
-    shown = post(served, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
-    verbose = post(served, "/v1/chat/completions", {**body, "verbose": True}).json()
-    assert verbose["__verbose"]["prompt"] == shown and verbose["__verbose"]["tokens_predicted"] == verbose["usage"]["completion_tokens"]
+    plain = oai.chat.completions.create(model="m", **body)
+    assert "__verbose" not in (plain.model_extra or {})
+    shown = requests.post(served.url + "/apply-template", json={"messages": MESSAGES}, timeout=TIMEOUT).json()["prompt"]
+    verbose = oai.chat.completions.create(model="m", **body, extra_body={"verbose": True})
+    assert verbose.model_extra["__verbose"]["prompt"] == shown
+    assert verbose.model_extra["__verbose"]["tokens_predicted"] == verbose.usage.completion_tokens
     _, blocks = stream(served, "/v1/chat/completions", {**body, "verbose": True})
     last = json.loads(blocks[-2])
     assert last["choices"][0]["finish_reason"] and last["__verbose"]["prompt"] == shown
 
 
-def test_input_tokens_counts_a_chat_prompt(served):
-    count = post(served, "/v1/chat/completions/input_tokens", {"messages": MESSAGES}).json()["input_tokens"]
-    reply = post(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
-    assert count == reply["usage"]["prompt_tokens"] > 0
+def test_input_tokens_counts_a_chat_prompt(served, oai):
+    count = requests.post(served.url + "/v1/chat/completions/input_tokens", json={"messages": MESSAGES}, timeout=TIMEOUT).json()["input_tokens"]
+    reply = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
+    assert count == reply.usage.prompt_tokens > 0
     assert post(served, "/chat/completions/input_tokens", {"messages": "hi"}).status_code == 400
 
 
