@@ -344,8 +344,11 @@ def test_post_sampling_probs_are_what_the_token_was_drawn_from(served):
         assert 1 <= len(top) <= 3 and all(0.0 < t["prob"] <= 1.0 for t in top)
         assert sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-4)
         assert entry["prob"] == pytest.approx(next(t["prob"] for t in top if t["id"] == entry["id"]))
-    greedy = post(served, "/completion", {**ask, "temperature": 0, "post_sampling_probs": True}).json()
-    assert all(e["prob"] == 1.0 and len(e["top_probs"]) == 1 for e in greedy["completion_probabilities"])
+    # Greedy: the pick is certain, and it is the token of highest probability before sampling.
+    greedy = {**ask, "temperature": 0}
+    certain = post(served, "/completion", {**greedy, "post_sampling_probs": True}).json()["completion_probabilities"]
+    raw = post(served, "/completion", greedy).json()["completion_probabilities"]
+    assert [e["id"] for e in certain] == [e["top_logprobs"][0]["id"] for e in raw]
 
 
 def test_prompt_progress_comes_batch_by_batch_and_changes_no_token(tmp_path):
@@ -360,8 +363,13 @@ def test_prompt_progress_comes_batch_by_batch_and_changes_no_token(tmp_path):
     try:
         prompt = engine.tokenize(ONCE * 2)
         greedy = Sampling(temperature=0.0, max_tokens=8, cache_prompt=False)
+        decoded: list[int] = []
+        real_decode = engine.llm._ctx.decode
+        engine.llm._ctx.decode = lambda batch: (decoded.append(batch.batch.n_tokens), real_decode(batch))[1]
         plain = [e.token_id for e in engine.complete(prompt, greedy) if e.token_id >= 0]
+        plain_batches, decoded[:] = list(decoded), []
         events = list(engine.complete(prompt, greedy, progress=True))
+        assert decoded == plain_batches  # the same micro-batches, the prompt evaluated once
         progress = [e for e in events if isinstance(e, PromptProgress)]
         assert [e.token_id for e in events if not isinstance(e, PromptProgress) and e.token_id >= 0] == plain
         assert len(progress) == -(-len(prompt) // 8) + 1 and progress[0].processed == progress[0].cache == 0
@@ -380,8 +388,13 @@ def test_return_progress_over_http(served):
     progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
     assert progress[0]["processed"] == progress[0]["cache"] and progress[-1]["processed"] == progress[-1]["total"] > 0
     assert "".join(c["content"] for c in chunks if "prompt_progress" not in c) == post(served, "/completion", ask).json()["content"]
-    _, blocks = stream(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "return_progress": True})
-    assert any("prompt_progress" in json.loads(b) for b in blocks if b != "[DONE]")
+    chat = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "cache_prompt": False}
+    _, blocks = stream(served, "/v1/chat/completions", {**chat, "return_progress": True})
+    chunks = [json.loads(b) for b in blocks if b != "[DONE]"]
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert progress and progress[-1]["processed"] == progress[-1]["total"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == post(served, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
     refused = post(served, "/completion", {**ask, "return_progress": True})
     assert refused.status_code == 400 and "return_progress" in refused.json()["error"]["message"]
 
@@ -395,3 +408,6 @@ def test_truncated_says_the_context_filled(served):
     assert full["truncated"] is True and full["tokens_predicted"] == 512 - full["tokens_evaluated"] and full["stop_type"] == "limit"
     short = post(served, "/completion", {"prompt": prompt, "n_predict": 8, "logit_bias": [[eos, False]], "temperature": 0}).json()
     assert short["truncated"] is False and short["tokens_predicted"] == 8
+    room = 512 - full["tokens_evaluated"]  # asked for exactly what is left: the context is full all the same
+    exact = post(served, "/completion", {"prompt": prompt, "n_predict": room, "logit_bias": [[eos, False]], "temperature": 0}).json()
+    assert exact["truncated"] is True and exact["tokens_predicted"] == room

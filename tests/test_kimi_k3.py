@@ -352,7 +352,8 @@ def test_two_slots_keep_each_conversations_kda_state(k3_model):
             for slot, name in enumerate(openers):
                 got[name].append(turn(engine, conversations[name], slot, evaluated))
         assert got == expected
-        reused = [name for name in openers if got[name][1][1] < len(engine.chat_prompt(conversations[name][:3])[0])]
-        assert reused, "no second turn reused its conversation's state"
+        # Conversation a's reply re-tokenizes to its own tokens, so its state is reused; b's does
+        # not (stock re-evaluates it whole too, as compared above).
+        assert got["a"][1][1] < len(engine.chat_prompt(conversations["a"][:3])[0])
     finally:
         engine.close()

@@ -197,18 +197,20 @@ MIN_CTX = 256
 
 
 def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1) -> int:
-    """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers; with
-    several slots, also the prompts parked beside it (each up to a slot's share of the context,
-    and a recurrent state of its own)."""
+    """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers. With
+    several slots llama.cpp's context is one slot's share, and beside it the slots' prompts are
+    parked (each up to that share, with a recurrent state of its own; all of them at once while
+    one is being swapped for another)."""
     arch = model.architecture
     kv = model.hparams
     n_vocab = int(kv.get(f"{arch}.vocab_size") or 0) or 32000
     n_embd = int(kv.get(f"{arch}.embedding_length") or 0)
     n_head = int(kv.get(f"{arch}.attention.head_count") or 1)
-    tokens = min(n_ubatch, n_ctx)
-    compute = 4 * tokens * (n_vocab + n_head * n_ctx + 8 * n_embd)
-    parked = (slots - 1) * context_bytes(kv, arch, n_ctx // slots)
-    return context_bytes(kv, arch, n_ctx) + parked + int(compute * COMPUTE_MARGIN)
+    live = n_ctx // slots
+    tokens = min(n_ubatch, live)
+    compute = 4 * tokens * (n_vocab + n_head * live + 8 * n_embd)
+    parked = slots * context_bytes(kv, arch, live) if slots > 1 else 0
+    return context_bytes(kv, arch, live) + parked + int(compute * COMPUTE_MARGIN)
 
 
 def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1) -> int | None:

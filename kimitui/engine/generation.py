@@ -251,11 +251,11 @@ class Generation:
             engine.turns.release(self.ticket)
 
     @staticmethod
-    def _prefill_in_batches(llm, prompt: list[int], started: float) -> Iterator[PromptProgress]:
+    def _prefill_in_batches(llm, prompt: list[int], started: float, cancel: threading.Event) -> Iterator[PromptProgress]:
         """The prompt evaluated n_batch tokens at a time, as llama-cpp-python's generate() would
         (the same prefix kept, the same batches), with a PromptProgress before the first batch and
         after each; generate() then finds the whole prompt evaluated and samples from its logits,
-        so the tokens are those of a reply without progress."""
+        so the tokens are those of a reply without progress. Returns False when cancelled."""
         total = len(prompt)
         kept = common_prefix(llm.input_ids[: llm.n_tokens].tolist(), prompt)
         if not (kept == total == llm.n_tokens and not llm._requires_eval):
@@ -271,8 +271,11 @@ class Generation:
 
         yield progress()
         for start in range(kept, total, llm.n_batch):
+            if cancel.is_set():
+                return False
             llm.eval(prompt[start : start + llm.n_batch])
             yield progress()
+        return True
 
     def _run(self) -> Iterator[TokenEvent | PromptProgress]:
         engine, s, result = self.engine, self.sampling, self.result
@@ -294,11 +297,11 @@ class Generation:
         result.prompt_tokens = len(prompt_tokens)
         try:
             result.slot = engine.slots.choose(llm, prompt_tokens, self.slot_asked)
+            engine.slots.activate(llm, result.slot)
         except EngineError as exc:
             result.finish_reason, result.error = "error", str(exc)
             metrics.request_finished()
             raise
-        engine.slots.activate(llm, result.slot)
         budget = max(0, min(s.max_tokens, engine.slot_ctx - len(prompt_tokens)))
         llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -354,8 +357,9 @@ class Generation:
             experts = engine.streamer.experts if engine.streamer is not None else None
             if experts is not None:
                 experts.begin_prefill()
-            if self.progress:
-                yield from self._prefill_in_batches(llm, prompt_tokens, started)
+            if self.progress and not (yield from self._prefill_in_batches(llm, prompt_tokens, started, self._cancel)):
+                finish = "cancelled"  # between two batches: the context holds what was evaluated
+                return
             for index, token in enumerate(tokens):
                 now = time.perf_counter()
                 wall = now - last
@@ -419,6 +423,11 @@ class Generation:
             raise
         except Exception as exc:  # llama_decode failures and the like: stop this reply only
             finish = "error"
+            # llama.cpp takes back only the micro-batch that failed; earlier ones of the same
+            # evaluation stay in the cache (and in a recurrent state, for good) beyond what
+            # llama-cpp-python counts. Cleared, the next reply starts afresh instead of from that.
+            llm.reset()
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
             streamer = engine.streamer
             if streamer is not None and streamer.error is not None:
                 result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
@@ -432,7 +441,7 @@ class Generation:
                 sampled_from.uninstall(llm)
             result.text = text
             result.finish_reason = finish
-            result.context_full = finish == "length" and budget < s.max_tokens and result.completion_tokens >= budget
+            result.context_full = finish == "length" and result.completion_tokens >= engine.slot_ctx - len(prompt_tokens)
             result.decode_s = max(0.0, last - started - result.prompt_s)
             metrics.request_finished()
             engine.save_heatmap()

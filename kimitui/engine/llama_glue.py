@@ -309,8 +309,9 @@ def builtin_chat_templates() -> tuple[str, ...]:
 
 
 class BuiltinChatFormatter:
-    """A built-in chat template, rendered by llama.cpp itself (``llama_chat_apply_template``),
-    as llama-server renders ``--chat-template NAME``. Such a template knows roles and text only."""
+    """A built-in chat template, rendered by llama.cpp itself (``llama_chat_apply_template``, its
+    non-Jinja path). Such a template knows roles and text only: tools and tool calls are refused,
+    never dropped."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -321,6 +322,8 @@ class BuiltinChatFormatter:
 
         if tools:
             raise ValueError(f"the built-in template {self.name} renders no tools")
+        if any(m.get("tool_calls") for m in messages):
+            raise ValueError(f"the built-in template {self.name} renders no tool calls")
         texts = [(m["role"].encode(), (m.get("content") or "").encode()) for m in messages]
         chat = (llama_cpp.llama_chat_message * len(texts))(*(llama_cpp.llama_chat_message(r, c) for r, c in texts))
         size = 2 * sum(len(c) + len(r) for r, c in texts) + 256

@@ -234,7 +234,7 @@ class Engine:
                 with stock, llama_params(progress if hooks is None else None, self.repack, *callbacks), templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
-                        n_ctx=self.n_ctx,
+                        n_ctx=self.slot_ctx,  # one slot's share: the others are parked (slots.py)
                         n_batch=self.n_batch,
                         n_ubatch=self.n_ubatch,
                         n_threads=self.n_threads,
@@ -656,6 +656,7 @@ class Engine:
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
+            self.slots.forget()
             for m in self.mappings.values():
                 if m.fd >= 0:
                     os.close(m.fd)

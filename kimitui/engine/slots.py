@@ -26,7 +26,7 @@ SIMILARITY = 0.1
 class Slot:
     id: int
     tokens: list[int] = field(default_factory=list)  # its cached prompt, while parked
-    state: bytes = b""  # llama.cpp's state of sequence 0 for those tokens, while parked
+    state: bytearray = field(default_factory=bytearray)  # llama.cpp's state of sequence 0 for them, while parked
     used_at: float = 0.0
 
 
@@ -79,12 +79,15 @@ class Slots:
         ctx = llm._ctx.ctx
         current = self.slots[self.active]
         current.tokens = llm.input_ids[: llm.n_tokens].tolist()
-        current.state = b""
+        current.state = bytearray()
         if current.tokens:
+            # Written by llama.cpp straight into the bytes kept: one copy of the state, no more.
             size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-            buffer = (ctypes.c_uint8 * size)()
-            written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
-            current.state = bytes(buffer[:written]) if written else b""
+            current.state = bytearray(size)
+            view = (ctypes.c_uint8 * size).from_buffer(current.state)
+            written = llama_cpp.llama_state_seq_get_data(ctx, view, size, 0)
+            del view
+            del current.state[written:]
             if not current.state:
                 current.tokens = []  # llama.cpp could not copy it: the slot starts afresh next time
         # Cleared whole (only sequence 0 is used), so the next tokens fill the cells from the
@@ -94,8 +97,10 @@ class Slots:
         llm.n_tokens = 0
         wanted = self.slots[slot_id]
         if wanted.tokens and wanted.state:
-            buffer = (ctypes.c_uint8 * len(wanted.state)).from_buffer_copy(wanted.state)
-            if llama_cpp.llama_state_seq_set_data(ctx, buffer, len(wanted.state), 0):
+            view = (ctypes.c_uint8 * len(wanted.state)).from_buffer(wanted.state)
+            restored = llama_cpp.llama_state_seq_set_data(ctx, view, len(wanted.state), 0)
+            del view
+            if restored:
                 llm.input_ids[: len(wanted.tokens)] = wanted.tokens
                 llm.n_tokens = len(wanted.tokens)
                 # The logits are not part of a sequence's state: the next reply re-evaluates
@@ -103,13 +108,11 @@ class Slots:
                 llm._requires_eval = True
             else:
                 llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        wanted.tokens, wanted.state = [], b""
+        wanted.tokens, wanted.state = [], bytearray()
         self.active = slot_id
 
     def forget(self) -> None:
-        """Drop every parked prompt (the context was reset or recreated)."""
+        """Drop every parked prompt (the model is closed: its states mean nothing to another)."""
         for slot in self.slots:
-            slot.tokens, slot.state = [], b""
-
-    def parked_bytes(self) -> int:
-        return sum(len(s.state) for s in self.slots)
+            slot.tokens, slot.state = [], bytearray()
+        self.active = 0

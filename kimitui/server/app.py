@@ -519,7 +519,7 @@ class Api:
         for name, off, why in NOT_OFFERED:
             fields.unsupported(name, *off, why=why)
 
-    def read_turn(self, request: Request, fields: Fields) -> None:
+    def read_slot_and_progress(self, request: Request, fields: Fields) -> None:
         """The request's ``id_slot`` (-1: the slot whose cached prompt fits best) and
         ``return_progress``, for start()."""
         asked = fields.integer("id_slot", -1, -1, self.engine.slots.count - 1)
@@ -653,7 +653,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
-        self.read_turn(request, fields)
+        self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=False)
         stream = fields.boolean("stream", False)
         return_tokens = fields.boolean("return_tokens", False)
@@ -719,6 +719,16 @@ class Api:
             raise ApiError(f"messages: {exc}") from None
         return JSONResponse({"prompt": rendered.prompt})
 
+    def offered_tools(self, fields: Fields) -> tuple[list[dict], Any, bool]:
+        """The request's tools, its tool_choice, and whether a reply may call one (checked
+        against the template's tool-call format)."""
+        tools = tool_calls.tools_of(fields.body.get("tools"))
+        choice = tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools)
+        calling = bool(tools) and choice != "none"
+        if calling:
+            self.tool_format()
+        return tools, choice, calling
+
     def tool_format(self) -> str:
         """The tool-call format of the chat template in use; a 400 where it has none."""
         form = tool_calls.tool_format(self.engine.template_text)
@@ -736,12 +746,9 @@ class Api:
         fields = await self.body(request)
         messages = chat_messages(fields.body.get("messages"))
         check_prefill(fields, messages)
-        tools = tool_calls.tools_of(fields.body.get("tools"))
-        offered = tools if tools and tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools) != "none" else None
-        if offered:
-            self.tool_format()
+        tools, _, calling = self.offered_tools(fields)
         try:
-            tokens, _ = await run_in_threadpool(self.engine.chat_prompt, messages, offered)
+            tokens, _ = await run_in_threadpool(self.engine.chat_prompt, messages, tools if calling else None)
         except ChatTemplateError as exc:
             raise ApiError(f"messages: {exc}") from None
         return JSONResponse({"input_tokens": len(tokens)})
@@ -853,7 +860,7 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
-        self.read_turn(request, fields)
+        self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=True)
         fields.unsupported("echo", False)
         fields.unsupported("suffix", "")
@@ -869,14 +876,12 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         self.refuse(fields)
-        self.read_turn(request, fields)
+        self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
         messages = chat_messages(fields.body.get("messages"))
         check_prefill(fields, messages)
-        tools = tool_calls.tools_of(fields.body.get("tools"))
-        choice = tool_calls.tool_choice_of(fields.body.get("tool_choice"), tools)
-        calling = bool(tools) and choice != "none"
+        tools, choice, calling = self.offered_tools(fields)
         form = self.tool_format() if calling else None
         if calling:
             if choice != "auto":
