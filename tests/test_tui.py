@@ -159,7 +159,7 @@ async def test_history_reopens_after_restart():
         await wait_for(pilot, lambda: second.main.ready)
         assert not second.query(MessageView)
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(second.screen, HistoryScreen))
+        await wait_for(pilot, lambda: isinstance(second.screen, HistoryScreen) and second.screen.filled)
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(second.query(MessageView)) == 2)
         assert [v.text for v in second.query(MessageView)] == texts
@@ -173,13 +173,26 @@ async def test_history_lists_markup_titles_and_survives_deleting_the_open_chat()
     async with app.run_test(size=(120, 40)) as pilot:
         await ask(pilot, app, "what does [/] mean")  # the title is text, not Textual markup
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen) and app.screen.filled)
         await pilot.press("d", "escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen) and not app.query(MessageView))
         assert app.main.conversation_id is None
         await ask(pilot, app, "Hi")  # a new conversation, not the deleted one
         messages = app.store.messages(app.main.conversation_id)
         assert [(m.role, m.content) for m in messages][:1] == [("user", "Hi")] and len(messages) == 2
+
+
+async def test_history_exports_a_conversation_to_markdown(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the dialog exports into the working directory
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ask(pilot, app, "Name a sea")
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen) and app.screen.filled)
+        await pilot.press("e")
+        await wait_for(pilot, lambda: list(tmp_path.glob("kimitui-*.md")))
+        text = next(tmp_path.glob("kimitui-*.md")).read_text(encoding="utf-8")
+        assert "Name a sea" in text and app.query(MessageView).last().text.strip()[:20] in text
 
 
 async def test_regenerate_new_chat_copy_and_panel_keys():

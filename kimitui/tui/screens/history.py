@@ -1,7 +1,10 @@
-"""Saved conversations: open, delete, export to Markdown."""
+"""Saved conversations: open, delete, export to Markdown. Every read and write of the store
+runs on the history thread (HistoryWriter), after the writes queued before it: a long history
+never holds the event loop, and a dialog never shows a reply's state older than the chat's."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -31,26 +34,31 @@ class HistoryScreen(ModalScreen[int | None]):
         self.history = history
         self.store = history.store
         self.export_dir = export_dir
+        self.filled = False  # the list has been read (it is read off the event loop)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="history-box"):
             yield Label("Conversations  [dim]enter open · d delete · e export · esc close[/]")
             yield OptionList(id="history-list")
 
-    def on_mount(self) -> None:
-        self._fill()
+    async def on_mount(self) -> None:
         self.query_one(OptionList).focus()
+        await self._fill()
 
-    def _fill(self) -> None:
+    async def _fill(self) -> None:
+        conversations = await self.history.call(self.store.list_conversations)
+        if not self.is_attached:  # closed while the list was read
+            return
         options = self.query_one(OptionList)
         options.clear_options()
-        for conv in self.store.list_conversations():
+        for conv in conversations:
             when = time.strftime("%m-%d %H:%M", time.localtime(conv.updated))
             options.add_option(Option(f"{when}  {escape(conv.title)}  [dim]({conv.n_messages} msgs)[/]", id=str(conv.id)))
         if options.option_count == 0:
             options.add_option(Option("no saved conversations yet", disabled=True))
         else:
             options.highlighted = 0
+        self.filled = True
 
     def _selected_id(self) -> int | None:
         options = self.query_one(OptionList)
@@ -69,16 +77,17 @@ class HistoryScreen(ModalScreen[int | None]):
             await self.history.call(self.store.delete_conversation, conv_id)  # off the event loop, after queued writes
             self.notify("conversation deleted")
             if self.is_attached:  # the dialog may have closed while the delete ran
-                self._fill()
+                await self._fill()
 
-    def action_export(self) -> None:
+    async def action_export(self) -> None:
         conv_id = self._selected_id()
-        conv = self.store.get_conversation(conv_id) if conv_id is not None else None
+        conv = await self.history.call(self.store.get_conversation, conv_id) if conv_id is not None else None
         if conv is None:
             return
         target = self.export_dir / export_filename(conv)
         try:
-            target.write_text(self.store.export_markdown(conv.id), encoding="utf-8")
+            text = await self.history.call(self.store.export_markdown, conv.id)
+            await asyncio.to_thread(target.write_text, text, encoding="utf-8")
         except OSError as exc:
             self.notify(f"export failed: {exc.strerror}: {target}", severity="error")
             return
