@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kimitui.cli import add_common
 
     add_common(parser)
-    parser.add_argument("--host", help="address to listen on (default 127.0.0.1; others need an API key)")
+    parser.add_argument(
+        "--host", help="address to listen on, or several comma-separated (default 127.0.0.1; others need an API key)",
+    )
     parser.add_argument("--port", help="TCP port (default 8080; 0 = any free port)")
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     parser.add_argument("--max-n-predict", help="most tokens one request may ask for")
@@ -88,9 +90,20 @@ def run(args: argparse.Namespace) -> int:
 
     settings = resolve(args)
     host, api_key = settings["server.host"], settings["server.api_key"]
-    check_bind(host, api_key)
+    hosts = [h.strip() for h in host.split(",") if h.strip()] or ["127.0.0.1"]
+    for name in hosts:
+        check_bind(name, api_key)
     model_path = resolve_model(settings)
-    sock = bind_socket(host, settings["server.port"])
+    # Several addresses (llama-server's "127.0.0.1,::1") share one port: port 0 is chosen by
+    # the first bind, then asked of the others.
+    sockets = [bind_socket(hosts[0], settings["server.port"])]
+    for name in hosts[1:]:
+        try:
+            sockets.append(bind_socket(name, sockets[0].getsockname()[1]))
+        except UserError:
+            for sock in sockets:
+                sock.close()
+            raise
     from kimitui.cli import check_budget
     from kimitui.engine.session import engine_from_settings
 
@@ -130,19 +143,21 @@ def run(args: argparse.Namespace) -> int:
             return
         print(f"kimitui: {engine.info.name} ready (context {engine.n_ctx} tokens)", file=sys.stderr, flush=True)
 
-    url = base_url(sock)
+    url = base_url(sockets[0])
+    also = "".join(f" and {base_url(sock)}" for sock in sockets[1:])
     print(
-        f"kimitui: serving {model_path.name} on {url} (OpenAI base URL {url}/v1"
+        f"kimitui: serving {model_path.name} on {url}{also} (OpenAI base URL {url}/v1"
         f"{', API key required' if api_key else ''}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
     threading.Thread(target=load, name="kimitui-load", daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
     finally:
         engine.abort_load()
-        sock.close()
+        for sock in sockets:
+            sock.close()
         if trace is not None:
             trace.close()
     if failure:

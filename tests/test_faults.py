@@ -543,6 +543,8 @@ def test_host_rules_for_wildcard_named_and_ipv6_binds():
     assert host_allowed("phone.local:8080", "phone.local", none)
     assert not host_allowed("localhost", "192.168.1.20", none)
     assert host_allowed("anything.example", "127.0.0.1", frozenset({"*"}))
+    assert host_allowed("[::1]:8080", "127.0.0.1,::1", none) and host_allowed("phone.local", "127.0.0.1, phone.local", none)
+    assert not host_allowed("evil.example", "127.0.0.1,::1", none)
 
 
 def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):

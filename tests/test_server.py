@@ -624,3 +624,31 @@ def test_requests_refused_at_the_door_are_reported_too(served):
     refused = httpx.get(served.url + "/props", headers={"Host": "rebound.example"}, timeout=TIMEOUT)
     assert refused.status_code == 403
     wait_for(lambda: any(r["path"] == "/props" and r["status"] == 403 for r in served.records), "the 403 in on_request")
+
+
+def test_serve_listens_on_several_addresses(clean_env, tmp_path):
+    """`--host 127.0.0.1,::1`: one port on both loopbacks, each answering under its own name."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    log = tmp_path / "serve.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kimitui", "serve", "--port", "0", "--host", "127.0.0.1,::1", "--n-ctx", "512", "--threads", "1"],
+            stdout=sink, stderr=sink, env=dict(os.environ),
+        )
+    try:
+        wait_for(lambda: "serving" in log.read_text() or process.poll() is not None, "the serving line", 60)
+        line = next(l for l in log.read_text().splitlines() if "serving" in l)
+        port = int(line.split("http://127.0.0.1:")[1].split()[0])
+        assert f"and http://[::1]:{port}" in line
+        for url in (f"http://127.0.0.1:{port}", f"http://[::1]:{port}"):
+            wait_for(lambda: httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200, "the model to load")
+            reply = httpx.post(url + "/completion", json={"prompt": FRANCE, "n_predict": 2, "temperature": 0}, timeout=TIMEOUT)
+            assert reply.json()["tokens_predicted"] == 2
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(60)
+    assert code in (0, 130), log.read_text()

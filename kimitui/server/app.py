@@ -74,13 +74,18 @@ def _host_name(header: str) -> str:
 
 
 def host_allowed(header: str, bind_host: str, allowed: frozenset[str]) -> bool:
-    """Whether a request's Host header names this server: its own address, an address of any
-    interface when it listens on all of them, localhost when it listens on loopback, or one of
-    ``allowed`` (server.allowed_hosts). Anything else is a page that rebound its own name here."""
+    """Whether a request's Host header names this server: its own address (``bind_host``, or
+    any of several comma-separated), an address of any interface when it listens on all of
+    them, localhost when it listens on loopback, or one of ``allowed`` (server.allowed_hosts).
+    Anything else is a page that rebound its own name here."""
     name = _host_name(header)
     if not name or "*" in allowed or name in allowed:
         return True
-    bind = bind_host.strip("[]").lower()
+    return any(_names_bind(name, bind.strip().strip("[]").lower()) for bind in bind_host.split(","))
+
+
+def _names_bind(name: str, bind: str) -> bool:
+    """Whether ``name`` (a Host header's, not in server.allowed_hosts) is the address ``bind``."""
     try:
         bind_ip = ipaddress.ip_address(bind)
     except ValueError:
