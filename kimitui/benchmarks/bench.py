@@ -373,8 +373,9 @@ def run(args: argparse.Namespace) -> int:
                 figures["serial_limit_tok_s"] = 1 / serial_s if serial_s else None
                 figures["share_of_serial_limit"] = ratio(rate, figures["serial_limit_tok_s"])
         distinct = figures.get("prefill_distinct_expert_bytes")
-        if distinct and bandwidth and figures.get("ttft_s"):
+        if distinct:  # bytes against bytes: known even where the disk rate is not
             figures["prefill_read_vs_distinct"] = ratio(figures.get("prefill_expert_read_bytes"), distinct)
+        if distinct and bandwidth and figures.get("ttft_s"):
             # The prompt's distinct experts at the best disk rate, or its compute in RAM (the
             # in-RAM run's time to first token), whichever is longer.
             figures["prefill_share_of_limit"] = max(distinct / bandwidth, compute.get("ttft_s") or 0.0) / figures["ttft_s"]
