@@ -84,9 +84,7 @@ def resolve(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kimitui.cli import resolve_model
-    from kimitui.engine.state import EngineError
-    from kimitui.server.app import create_app
-    from kimitui.server.runner import base_url, bind_socket, check_bind, uvicorn_server
+    from kimitui.server.runner import bind_all, check_bind
 
     settings = resolve(args)
     host, api_key = settings["server.host"], settings["server.api_key"]
@@ -94,18 +92,20 @@ def run(args: argparse.Namespace) -> int:
     for name in hosts:
         check_bind(name, api_key)
     model_path = resolve_model(settings)
-    # Several addresses (llama-server's "127.0.0.1,::1") share one port: port 0 is chosen by
-    # the first bind, then asked of the others.
-    sockets = [bind_socket(hosts[0], settings["server.port"])]
-    for name in hosts[1:]:
-        try:
-            sockets.append(bind_socket(name, sockets[0].getsockname()[1]))
-        except UserError:
-            for sock in sockets:
-                sock.close()
-            raise
+    sockets = bind_all(hosts, settings["server.port"])
+    try:
+        return _serve(settings, model_path, sockets, api_key, hosts)
+    finally:  # every way out, a failure before uvicorn started included
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(settings, model_path, sockets: list, api_key: str, hosts: list[str]) -> int:
     from kimitui.cli import check_budget
     from kimitui.engine.session import engine_from_settings
+    from kimitui.engine.state import EngineError
+    from kimitui.server.app import create_app
+    from kimitui.server.runner import base_url, uvicorn_server
 
     check_budget(settings, model_path)
     # The same engine as the app's: budget, pinned set and streaming settings from the config.
@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     trace = open_trace(settings, list(engine.inspect().files))
     if trace is not None:
         trace.attach(engine)
-    server = uvicorn_server(create_app(engine, settings, api_key=api_key), quiet=False)
+    # The Host check knows the names given and the addresses they bound (not an empty entry).
+    bound = ",".join(dict.fromkeys(hosts + [sock.getsockname()[0] for sock in sockets]))
+    server = uvicorn_server(create_app(engine, settings, api_key=api_key, bind_host=bound), quiet=False)
     failure: list[str] = []
 
     shown = [0.0]
@@ -156,8 +158,6 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=sockets)
     finally:
         engine.abort_load()
-        for sock in sockets:
-            sock.close()
         if trace is not None:
             trace.close()
     if failure:

@@ -652,3 +652,24 @@ def test_serve_listens_on_several_addresses(clean_env, tmp_path):
         process.send_signal(signal.SIGINT)
         code = process.wait(60)
     assert code in (0, 130), log.read_text()
+
+
+def test_bind_all_is_all_or_none_and_pairs_wildcards():
+    from kimitui.server.runner import bind_all
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(UserError, match="cannot listen on no-such-host.invalid"):
+        bind_all(["127.0.0.1", "no-such-host.invalid"], port)
+    again = bind_all(["127.0.0.1"], port)  # the first socket was given back
+    again[0].close()
+    try:
+        pair = bind_all(["0.0.0.0", "::"], 0)  # IPv6-only beside IPv4 on one port, not a clash
+    except UserError as exc:
+        if "::" not in str(exc):
+            raise
+        pytest.skip("no IPv6 here")
+    assert len({s.getsockname()[1] for s in pair}) == 1
+    for s in pair:
+        s.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import pytest
@@ -193,6 +194,23 @@ async def test_history_exports_a_conversation_to_markdown(tmp_path, monkeypatch)
         await wait_for(pilot, lambda: list(tmp_path.glob("kimitui-*.md")))
         text = next(tmp_path.glob("kimitui-*.md")).read_text(encoding="utf-8")
         assert "Name a sea" in text and app.query(MessageView).last().text.strip()[:20] in text
+
+
+async def test_a_database_error_in_the_history_dialog_is_a_notice_and_the_chat_goes_on(monkeypatch):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.main.ready)
+
+        def locked():
+            raise sqlite3.OperationalError("database is locked")
+
+        monkeypatch.setattr(app.store, "list_conversations", locked)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: any("database is locked" in n.message for n in app._notifications))
+        assert isinstance(app.screen, HistoryScreen) and not app.screen.filled
+        await pilot.press("escape")
+        await ask(pilot, app, "Hi")  # the chat still answers, and is still saved
+        assert [m.role for m in HistoryStore(data_dir() / "history.sqlite3").messages(app.main.conversation_id)] == ["user", "assistant"]
 
 
 async def test_regenerate_new_chat_copy_and_panel_keys():

@@ -81,7 +81,8 @@ def host_allowed(header: str, bind_host: str, allowed: frozenset[str]) -> bool:
     name = _host_name(header)
     if not name or "*" in allowed or name in allowed:
         return True
-    return any(_names_bind(name, bind.strip().strip("[]").lower()) for bind in bind_host.split(","))
+    binds = [b.strip().strip("[]").lower() for b in bind_host.split(",")]
+    return any(_names_bind(name, bind) for bind in [b for b in binds if b] or [""])
 
 
 def _names_bind(name: str, bind: str) -> bool:

@@ -34,16 +34,22 @@ def check_bind(host: str, api_key: str | None) -> None:
         )
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket, so a busy port or a bad host is one clear line before uvicorn starts."""
+def bind_socket(host: str, port: int, *, v6only: bool = False) -> socket.socket:
+    """A listening socket, so a busy port or a bad host is one clear line before uvicorn starts.
+    ``v6only``: an IPv6 socket takes IPv6 alone (beside an IPv4 socket on the same port)."""
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise UserError(f"cannot listen on {host}: {exc.strerror}") from None
     family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:  # an address family this kernel does not have (IPv6 off)
+        raise UserError(f"cannot listen on {host}: {exc.strerror}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if v6only and family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
     except OSError as exc:
         sock.close()
@@ -51,6 +57,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     # Listening now lets clients connect (and wait) from the moment the address is printed.
     sock.listen(2048)
     return sock
+
+
+def bind_all(hosts: list[str], port: int) -> list[socket.socket]:
+    """One listening socket per address, all on one port (llama-server's "127.0.0.1,::1"):
+    port 0 is chosen by the first bind, then asked of the others. All or none."""
+    several = len(hosts) > 1
+    sockets = [bind_socket(hosts[0], port, v6only=several)]
+    try:
+        for host in hosts[1:]:
+            sockets.append(bind_socket(host, sockets[0].getsockname()[1], v6only=several))
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def base_url(sock: socket.socket) -> str:

@@ -5,6 +5,7 @@ never holds the event loop, and a dialog never shows a reply's state older than 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from textual.widgets.option_list import Option
 
 from kimitui.history import export_filename
 from kimitui.tui.history_writer import HistoryWriter
+
+
+FAILED = object()  # what _stored gives back when the database refused
 
 
 class HistoryScreen(ModalScreen[int | None]):
@@ -45,9 +49,17 @@ class HistoryScreen(ModalScreen[int | None]):
         self.query_one(OptionList).focus()
         await self._fill()
 
+    async def _stored(self, fn, *args, what: str):
+        """``fn`` on the history thread; a database error is a notice and FAILED (the chat goes on)."""
+        try:
+            return await self.history.call(fn, *args)
+        except sqlite3.Error as exc:
+            self.notify(f"history: cannot {what}: {exc}", severity="error")
+            return FAILED
+
     async def _fill(self) -> None:
-        conversations = await self.history.call(self.store.list_conversations)
-        if not self.is_attached:  # closed while the list was read
+        conversations = await self._stored(self.store.list_conversations, what="read the saved conversations")
+        if not self.is_attached or conversations is FAILED:  # closed while the list was read, or unreadable
             return
         options = self.query_one(OptionList)
         options.clear_options()
@@ -74,19 +86,22 @@ class HistoryScreen(ModalScreen[int | None]):
     async def action_delete(self) -> None:
         conv_id = self._selected_id()
         if conv_id is not None:
-            await self.history.call(self.store.delete_conversation, conv_id)  # off the event loop, after queued writes
+            if await self._stored(self.store.delete_conversation, conv_id, what="delete the conversation") is FAILED:
+                return
             self.notify("conversation deleted")
             if self.is_attached:  # the dialog may have closed while the delete ran
                 await self._fill()
 
     async def action_export(self) -> None:
         conv_id = self._selected_id()
-        conv = await self.history.call(self.store.get_conversation, conv_id) if conv_id is not None else None
-        if conv is None:
+        conv = await self._stored(self.store.get_conversation, conv_id, what="read the conversation") if conv_id is not None else None
+        if conv is None or conv is FAILED:
             return
         target = self.export_dir / export_filename(conv)
+        text = await self._stored(self.store.export_markdown, conv.id, what="read the conversation")
+        if text is FAILED:
+            return
         try:
-            text = await self.history.call(self.store.export_markdown, conv.id)
             await asyncio.to_thread(target.write_text, text, encoding="utf-8")
         except OSError as exc:
             self.notify(f"export failed: {exc.strerror}: {target}", severity="error")
