@@ -66,7 +66,8 @@ class Slots:
             share = common_prefix(self.cached(llm, slot), prompt) / max(1, len(prompt))
             if share > best_share:
                 best, best_share = slot, share
-        return (best or min(self.slots, key=lambda s: s.used_at)).id
+        # The least recently used; among equals the last, as llama-server picks.
+        return (best or min(reversed(self.slots), key=lambda s: s.used_at)).id
 
     def activate(self, llm, slot_id: int) -> None:
         """Put ``slot_id``'s cached prompt in the context, parking the active slot's. Called in
