@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 
-from kimitui.engine.llama_glue import llama_log
+from kimitui.engine.llama_glue import clear_context, llama_log
 from kimitui.engine.slots import common_prefix
 from kimitui.engine.state import EngineError, EngineState
 
@@ -328,7 +328,8 @@ class Generation:
             from llama_cpp import LlamaGrammar, LogitsProcessorList
 
             post = s.post_sampling and s.n_probs > 0
-            logits = LogitsHook(s.logit_bias, 0 if post else s.n_probs) if s.logit_bias or (s.n_probs and not post) else None
+            raw_probs = 0 if post else s.n_probs  # log-probabilities of the logits, before the sampler chain
+            logits = LogitsHook(s.logit_bias, raw_probs) if s.logit_bias or raw_probs else None
             if post:
                 sampled_from = SampledFrom(s.n_probs, greedy=s.temperature <= 0)
                 sampled_from.install(llm)
@@ -390,7 +391,7 @@ class Generation:
                 if sampled_from is not None:
                     logprob, top = sampled_from.of(token)
                 else:
-                    logprob, top = logits.of(token) if logits is not None and logits.n_probs else (None, ())
+                    logprob, top = logits.of(token) if logits is not None else (None, ())
                 if cut != -1:
                     text = text[:cut]
                     yield TokenEvent(text[emitted:], token, index, wall, logprob, top)
@@ -426,8 +427,7 @@ class Generation:
             # llama.cpp takes back only the micro-batch that failed; earlier ones of the same
             # evaluation stay in the cache (and in a recurrent state, for good) beyond what
             # llama-cpp-python counts. Cleared, the next reply starts afresh instead of from that.
-            llm.reset()
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+            clear_context(llm)
             streamer = engine.streamer
             if streamer is not None and streamer.error is not None:
                 result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"

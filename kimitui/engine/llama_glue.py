@@ -298,6 +298,16 @@ def chat_formatter():
     return ChatFormatter
 
 
+def clear_context(llm) -> None:
+    """Empty the context whole: llama-cpp-python's reset() clears llama.cpp's memory only for
+    recurrent models; an attention cache keeps its cells, and its head where it was, until they
+    are overwritten, and a different cell layout can change a greedy token."""
+    import llama_cpp
+
+    llm.reset()
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+
+
 def builtin_chat_templates() -> tuple[str, ...]:
     """The names of llama.cpp's built-in chat templates (llama3, chatml, command-r, ...)."""
     import llama_cpp

@@ -14,6 +14,7 @@ import ctypes
 import time
 from dataclasses import dataclass, field
 
+from kimitui.engine.llama_glue import clear_context
 from kimitui.engine.state import EngineError
 
 
@@ -61,6 +62,8 @@ class Slots:
             if not 0 <= asked < self.count:
                 raise EngineError(f"id_slot: {asked} is not a slot (there are {self.count}: 0 to {self.count - 1})")
             return asked
+        if self.count == 1:
+            return 0  # nothing to choose: no prefix compared on every reply
         best, best_share = None, SIMILARITY
         for slot in self.slots:
             share = common_prefix(self.cached(llm, slot), prompt) / max(1, len(prompt))
@@ -92,10 +95,8 @@ class Slots:
             if not current.state:
                 current.tokens = []  # llama.cpp could not copy it: the slot starts afresh next time
         # Cleared whole (only sequence 0 is used), so the next tokens fill the cells from the
-        # first, as on a fresh context: removing the sequence alone would leave llama.cpp's
-        # cache head where it was, and a different cell layout can change a greedy token.
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        llm.n_tokens = 0
+        # first, as on a fresh context.
+        clear_context(llm)
         wanted = self.slots[slot_id]
         if wanted.tokens and wanted.state:
             view = (ctypes.c_uint8 * len(wanted.state)).from_buffer(wanted.state)
@@ -108,7 +109,7 @@ class Slots:
                 # at least the prompt's last token (llama-cpp-python's generate does so).
                 llm._requires_eval = True
             else:
-                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+                clear_context(llm)
         wanted.tokens, wanted.state = [], bytearray()
         self.active = slot_id
 

@@ -203,6 +203,7 @@ def _piece(engine: Engine, token: int) -> tuple[str, list[int]]:
 def native_probs(engine: Engine, events: list[TokenEvent], post_sampling: bool = False) -> list[dict]:
     """llama-server's completion_probabilities: each token, its log-probability and the top n;
     with post_sampling_probs, as llama-server gives them then: probabilities, under "prob"."""
+    value, name, top_name = (math.exp, "prob", "top_probs") if post_sampling else (float, "logprob", "top_logprobs")
     out = []
     for e in events:
         if e.token_id < 0 or e.logprob is None:
@@ -211,11 +212,8 @@ def native_probs(engine: Engine, events: list[TokenEvent], post_sampling: bool =
         top = []
         for tid, lp in e.top:
             t_text, t_raw = _piece(engine, tid)
-            top.append({"id": tid, "token": t_text, "bytes": t_raw, **({"prob": math.exp(lp)} if post_sampling else {"logprob": lp})})
-        if post_sampling:
-            out.append({"id": e.token_id, "token": text, "bytes": raw, "prob": math.exp(e.logprob), "top_probs": top})
-        else:
-            out.append({"id": e.token_id, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top})
+            top.append({"id": tid, "token": t_text, "bytes": t_raw, name: value(lp)})
+        out.append({"id": e.token_id, "token": text, "bytes": raw, name: value(e.logprob), top_name: top})
     return out
 
 
