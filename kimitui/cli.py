@@ -161,7 +161,7 @@ def _build_app(args: argparse.Namespace):
         return make_app(settings, remote=(args.remote, api_key))
     model_path = resolve_model(settings)
     check_budget(settings, model_path)
-    api_socket = None
+    api_socket, host = None, ""
     if args.serve:
         from kimitui.server.runner import bind_socket, check_bind
 
@@ -176,18 +176,19 @@ def _build_app(args: argparse.Namespace):
     try:
         engine.wait_until_loading_in_c()
         check_theme(settings)  # imports Textual's themes: after the load has started
-        return make_app(settings, model_path, engine=engine, api_socket=api_socket, api_key=api_key)
+        return make_app(settings, model_path, engine=engine, api_socket=api_socket, api_host=host, api_key=api_key)
     except BaseException:
         engine.cancel_loading()  # never leave llama.cpp running in a thread at exit
         raise
 
 
 def make_app(settings: Settings, model_path: Path | None = None, *, remote: tuple[str, str | None] | None = None,
-             engine=None, api_socket=None, api_key: str | None = None):
+             engine=None, api_socket=None, api_host: str = "", api_key: str | None = None):
     """The app, handed what it shows: the engine (in-process on ``model_path``, or a server's
     for ``remote`` = (url, api key)), its metrics sampler, the history store, the trace the
-    settings ask for, and the HTTP API on ``api_socket`` (already listening; ``api_key``
-    required when given). ``engine``, from the same settings, may already be loading."""
+    settings ask for, and the HTTP API on ``api_socket`` (already listening, bound for the
+    name ``api_host``; ``api_key`` required when given). ``engine``, from the same settings,
+    may already be loading."""
     from kimitui.config import data_dir
     from kimitui.engine.metrics import Sampler
     from kimitui.history import HistoryStore
@@ -213,9 +214,9 @@ def make_app(settings: Settings, model_path: Path | None = None, *, remote: tupl
 
     def serve(on_request) -> str:
         from kimitui.server.app import create_app
-        from kimitui.server.runner import ServerThread
+        from kimitui.server.runner import ServerThread, bound_names
 
-        app = create_app(engine, settings, api_key=api_key, on_request=on_request, bind_host=api_socket.getsockname()[0])
+        app = create_app(engine, settings, api_key=api_key, on_request=on_request, bind_host=bound_names([api_host], [api_socket]))
         servers.append(ServerThread(app, api_socket, quiet=True).start())
         return servers[-1].url
 

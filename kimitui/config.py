@@ -82,6 +82,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "api_key": Key("str", ""),
         "max_body": Key("size", 1 << 20),
         "max_n_predict": Key("int", 2048, 1, 1 << 20),
+        "max_request_entries": Key("int", 262_144, 1, 1 << 30),  # replies x tokens x (1 + alternatives) per request
         "allowed_hosts": Key("str_list", []),
         "cors_origins": Key("str_list", []),
         "alias": Key("str", ""),  # one name, or several comma-separated (any of them names the model)

@@ -105,7 +105,7 @@ def _serve(settings, model_path, sockets: list, api_key: str, hosts: list[str]) 
     from kimitui.engine.session import engine_from_settings
     from kimitui.engine.state import EngineError
     from kimitui.server.app import create_app
-    from kimitui.server.runner import base_url, uvicorn_server
+    from kimitui.server.runner import base_url, bound_names, uvicorn_server
 
     check_budget(settings, model_path)
     # The same engine as the app's: budget, pinned set and streaming settings from the config.
@@ -115,9 +115,7 @@ def _serve(settings, model_path, sockets: list, api_key: str, hosts: list[str]) 
     trace = open_trace(settings, list(engine.inspect().files))
     if trace is not None:
         trace.attach(engine)
-    # The Host check knows the names given and the addresses they bound (not an empty entry).
-    bound = ",".join(dict.fromkeys(hosts + [sock.getsockname()[0] for sock in sockets]))
-    server = uvicorn_server(create_app(engine, settings, api_key=api_key, bind_host=bound), quiet=False)
+    server = uvicorn_server(create_app(engine, settings, api_key=api_key, bind_host=bound_names(hosts, sockets)), quiet=False)
     failure: list[str] = []
 
     shown = [0.0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _SIZE_UNITS = {
     "": 1,
@@ -20,6 +21,8 @@ _SIZE_UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
+MAX_SIZE = 2**63 - 1  # what a file offset can be (off_t)
+MAX_SIZE_TEXT = "8 EiB"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -30,6 +33,8 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise ValueError("a size cannot be negative")
+        if text > MAX_SIZE:
+            raise ValueError(f"{text} is too large for a size (at most {MAX_SIZE_TEXT})")
         return text
     match = _SIZE_RE.match(text)
     if not match:
@@ -38,7 +43,12 @@ def parse_size(text: str | int) -> int:
     factor = _SIZE_UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown size unit {unit!r} in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return int(float(number) * factor)
+    if len(number.partition(".")[0].lstrip("0")) > 21:  # past any size a machine has, and past a float's range further on
+        raise ValueError(f"{text[:24]}... is too large for a size (at most {MAX_SIZE_TEXT})")
+    size = int(Fraction(number) * factor)
+    if size > MAX_SIZE:
+        raise ValueError(f"{text.strip()} is too large for a size (at most {MAX_SIZE_TEXT})")
+    return size
 
 
 def format_bytes(n: float | None, precision: int = 1) -> str:

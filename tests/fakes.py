@@ -14,15 +14,16 @@ from kimitui.engine.interface import PinOutcome, TuningValues
 from kimitui.engine.metrics import EngineMetrics, Snapshot, StreamingCounters
 from kimitui.engine.pinning import PinProgress
 from kimitui.engine.generation import GenerationResult, TokenEvent
-from kimitui.engine.state import EngineError
+from kimitui.engine.state import EngineError, EngineState, Lifecycle
 
 MIB = 2**20
 PINNED = 35_463_168  # what the recorded run had resident when its reply began
 
 
 class FakeReply:
-    def __init__(self, pieces: list[str], gate: threading.Event | None, error: str | None) -> None:
+    def __init__(self, pieces: list[str], gate: threading.Event | None, error: str | None, lifecycle: Lifecycle) -> None:
         self.pieces, self.gate, self.error = pieces, gate, error
+        self.lifecycle = lifecycle
         self.result = GenerationResult()
         self._cancel = threading.Event()
 
@@ -32,18 +33,22 @@ class FakeReply:
             self.gate.set()
 
     def __iter__(self):
-        for index, piece in enumerate(self.pieces):
-            if self._cancel.is_set():
-                self.result.finish_reason = "cancelled"
-                return
-            if index == len(self.pieces) // 2 and self.gate is not None:
-                self.gate.wait(30)  # a test holds the reply here to look at the screen mid-stream
-            self.result.completion_tokens = index + 1
-            self.result.text += piece
-            yield TokenEvent(piece, 100 + index, index, 0.01)
-        if self.error is not None:
-            raise EngineError(self.error)
-        self.result.decode_s = 0.5
+        self.lifecycle.begin_reply()
+        try:
+            for index, piece in enumerate(self.pieces):
+                if self._cancel.is_set():
+                    self.result.finish_reason = "cancelled"
+                    return
+                if index == len(self.pieces) // 2 and self.gate is not None:
+                    self.gate.wait(30)  # a test holds the reply here to look at the screen mid-stream
+                self.result.completion_tokens = index + 1
+                self.result.text += piece
+                yield TokenEvent(piece, 100 + index, index, 0.01)
+            if self.error is not None:
+                raise EngineError(self.error)
+            self.result.decode_s = 0.5
+        finally:
+            self.lifecycle.end_reply()
 
 
 class FakeEngine:
@@ -54,6 +59,7 @@ class FakeEngine:
                  fail_load: str | None = None, budget: int = 54_646_416) -> None:
         self.metrics = EngineMetrics()
         self.metrics.budget_bytes = budget
+        self.lifecycle = Lifecycle()
         self.load_s: float | None = None
         self.reply_words = [w + " " for w in reply.split(" ")]
         self.fail_reply, self.fail_load = fail_reply, fail_load
@@ -66,11 +72,14 @@ class FakeEngine:
         return "k3-cut.gguf", 210 * MIB
 
     def load(self, on_progress=None) -> None:
+        self.lifecycle.move(EngineState.LOADING)
         if self.fail_load:
+            self.lifecycle.fail(self.fail_load)
             raise EngineError(self.fail_load)
         if on_progress is not None:
             on_progress(1.0)
         self.load_s = 0.4
+        self.lifecycle.move(EngineState.READY)
 
     def notices(self) -> list[str]:
         return []
@@ -82,7 +91,7 @@ class FakeEngine:
 
     def chat(self, messages, sampling) -> FakeReply:
         self.asked.append(messages)
-        return FakeReply(self.reply_words, self.gate, self.fail_reply)
+        return FakeReply(self.reply_words, self.gate, self.fail_reply, self.lifecycle)
 
     def abort_load(self) -> None:
         pass

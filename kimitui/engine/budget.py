@@ -28,7 +28,11 @@ from kimitui.model.gguf_map import ModelMap, Shard
 
 # Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
 # cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
-SLACK_BYTES = 16 * 2**20
+PAGE_SLACK_BYTES = 12 * 2**20
+# The direct-read pool's free buffer, kept faulted in for the next read (direct.py): resident
+# memory that is not model pages, set aside from the budget with the page slack.
+POOL_SPARE_BYTES = 4 * 2**20
+SLACK_BYTES = PAGE_SLACK_BYTES + POOL_SPARE_BYTES
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -82,7 +86,7 @@ def budget_shortfall(model: ModelMap, budget: int) -> str | None:
     what = "the largest trunk and the routed experts one token uses in a layer" if model.is_moe else "its largest layer"
     return (
         f"budget {format_bytes(budget)} is below the minimum working set of {model.files[0].name}: "
-        f"{format_bytes(needed)} (non-layer tensors, {what}, {format_bytes(SLACK_BYTES)} of page slack)"
+        f"{format_bytes(needed)} (non-layer tensors, {what}, {format_bytes(SLACK_BYTES)} of page slack and a spare read buffer)"
     )
 
 

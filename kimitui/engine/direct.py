@@ -45,15 +45,19 @@ import errno
 import os
 import threading
 
+from kimitui.engine.budget import POOL_SPARE_BYTES
 from kimitui.engine.loadhooks import (
     HUGE_ALIGN, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, reserve_aligned,
 )
 
 MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
-MADV_POPULATE_WRITE = 23
+MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23
 MAP_FIXED_NOREPLACE = 0x100000
 PIECE_BYTES = 4 * 2**20  # one pool buffer; pieces start on multiples of it in the file
+# Free buffers kept faulted in for the next read: their pages are not the model's, so the
+# budget sets them aside (budget.POOL_SPARE_BYTES); more are given back to the system at once.
+SPARE_BUFFERS = POOL_SPARE_BYTES // PIECE_BYTES
 
 
 class Libc:
@@ -357,12 +361,21 @@ class DirectPlacer(PlacedParts):
 
     def _give_back(self, buf: int, whole: bool) -> None:
         with self._returned:
-            if self._made <= self._capacity:
+            spare = len(self._free[True]) + len(self._free[False])
+            if self._made <= self._capacity and spare < SPARE_BUFFERS:
                 self._free[whole].append(buf)
                 self._returned.notify_all()
                 return
             self._made -= 1
+            self._returned.notify_all()  # a reader waiting on a spent pool may make one now
         self._libc.munmap(buf, PIECE_BYTES)
+
+    def buffer_spans(self) -> list[tuple[int, int]]:
+        """Every pool buffer's address range, free or lent: what of them is resident is memory
+        beside the model's pages (a placed piece's pages are in the mapping, not here)."""
+        with self._lock:
+            bufs = self._free[True] + self._free[False] + [entry[0] for entry in self._placed.values() if entry[0]]
+        return [(buf, buf + PIECE_BYTES) for buf in bufs]
 
     # -- placing and releasing -------------------------------------------------------------
 
@@ -398,6 +411,10 @@ class DirectPlacer(PlacedParts):
             if moved:
                 with self._lock:
                     self._placed[(file, offset)] = (buf, at, length, whole)
+                if not whole:  # the rest of a partial piece's buffer holds nothing: its pages go
+                    for lo, hi in ((0, at), (at + length, PIECE_BYTES)):
+                        if hi > lo:
+                            c.madvise(buf + lo, hi - lo, MADV_DONTNEED)
             else:
                 # ENOMEM, most likely (too many mappings, a memory limit). The kernel may have
                 # unmapped the target before it failed: the file goes back there, never over another's.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 from kimitui.engine.llama_glue import clear_context, llama_log
 from kimitui.engine.slots import common_prefix
-from kimitui.engine.state import EngineError, EngineState
+from kimitui.engine.state import EngineError
 
 if TYPE_CHECKING:
     from kimitui.engine.session import Engine
@@ -218,6 +218,7 @@ class Generation:
 
     def cancel(self) -> None:
         self._cancel.set()
+        self.engine.cancel_reply(self)  # within a graph node, when it is computing
 
     @property
     def cancelled(self) -> bool:
@@ -236,7 +237,12 @@ class Generation:
             return
         try:
             self.result.queued_s = time.perf_counter() - queued_at
-            engine.state = EngineState.GENERATING
+            try:
+                engine.lifecycle.begin_reply()  # a failed engine is mended first, or the reply refused
+            except EngineError as exc:
+                self.result.finish_reason, self.result.error = "error", str(exc)
+                raise
+            engine.reply_started(self)
             try:
                 try:
                     engine.apply_pending_tuning(mid_reply=False)
@@ -245,8 +251,8 @@ class Generation:
                     raise
                 yield from self._run()
             finally:
-                if engine.state is EngineState.GENERATING:  # FAILED stays
-                    engine.state = EngineState.READY
+                engine.reply_ended(self)
+                engine.lifecycle.end_reply()
         finally:
             engine.turns.release(self.ticket)
 
@@ -423,12 +429,15 @@ class Generation:
             finish = "cancelled"
             raise
         except Exception as exc:  # llama_decode failures and the like: stop this reply only
-            finish = "error"
             # llama.cpp takes back only the micro-batch that failed; earlier ones of the same
             # evaluation stay in the cache (and in a recurrent state, for good) beyond what
             # llama-cpp-python counts. Cleared, the next reply starts afresh instead of from that.
             clear_context(llm)
             streamer = engine.streamer
+            if self._cancel.is_set() and (streamer is None or streamer.error is None):
+                finish = "cancelled"  # llama.cpp stopped between two graph nodes when asked
+                return
+            finish = "error"
             if streamer is not None and streamer.error is not None:
                 result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
                 streamer.reset_error()

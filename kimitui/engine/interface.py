@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Protocol
 
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.pinning import PinProgress
+from kimitui.engine.state import Lifecycle
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Reply(Protocol):
 class ChatEngine(Protocol):
     metrics: EngineMetrics
     load_s: float | None  # how long the load took, once it has
+    lifecycle: Lifecycle  # its state: a reply is asked for only where ``lifecycle.refusal()`` is None
 
     def label(self) -> tuple[str, int | None]:
         """(model name, file bytes): what the status bar names; a remote one knows it once loaded."""

@@ -54,6 +54,38 @@ class DecodeClock:
         ctx.decode = timed
 
 
+class CancelFlag:
+    """A flag llama.cpp reads between graph nodes, so that a cancel stops a prompt's evaluation
+    within a layer, at no cost per node: the abort callback is libc's own ``strlen`` over two
+    bytes, [flag, 0], which returns 1 (abort) once the flag is set and 0 before (a bool return
+    is the result register's low byte on x86-64 and arm64). A Python callback there would cost
+    a call per node, every token. Set from any thread."""
+
+    def __init__(self) -> None:
+        import llama_cpp.llama_cpp as C
+
+        self._bytes = ctypes.create_string_buffer(2)
+        strlen = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value
+        self.callback = C.ggml_abort_callback(strlen)
+        self.address = ctypes.addressof(self._bytes)
+
+    def set(self) -> None:
+        self._bytes[0] = 1
+
+    def clear(self) -> None:
+        self._bytes[0] = 0
+
+    @property
+    def is_set(self) -> bool:
+        return self._bytes[0] != b"\x00"
+
+    def attach(self, ctx) -> None:
+        """Make this flag ``ctx``'s abort callback (a streaming context has its own, which asks it)."""
+        import llama_cpp
+
+        llama_cpp.llama_set_abort_callback(ctx.ctx, self.callback, self.address)
+
+
 def ggml_base(llama_library: str):
     """libggml-base next to libllama: ggml_get_name() reads a graph node's name."""
     import glob

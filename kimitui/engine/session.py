@@ -28,12 +28,12 @@ from kimitui.model.gguf_file import ModelInfo, read_model_info
 from kimitui.units import format_bytes
 from kimitui.engine.generation import Generation, Sampling, Tracer
 from kimitui.engine.llama_glue import (
-    FALLBACK_TEMPLATE, LAYER_ZERO_NODES, BuiltinChatFormatter, builtin_chat_templates, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
+    FALLBACK_TEMPLATE, LAYER_ZERO_NODES, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
     ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
     topk_ids,
 )
 from kimitui.engine.slots import Slots
-from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
+from kimitui.engine.state import ChatTemplateError, EngineError, EngineState, Lifecycle
 
 
 if TYPE_CHECKING:  # the streamer is imported when a model streams, not on the way to ready
@@ -62,7 +62,8 @@ class Engine:
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
-        self.slots = Slots(n_slots)  # the context split between clients' prompt caches (slots.py)
+        self.lifecycle = Lifecycle()  # the engine's state; every change goes through it
+        self.slots = Slots(n_slots, self.lifecycle)  # the context split between clients' prompt caches (slots.py)
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
         self.repack = repack
@@ -76,6 +77,9 @@ class Engine:
         self._callbacks: tuple | None = None  # ctypes eval/abort callbacks, alive as long as the context
         self.tracer: Tracer | None = None
         self.decode_clock = DecodeClock()
+        self.cancel_flag: CancelFlag | None = None  # llama.cpp's abort flag, once a context exists
+        self._replying = None  # the Generation holding the turn, whose cancel sets the flag
+        self._replying_lock = threading.Lock()
         self._sizes_at_load: dict[Path, int] = {}
         self.working_bytes = 0
         self.pending = PendingTuning()  # what live tuning left for the next token or reply
@@ -89,7 +93,6 @@ class Engine:
         self.n_ubatch = n_batch
         self.metrics = metrics or EngineMetrics()
         self.metrics.engine_read_source = self.model_bytes_read
-        self.state = EngineState.EMPTY
         self.load_progress = 0.0
         self.load_s: float | None = None
         self.info: ModelInfo | None = None
@@ -105,6 +108,11 @@ class Engine:
         self._early_load: threading.Thread | None = None
         self._early_error: BaseException | None = None
         self._in_c = threading.Event()  # the load thread is past its Python imports (see start_loading)
+        self._rss_before_load = 0  # the process's RSS before llama.cpp loaded: what the engine holds is above it
+
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
 
     # -- loading -------------------------------------------------------------------------
 
@@ -125,7 +133,7 @@ class Engine:
         The app calls this before it imports and starts its UI: llama.cpp's load runs in C,
         outside the GIL, so the two overlap instead of adding up on the way to ready."""
         if self._early_load is None and self.state is EngineState.EMPTY:
-            self.state = EngineState.LOADING
+            self.lifecycle.move(EngineState.LOADING)
             self._early_load = threading.Thread(target=self._load_early, name="kimitui-load", daemon=True)
             self._early_load.start()
 
@@ -160,15 +168,17 @@ class Engine:
     def _load(self) -> None:
         """The load; whatever fails leaves the engine FAILED with one line why (``load_error``),
         never LOADING for good."""
-        self.state = EngineState.LOADING
+        if self.state is not EngineState.LOADING:  # start_loading moved it already
+            self.lifecycle.move(EngineState.LOADING)
         try:
             self._load_steps()
         except (EngineError, UserError) as exc:  # UserError: the file's header, shown as a user mistake
-            self.state, self.load_error = EngineState.FAILED, str(exc)
+            self.load_error = str(exc)
+            self.lifecycle.fail(self.load_error)
             raise
         except Exception as exc:  # a broken install (no ggml library), a bug: said, not hung
-            self.state = EngineState.FAILED
             self.load_error = f"loading {self.model_path.name} failed: {type(exc).__name__}: {exc}"
+            self.lifecycle.fail(self.load_error)
             raise EngineError(self.load_error) from None
 
     def _load_steps(self) -> None:
@@ -221,6 +231,7 @@ class Engine:
             raise EngineError(f"cannot load {self.model_path.name}: {refused}")
         process = psutil.Process()
         rss_before, vms_before = process.memory_info()[:2]
+        self._rss_before_load = rss_before
         mark = hooks.mark() if hooks is not None else 0
         self._in_c.set()
         try:
@@ -268,6 +279,9 @@ class Engine:
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
         llama_log().install()  # from here on llama.cpp's warnings and errors are kept: a failed reply says them
         self.decode_clock.attach(self._llm._ctx)
+        self.cancel_flag = CancelFlag()
+        if not streams:  # a streaming context's abort callback asks the flag itself
+            self.cancel_flag.attach(self._llm._ctx)
         if hooks is not None:
             found = {i: hooks.claim(path, since=mark) for i, path in enumerate(files)}
             hooks.close_unclaimed(mark)
@@ -295,7 +309,7 @@ class Engine:
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:
             progress(1.0)  # fast start: the one step there was
-        self.state = EngineState.READY
+        self.lifecycle.move(EngineState.READY)
 
     def _fit_context(self) -> None:
         """Pick n_ctx so that the budget and llama.cpp's context (KV cache, recurrent state,
@@ -393,7 +407,8 @@ class Engine:
 
         def on_abort(_user):
             streamer = self.streamer
-            return streamer is not None and streamer.error is not None
+            flag = self.cancel_flag
+            return (streamer is not None and streamer.error is not None) or (flag is not None and flag.is_set)
 
         self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
         return self._callbacks
@@ -577,6 +592,9 @@ class Engine:
                 raise EngineError(str(exc)) from None
             if shortfall:  # refused before anything changes
                 raise EngineError(shortfall)
+            too_much = self._budget_overflow(budget)
+            if too_much:
+                raise EngineError(too_much)
         changes = {k: v for k, v in stream.items() if v is not None}
         try:
             check_changes(changes)  # refused before anything changes, streaming yet or not
@@ -599,6 +617,50 @@ class Engine:
             fits=lambda: self.inspect().tensor_bytes <= (self.budget or 0) * 0.8,
             mapped=bool(self.mappings),
             ubatch_changes=lambda: self.model_map().is_moe and min(self.n_batch, self._memory_plan(self.model_map()).ubatch) != self.n_ubatch,
+        )
+
+    # -- the reply holding the turn (its cancel reaches llama.cpp between graph nodes) ---------
+
+    def reply_started(self, generation) -> None:
+        with self._replying_lock:
+            self._replying = generation
+            if self.cancel_flag is not None:
+                self.cancel_flag.set() if generation.cancelled else self.cancel_flag.clear()
+
+    def reply_ended(self, generation) -> None:
+        with self._replying_lock:
+            if self._replying is generation:
+                self._replying = None
+                if self.cancel_flag is not None:
+                    self.cancel_flag.clear()
+
+    def cancel_reply(self, generation) -> None:
+        """Stop ``generation``'s evaluation within the graph node it is in, if it holds the turn."""
+        with self._replying_lock:
+            if self._replying is generation and self.cancel_flag is not None:
+                self.cancel_flag.set()
+
+    def _budget_overflow(self, budget: int) -> str | None:
+        """Why ``budget`` would not fit beside llama.cpp's context in the memory this process may
+        use (the check the load makes, ``_fit_context``), or None. What the engine holds now
+        (its pages and llama.cpp's memory, RSS above where the load began) is its to reuse."""
+        if budget <= (self.budget or 0):
+            return None  # lowering never needs more memory
+        from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
+        from kimitui.engine.memory import available_memory
+
+        model = self.model_map()
+        weights = min(budget, model.tensor_bytes)
+        held = max(0, psutil.Process().memory_info().rss - self._rss_before_load)
+        room = available_memory() + held
+        working = working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
+        if weights + working + PROCESS_RESERVE <= room:
+            return None
+        most = max(0, room - working - PROCESS_RESERVE)
+        return (
+            f"budget {format_bytes(budget)} does not fit: with the context's {format_bytes(working)} of KV cache and buffers "
+            f"it needs {format_bytes(weights + working + PROCESS_RESERVE)}, and this process may use {format_bytes(room)} "
+            f"(cgroup limits included): at most {format_bytes(most)}"
         )
 
     def apply_pending_tuning(self, *, mid_reply: bool) -> bool:
@@ -628,10 +690,17 @@ class Engine:
         try:
             llm._ctx = internals.LlamaContext(model=llm._model, params=params, verbose=False)
         except Exception as exc:
-            self.state = EngineState.FAILED
-            raise EngineError(f"llama.cpp could not make a new context for streaming: {exc}") from None
+            # The old context is gone: nothing may compute until a new one is made. The next
+            # reply tries again (memory may have been freed, the budget lowered meanwhile).
+            self.pending.rebuild = self.pending.repin = True
+            reason = (
+                f"llama.cpp could not make a new context for streaming ({exc}): lower the budget or --n-ctx, "
+                "or free memory; the next reply tries again"
+            )
+            self.lifecycle.fail(reason, recover=self._repin)
+            raise EngineError(reason) from None
         llm._stack.callback(llm._ctx.close)
-        self.decode_clock.attach(llm._ctx)
+        self.decode_clock.attach(llm._ctx)  # its abort callback is the streaming one, which asks the flag
         llm.reset()
 
     def _repin(self) -> None:
@@ -661,7 +730,8 @@ class Engine:
                 if m.fd >= 0:
                     os.close(m.fd)
             self.mappings = {}
-        self.state = EngineState.EMPTY
+        if self.state is not EngineState.EMPTY:
+            self.lifecycle.move(EngineState.EMPTY)
 
     @property
     def mapping(self):

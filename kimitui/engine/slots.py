@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from kimitui.engine.llama_glue import clear_context
-from kimitui.engine.state import EngineError
+from kimitui.engine.state import EngineError, EngineState, Lifecycle
 
 
 # llama-server's --slot-prompt-similarity default: a cached prompt sharing less of a new prompt
@@ -41,11 +41,12 @@ def common_prefix(a, b) -> int:
 
 
 class Slots:
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, lifecycle: Lifecycle) -> None:
         if count < 1:
             raise ValueError("at least one slot")
         self.slots = [Slot(i) for i in range(count)]
         self.active = 0
+        self.lifecycle = lifecycle  # a swap touches llama.cpp's context: only inside a reply
 
     @property
     def count(self) -> int:
@@ -77,6 +78,7 @@ class Slots:
         the engine's turn, between replies."""
         import llama_cpp
 
+        self.lifecycle.require(EngineState.GENERATING)
         self.slots[slot_id].used_at = time.monotonic()
         if slot_id == self.active:
             return

@@ -42,7 +42,7 @@ from kimitui.server import prom
 from kimitui.server import tools as tool_calls
 from kimitui.server.runner import is_loopback
 from kimitui.server.params import (
-    ApiError, Fields, Limits, chat_messages, check_prefill, choices_of, grammar_of, parse_body, prompts_of, sampling_from,
+    ApiError, Fields, Limits, chat_messages, check_prefill, check_request_size, choices_of, grammar_of, parse_body, prompts_of, sampling_from,
     token_ids,
 )
 
@@ -425,6 +425,7 @@ class Api:
         cap = settings["server.max_n_predict"]
         self.limits = Limits(
             max_n_predict=cap,
+            max_entries=settings["server.max_request_entries"],
             default_n_predict=min(settings["sampling.max_tokens"], cap),
             defaults=Sampling(
                 temperature=settings["sampling.temperature"], top_p=settings["sampling.top_p"],
@@ -448,16 +449,15 @@ class Api:
     # -- helpers -------------------------------------------------------------------------
 
     def require_ready(self) -> None:
-        state = self.engine.state
-        if state in (EngineState.READY, EngineState.GENERATING):
-            return
-        if state is EngineState.FAILED:
-            raise ApiError(self.failure(), 503, "unavailable_error")
-        raise ApiError("the model is still loading", 503, "unavailable_error")
+        """The engine's lifecycle decides (a failure it can mend lets the request through)."""
+        refused = self.engine.lifecycle.refusal()
+        if refused is not None:
+            raise ApiError(self.failure() if self.engine.state is EngineState.FAILED else refused, 503, "unavailable_error")
 
     def failure(self) -> str:
-        reason = getattr(self.engine, "load_error", None)
-        return f"the model failed to load: {reason}" if reason else "the model failed to load"
+        if self.engine.load_error:
+            return f"the model failed to load: {self.engine.load_error}"
+        return self.engine.lifecycle.reason or "the engine failed"
 
     def queue(self) -> tuple[int, int]:
         """(processing, deferred): the turn holder and those waiting behind it."""
@@ -470,7 +470,9 @@ class Api:
         return self.engine.llm.n_vocab()
 
     async def body(self, request: Request) -> Fields:
-        return Fields(parse_body(await request.body()))
+        raw = await request.body()
+        # A body of up to server.max_body parses in tens of milliseconds: not on the event loop.
+        return Fields(parse_body(raw) if len(raw) < 65536 else await run_in_threadpool(parse_body, raw))
 
     def _too_long(self, name: str, n_prompt: int) -> ApiError:
         return ApiError(
@@ -505,9 +507,10 @@ class Api:
         return tokens, stops
 
     async def sampling(self, fields: Fields, *, openai: bool) -> Sampling:
-        """The request's sampling, its grammar (if any) checked by llama.cpp's own parser."""
-        sampling = sampling_from(
-            fields, self.limits, openai=openai, n_vocab=self.n_vocab,
+        """The request's sampling, its grammar (if any) checked by llama.cpp's own parser.
+        Off the event loop: a logit bias keyed by text is tokenized, a schema becomes a grammar."""
+        sampling = await run_in_threadpool(
+            sampling_from, fields, self.limits, openai=openai, n_vocab=self.n_vocab,
             tokenize=lambda text: self.engine.tokenize(text, add_special=False),
         )
         if sampling.grammar is not None:
@@ -598,7 +601,7 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         state = self.engine.state
-        if state in (EngineState.READY, EngineState.GENERATING):
+        if self.engine.lifecycle.refusal() is None:
             return JSONResponse({"status": "ok"})
         status = "error" if state is EngineState.FAILED else "loading model"
         message = self.failure() if state is EngineState.FAILED else "Loading model"
@@ -666,6 +669,7 @@ class Api:
         if wanted is not None and (not isinstance(wanted, list) or not all(isinstance(f, str) for f in wanted)):
             raise ApiError("response_fields: expected a list of field names")
         prompts = prompts_of(fields.body.get("prompt"), "prompt", self.n_vocab)
+        check_request_size(self.limits, len(prompts), sampling)
         token_lists = [await self.prompt_tokens(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
 
         def final(index: int, generation: Generation, events: list[TokenEvent], content: str) -> dict:
@@ -679,8 +683,12 @@ class Api:
             if done is None:
                 return Response(status_code=499)
             replies, headers = done
-            bodies = [final(i, generation, events, generation.result.text) for i, (generation, events) in enumerate(replies)]
-            return JSONResponse(bodies[0] if len(bodies) == 1 else bodies, headers=headers)
+
+            def respond() -> JSONResponse:  # detokenizing each alternative and the JSON: off the event loop
+                bodies = [final(i, generation, events, generation.result.text) for i, (generation, events) in enumerate(replies)]
+                return JSONResponse(bodies[0] if len(bodies) == 1 else bodies, headers=headers)
+
+            return await run_in_threadpool(respond)
 
         first, headers = self.start(request, token_lists[0], sampling)
 
@@ -769,16 +777,19 @@ class Api:
         tokens = await run_in_threadpool(self.engine.tokenize, content, add_special=add_special, parse_special=parse_special)
         if not with_pieces:
             return JSONResponse({"tokens": tokens})
-        llm = self.engine.llm
-        pieces = []
-        for t in tokens:
-            raw = llm.detokenize([t], special=True)
-            try:
-                piece: str | list[int] = raw.decode("utf-8")
-            except UnicodeDecodeError:  # part of a multi-byte character: bytes, as llama-server does
-                piece = list(raw)
-            pieces.append({"id": t, "piece": piece})
-        return JSONResponse({"tokens": pieces})
+
+        def pieces() -> JSONResponse:  # a token at a time: off the event loop
+            out = []
+            for t in tokens:
+                raw = self.engine.token_bytes(t)
+                try:
+                    piece: str | list[int] = raw.decode("utf-8")
+                except UnicodeDecodeError:  # part of a multi-byte character: bytes, as llama-server does
+                    piece = list(raw)
+                out.append({"id": t, "piece": piece})
+            return JSONResponse({"tokens": out})
+
+        return await run_in_threadpool(pieces)
 
     async def detokenize(self, request: Request) -> Response:
         self.require_ready()
@@ -871,6 +882,7 @@ class Api:
         fields.unsupported("best_of", 1)
         n = choices_of(fields)
         prompts = prompts_of(fields.body.get("prompt"), "prompt", self.n_vocab)
+        check_request_size(self.limits, n * len(prompts), sampling)
         token_lists = [await self.prompt_tokens(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
         # OpenAI numbers the choices prompt by prompt: n for the first prompt, then n for the next.
         asked = [tokens for tokens in token_lists for _ in range(n)]
@@ -883,6 +895,7 @@ class Api:
         self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
+        check_request_size(self.limits, n, sampling)
         messages = chat_messages(fields.body.get("messages"))
         check_prefill(fields, messages)
         tools, choice, calling = self.offered_tools(fields)
@@ -994,20 +1007,24 @@ class Api:
             done = await self.decode_each(request, asked, sampling_for)
             if done is None:
                 return Response(status_code=499)
-            choices, results, headers = [], [], done[1]
-            for index, (generation, events) in enumerate(done[0]):
-                r = generation.result
-                results.append(r)
-                if chat:
-                    message, finish = message_of(r)
-                    choices.append({"index": index, "message": message, "logprobs": probs(events), "finish_reason": finish})
-                else:
-                    choices.append({"index": index, "text": r.text, "logprobs": probs(events), "finish_reason": openai_finish(r)})
-            timing = timings(results[0]) if len(results) == 1 else None
-            return JSONResponse(
-                envelope(choices, usage=usage(results, per_prompt), **({"timings": timing} if timing else {}), **debug(0, *done[0][0])),
-                headers=headers,
-            )
+
+            def respond() -> JSONResponse:  # detokenizing each alternative and the JSON: off the event loop
+                choices, results, headers = [], [], done[1]
+                for index, (generation, events) in enumerate(done[0]):
+                    r = generation.result
+                    results.append(r)
+                    if chat:
+                        message, finish = message_of(r)
+                        choices.append({"index": index, "message": message, "logprobs": probs(events), "finish_reason": finish})
+                    else:
+                        choices.append({"index": index, "text": r.text, "logprobs": probs(events), "finish_reason": openai_finish(r)})
+                timing = timings(results[0]) if len(results) == 1 else None
+                return JSONResponse(
+                    envelope(choices, usage=usage(results, per_prompt), **({"timings": timing} if timing else {}), **debug(0, *done[0][0])),
+                    headers=headers,
+                )
+
+            return await run_in_threadpool(respond)
 
         # With include_usage, OpenAI sends "usage": null on every chunk but the extra last one.
         extra = {"usage": None} if include_usage else {}

@@ -23,7 +23,7 @@ from kimitui import __version__
 from kimitui.engine.interface import PinOutcome
 from kimitui.engine.metrics import HISTORY_SAMPLES, EngineMetrics, Sampler, Snapshot, StreamingCounters, percentile
 from kimitui.engine.generation import GenerationResult, Sampling, TokenEvent
-from kimitui.engine.state import EngineError, EngineState
+from kimitui.engine.state import EngineError, EngineState, Lifecycle
 from kimitui.server import prom
 
 STREAMING_METRICS = {
@@ -95,7 +95,7 @@ class RemoteEngine:
         # An OpenAI base URL (".../v1") works as well as the server's root.
         self.url = root[:-3] if root.endswith("/v1") else root
         self.metrics = metrics or EngineMetrics()
-        self.state = EngineState.EMPTY
+        self.lifecycle = Lifecycle()
         self.load_progress = 0.0
         self.load_s: float | None = None
         self.info: RemoteModelInfo | None = None
@@ -131,19 +131,19 @@ class RemoteEngine:
     def load(self, on_progress: Callable[[float], None] | None = None) -> None:
         """Connect and learn the model; waits while the server is still loading it."""
         started = time.perf_counter()
-        self.state = EngineState.LOADING
+        self.lifecycle.move(EngineState.LOADING)
         try:
             self._wait_healthy(on_progress)
             self.info = self._model_info()
-        except EngineError:
-            self.state = EngineState.FAILED
+        except EngineError as exc:
+            self.lifecycle.fail(str(exc))
             raise
         self.n_ctx = self.info.n_ctx
         self.load_s = time.perf_counter() - started
         self.load_progress = 1.0
         if on_progress is not None:
             on_progress(1.0)
-        self.state = EngineState.READY
+        self.lifecycle.move(EngineState.READY)
 
     def _wait_healthy(self, on_progress: Callable[[float], None] | None) -> None:
         # /health is llama-server's and ours; a plain OpenAI server has none (404), which is fine.
@@ -192,6 +192,10 @@ class RemoteEngine:
             n_ctx=n_ctx,
         )
 
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
+
     def abort_load(self) -> None:
         self._abort.set()
 
@@ -215,7 +219,8 @@ class RemoteEngine:
     def close(self) -> None:
         self.abort_load()
         self._client.close()
-        self.state = EngineState.EMPTY
+        if self.state is not EngineState.EMPTY:
+            self.lifecycle.move(EngineState.EMPTY)
 
     def _body(self, sampling: Sampling) -> dict:
         if self.info is None:
@@ -376,8 +381,8 @@ class RemoteGeneration:
         finish = "stop"
         usage: dict = {}
         server_timings: dict = {}
+        engine.lifecycle.begin_reply()
         metrics.request_started()
-        engine.state = EngineState.GENERATING
         try:
             with engine._client.stream("POST", self.path, json=self.body) as response:
                 with self._lock:
@@ -447,4 +452,4 @@ class RemoteGeneration:
             if result.prompt_tokens:
                 metrics.prompt_evaluated(result.prompt_tokens)
             metrics.request_finished()
-            engine.state = EngineState.READY
+            engine.lifecycle.end_reply()

@@ -59,6 +59,8 @@ def parse_body(raw: bytes) -> dict:
         raise ApiError(f"request body: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:
         raise ApiError("request body: JSON nested too deeply") from None
+    except ValueError as exc:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise ApiError(f"request body: a number is too long ({exc})") from None
     if not isinstance(data, dict):
         raise ApiError(f"request body: expected a JSON object, got {type(data).__name__ if data is not None else 'null'}")
     return data
@@ -218,6 +220,22 @@ class Limits:
     max_n_predict: int
     default_n_predict: int
     defaults: Sampling  # the configured temperature/top_p/...; requests override field by field
+    # What one request may make the server keep: every token of every reply, each with its
+    # alternatives (server.max_request_entries).
+    max_entries: int = 262_144
+
+
+def check_request_size(limits: Limits, replies: int, sampling: Sampling) -> None:
+    """Refused at parse time, before any token: replies x max tokens x (1 + alternatives)
+    above the server's limit. Each entry is kept until the reply's JSON is sent."""
+    per_token = 1 + sampling.n_probs
+    entries = replies * sampling.max_tokens * per_token
+    if entries > limits.max_entries:
+        raise ApiError(
+            f"max_tokens: {replies} replies x {sampling.max_tokens} tokens x {per_token} (the token and its alternatives) "
+            f"= {entries:,} entries, above this server's limit of {limits.max_entries:,} (server.max_request_entries); "
+            "ask for fewer tokens, choices, prompts or alternatives"
+        )
 
 
 def _token_limit(fields: Fields, name: str, default: int, low: int, cap: int) -> int:

@@ -74,6 +74,12 @@ def bind_all(hosts: list[str], port: int) -> list[socket.socket]:
     return sockets
 
 
+def bound_names(hosts: list[str], sockets: list[socket.socket]) -> str:
+    """What the Host check takes as this server's own: the names given and the addresses they
+    bound (comma-separated, no empty entry), for ``create_app``'s ``bind_host``."""
+    return ",".join(dict.fromkeys([h for h in hosts if h] + [sock.getsockname()[0] for sock in sockets]))
+
+
 def base_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     if ":" in host:

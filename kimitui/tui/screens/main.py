@@ -8,6 +8,7 @@ and the chat's history (written through a thread of its own).
 from __future__ import annotations
 
 import itertools
+import sqlite3
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,18 +42,38 @@ PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history d
 
 @dataclass
 class Reply:
-    """A reply in flight: its widget, its database row and the engine's generation."""
+    """A reply in flight: its widget, its database row and the engine's generation. Its text
+    is kept here, not only in the widget: a reply whose chat was left (another conversation
+    opened, a new chat) ends into its own history row with nothing lost (``detached``)."""
 
     id: int
     view: MessageView
     message_id: int
     generation: object = None
+    text: str = ""
+    detached: bool = False
     last_saved: float = field(default_factory=time.monotonic)
+
+    def leave(self) -> None:
+        """Its chat is no longer shown: stop it; it still ends into the history."""
+        self.detached = True
+        if self.generation is not None:
+            self.generation.cancel()
+
+
+class HistoryFailed(Exception):
+    """A history write or read the screen waited for failed: one line saying what and why."""
 
 
 def _failure(error: BaseException) -> str:
     """An engine's own error is its one line; anything else is a bug, named as such."""
     return str(error) if isinstance(error, EngineError) else f"{type(error).__name__}: {error}"
+
+
+def _history_reason(exc: BaseException) -> str:
+    if isinstance(exc, sqlite3.IntegrityError) and "FOREIGN KEY" in str(exc):
+        return "the conversation was deleted meanwhile (by another kimitui?); ctrl+n starts a new one"
+    return str(exc) or type(exc).__name__
 
 
 class MainScreen(Screen):
@@ -209,6 +230,8 @@ class MainScreen(Screen):
     def _generate(self, reply: Reply, messages: list[dict], sampling: Sampling) -> None:
         generation = self.engine.chat(messages, sampling)
         reply.generation = generation
+        if reply.detached:  # its chat was left before the generation existed
+            generation.cancel()
         for event in generation:
             self.post_message(TokenReceived(reply.id, event))
         self.post_message(ReplyFinished(reply.id, generation.result))
@@ -275,14 +298,34 @@ class MainScreen(Screen):
         if self.busy:
             self.notify("a reply is streaming; Esc cancels it", severity="warning")
             return
+        refused = self.engine.lifecycle.refusal()
+        if refused is not None:
+            self.notify(f"{refused}; your message stays in the box", severity="error", timeout=15)
+            return
         self.prompt.clear()
         store = self.history.store
         with self._starting_reply():
-            if self.conversation_id is None:
-                self.conversation_id = await self.history.call(store.create_conversation, event.text.splitlines()[0], self.model_name)
-            message_id = await self.history.call(store.add_message, self.conversation_id, "user", event.text)
+            try:
+                if self.conversation_id is None:
+                    self.conversation_id = await self._history(
+                        "start a conversation", store.create_conversation, event.text.splitlines()[0], self.model_name,
+                    )
+                message_id = await self._history("save your message", store.add_message, self.conversation_id, "user", event.text)
+            except HistoryFailed as exc:
+                if not self.prompt.text:  # nothing typed meanwhile: the message goes back where it was
+                    self.prompt.load_text(event.text)
+                self.notify(f"{exc}; your message stays in the box", severity="error", timeout=15)
+                return
             await self.chat_log.add(MessageView("user", event.text, message_id=message_id))
             await self._start_reply()
+
+    async def _history(self, what: str, fn, *args, **kwargs):
+        """A history call the screen waits for; HistoryFailed says what failed and why (a full
+        disk, a read-only or locked database, a conversation deleted by another instance)."""
+        try:
+            return await self.history.call(fn, *args, **kwargs)
+        except (sqlite3.Error, OSError) as exc:
+            raise HistoryFailed(f"history: could not {what}: {_history_reason(exc)}") from None
 
     @contextmanager
     def _starting_reply(self):
@@ -300,10 +343,12 @@ class MainScreen(Screen):
         return self.reply is not None or self._starting
 
     def _history_messages(self) -> list[dict]:
+        """The chat as the model sees it. An empty reply (one that failed before its first
+        token) stays a turn: without it two user turns would follow each other, which
+        templates that insist on alternating roles refuse for the rest of the conversation."""
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         for view in self.chat_log.query(MessageView):
-            if view.text:
-                msgs.append({"role": view.role, "content": view.text})
+            msgs.append({"role": view.role, "content": view.text})
         return msgs
 
     async def _start_reply(self) -> None:
@@ -311,7 +356,14 @@ class MainScreen(Screen):
         view = MessageView("assistant", "")
         with self._starting_reply():
             await self.chat_log.add(view)
-            view.message_id = await self.history.call(self.history.store.add_message, self.conversation_id, "assistant", "", complete=False)
+            try:
+                view.message_id = await self._history(
+                    "save the reply's row", self.history.store.add_message, self.conversation_id, "assistant", "", complete=False,
+                )
+            except HistoryFailed as exc:
+                await view.remove()
+                self.notify(f"{exc}; no reply started (send again once it is fixed)", severity="error", timeout=15)
+                return
         self.reply = Reply(next(self._reply_ids), view, view.message_id)
         self.engine_state, self.status_detail = "generating", ""
         self.run_worker(
@@ -323,10 +375,12 @@ class MainScreen(Screen):
         reply = self.reply
         if reply is None or reply.id != message.reply_id:
             return
-        await reply.view.add_fragment(message.event.text)
-        self.status_detail = f"{message.event.index + 1} tok"
+        reply.text += message.event.text
+        if not reply.detached:
+            await reply.view.add_fragment(message.event.text)
+            self.status_detail = f"{message.event.index + 1} tok"
         if time.monotonic() - reply.last_saved >= PERSIST_EVERY_S:
-            self.history.post(self.history.store.update_message, reply.message_id, reply.view.text, complete=False)
+            self.history.post(self.history.store.update_message, reply.message_id, reply.text, complete=False)
             reply.last_saved = time.monotonic()
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:
@@ -354,12 +408,13 @@ class MainScreen(Screen):
             note = f"error: {error}"
             self.notify(error, severity="error", timeout=15)
         # Queued before the view is finished: the app may be closing while it awaits.
-        self.history.post(self.history.store.update_message, reply.message_id, reply.view.text, complete=error is None, stats=stats)
+        self.history.post(self.history.store.update_message, reply.message_id, reply.text, complete=error is None, stats=stats)
         if self.trace is not None and self.trace.error and not self._trace_error_shown:
             self._trace_error_shown = True
             self.notify(f"trace stopped: {self.trace.error}", severity="warning", timeout=15)
         self.engine_state, self.status_detail = "idle", ""
-        await reply.view.finish(note)
+        if not reply.detached:
+            await reply.view.finish(note)
 
     # -- tuning --------------------------------------------------------------------------
 
@@ -415,6 +470,10 @@ class MainScreen(Screen):
     async def action_regenerate(self) -> None:
         if not self.ready or self.reply is not None or self._refused_while_starting():
             return
+        refused = self.engine.lifecycle.refusal()
+        if refused is not None:
+            self.notify(refused, severity="error", timeout=15)
+            return
         last = self.chat_log.last_reply()
         views = list(self.chat_log.query(MessageView))
         if last is None or not views or views[-1] is not last:
@@ -433,8 +492,8 @@ class MainScreen(Screen):
             await self._clear_chat()
 
     async def _clear_chat(self) -> None:
-        if self.reply is not None and self.reply.generation is not None:
-            self.reply.generation.cancel()
+        if self.reply is not None:
+            self.reply.leave()
         self.conversation_id = None
         await self.chat_log.remove_children()
         self.chat_log.show_hint(self.model_name)
@@ -453,16 +512,20 @@ class MainScreen(Screen):
 
     async def _show_conversation(self, conversation_id: int | None) -> None:
         store = self.history.store
-        if self.conversation_id is not None and await self.history.call(store.get_conversation, self.conversation_id) is None:
-            await self._clear_chat()  # the open conversation was deleted: its view goes too
-        if conversation_id is None or await self.history.call(store.get_conversation, conversation_id) is None:
+        try:
+            if self.conversation_id is not None and await self._history("read the open conversation", store.get_conversation, self.conversation_id) is None:
+                await self._clear_chat()  # the open conversation was deleted: its view goes too
+            if conversation_id is None or await self._history("read the conversation", store.get_conversation, conversation_id) is None:
+                return
+            messages = await self._history("read the conversation's messages", store.messages, conversation_id)
+        except HistoryFailed as exc:
+            self.notify(str(exc), severity="error", timeout=15)
             return
-        if self.reply is not None and self.reply.generation is not None:
-            self.reply.generation.cancel()
-        self.reply = None
+        if self.reply is not None:
+            self.reply.leave()  # it ends into its own conversation's history (see Reply)
         await self.chat_log.remove_children()
         self.conversation_id = conversation_id
-        for msg in await self.history.call(store.messages, conversation_id):
+        for msg in messages:
             note = "" if msg.complete else "interrupted"
             await self.chat_log.add(MessageView(msg.role, msg.content, message_id=msg.id, note=note))
         self.prompt.focus()
