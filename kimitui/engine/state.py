@@ -86,7 +86,7 @@ class Lifecycle:
             return None
         if state is EngineState.FAILED:
             return self.reason or "the engine failed"
-        return "the model is still loading" if state is EngineState.LOADING else "the model is not loaded"
+        return "the model is still loading"  # EMPTY too: a server answers before its load begins
 
     def begin_reply(self) -> None:
         """READY -> GENERATING, in the engine's turn; a recoverable failure is mended first.

@@ -242,7 +242,8 @@ def _token_limit(fields: Fields, name: str, default: int, low: int, cap: int) ->
     """A token limit above the server's cap is clamped to it, as llama-server clamps to its
     context; below ``low`` or not an integer it is the client's mistake."""
     value = fields.body.get(name)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() and value > cap:
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())  # no float(): an int may be past its range
+    if whole and not isinstance(value, bool) and value > cap:
         return cap
     return fields.integer(name, default, low, cap)
 
@@ -356,7 +357,7 @@ def chat_messages(value: Any) -> list[dict]:
         if not isinstance(msg, dict):
             raise ApiError(f"{where}: expected an object with role and content, got {_shown(msg)}")
         role = msg.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(f"{where}.role: expected one of {', '.join(ROLES)}, got {_shown(role)}")
         content = msg.get("content")
         if isinstance(content, list):
