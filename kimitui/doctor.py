@@ -41,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_platform() -> Check:
-    name = "ios" if is_ios() else sys.platform  # a jailbreak's Python says "darwin" on iOS
-    text = f"{name} {host.machine()}, {host.python_implementation()} {host.python_version()}"
+    machine = host.machine()
+    # A jailbreak's Python says "darwin" on iOS, and its machine is the phone's model name.
+    where = f"ios arm64 ({machine})" if is_ios() else f"{sys.platform} {machine}"
+    text = f"{where}, {host.python_implementation()} {host.python_version()}"
     try:
         import llama_cpp
     except ImportError as exc:
@@ -71,7 +73,7 @@ def check_address_space(files: list[Path]) -> Check:
     what = f"{format_bytes(total)} for {files[0].name}" + (f" ({len(files)} files)" if len(files) > 1 else "")
     if can_reserve(total):
         return Check("address space", True, f"{what} can be mapped at once")
-    return Check("address space", False, f"{what} cannot be mapped at once: {address_space_fix()}")
+    return Check("address space", False, f"{what} cannot be mapped at once: {address_space_fix(total_bytes=total)}")
 
 
 def check_descriptors(files: list[Path]) -> Check:

@@ -59,3 +59,12 @@ def test_a_model_that_is_not_there_is_one_line_and_exit_two(tmp_path):
     proc = doctor("--model", str(tmp_path / "missing.gguf"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"kimitui: model file not found: {tmp_path / 'missing.gguf'} (from --model)"]
+
+
+def test_on_the_phone_the_platform_line_says_ios_arm64_beside_the_machine_name(monkeypatch):
+    from kimitui import doctor
+
+    monkeypatch.setattr(doctor, "is_ios", lambda: True)
+    monkeypatch.setattr(doctor.host, "machine", lambda: "iPhone17,1")
+    check = doctor.check_platform()
+    assert check.text.startswith("ios arm64 (iPhone17,1), CPython ")

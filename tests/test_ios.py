@@ -122,6 +122,17 @@ def test_jetsam_caps_the_memory_the_budget_comes_from(monkeypatch):
     assert memory.default_budget() <= int(3 * 2**30 * memory.SAFE_SHARE)
 
 
+def test_a_process_at_its_jetsam_limit_has_no_headroom_not_free_memorys(monkeypatch):
+    class AtTheLimit:
+        @staticmethod
+        def os_proc_available_memory():
+            return 0
+
+    assert memory.jetsam_headroom("ios", lambda: AtTheLimit) == 0
+    monkeypatch.setattr(memory, "jetsam_headroom", lambda: 0)
+    assert memory.available_memory() == 0
+
+
 class Limits:
     def __init__(self, soft, hard, refuse_above=None):
         self.soft, self.hard, self.refuse_above, self.set = soft, hard, refuse_above, []
@@ -171,14 +182,49 @@ class RefusingAddressSpace:
         raise AssertionError("nothing was mapped")
 
 
-def test_an_address_space_too_small_names_the_entitlement_and_ldid():
+def test_an_address_space_too_small_says_so_and_what_applies_on_ios():
     space = RefusingAddressSpace()
     assert plat.can_reserve(1_560 * 10**9, "ios", space) is False
     assert space.asked == [(1_560 * 10**9, plat.PROT_NONE, plat.MAP_PRIVATE | 0x1000 | 0x40)]  # Darwin's MAP_ANON | MAP_NORESERVE
+    # Past iOS's 63 GiB ceiling no entitlement helps: said so, not "sign with ldid".
     line = plat.model_fits_limits(["k3.gguf"], 1_560 * 10**9, "ios", reserve=lambda n: False)
-    assert "cannot map the model's 1452.9 GiB" in line
+    assert "cannot map the model's 1452.9 GiB" in line and "out of address space, not a damaged file" in line
+    assert "at 63 GiB" in line and plat.EXTENDED_VA_ENTITLEMENT in line and "ldid" not in line
+    # Below it, the entitlement is what raises a process to the ceiling.
+    line = plat.model_fits_limits(["small.gguf"], 20 * 2**30, "ios", reserve=lambda n: False)
     assert plat.EXTENDED_VA_ENTITLEMENT in line and "ldid -S" in line
 
+
+UNDER_LIMIT = r"""
+import sys
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError
+from kimitui.errors import UserError
+engine = Engine(sys.argv[1], n_ctx=128, budget=1 << 30)
+print("tensor bytes", engine.inspect().tensor_bytes)  # the header, through a bounded window
+try:
+    engine.load()
+except (EngineError, UserError) as exc:
+    print("refused:", exc)
+"""
+
+
+def test_under_an_address_space_limit_the_header_reads_and_the_load_says_what_is_short(tmp_path):
+    """`ulimit -v` of 8 GiB (the stand-in for iOS's ceiling) on a 30 GiB sparse Kimi K3 cut."""
+    from kimitui.model import synth
+
+    spec = synth.plan_like("kimi-k3", None, 1.0, "q4_1", synth.default_tokenizer(), synth.Cut(layers=2))
+    path = synth.write_model(spec, tmp_path / "k3.gguf", seed=3, progress=False, sparse=True).paths[0]
+    assert path.stat().st_size > 15 * 2**30  # nearly twice the limit
+    proc = subprocess.run(
+        ["bash", "-c", 'ulimit -v $((8 * 1024 * 1024)) && exec "$0" -c "$1" "$2"', sys.executable, UNDER_LIMIT, str(path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tensor bytes" in proc.stdout and "corrupt" not in proc.stdout, proc.stdout
+    refused = proc.stdout.split("refused: ", 1)[1]
+    assert "cannot map the model's" in refused and "out of address space, not a damaged file" in refused
+    assert "this process may have 8.0 GiB (ulimit -v)" in refused
 
 def test_this_machine_reserves_a_terabyte_and_a_half():
     assert plat.can_reserve(1_560 * 10**9)  # what a 64-bit Linux gives; iOS without the entitlement does not
@@ -408,3 +454,31 @@ def test_a_read_that_failed_is_read_again_not_taken_for_data(tmp_path):
         placer.close()
         libc.munmap(mapped, 4 * page)
         os.close(fd)
+
+
+NO_FADVISE = r"""
+import sys
+from kimitui.engine import loadhooks
+real = loadhooks.libc_function
+loadhooks.libc_function = lambda proto, name, libc: None if name == "posix_fadvise" else real(proto, name, libc)
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+engine = Engine(sys.argv[1], n_ctx=256)
+engine.load()
+assert engine.fast_load_note is None, engine.fast_load_note  # fast start, not the stock load
+assert loadhooks.install()._real_fadvise is None
+gen = engine.complete("The capital of France is", Sampling(temperature=0.0, max_tokens=6))
+list(gen)
+print(gen.result.text)
+"""
+
+
+def test_a_libc_without_posix_fadvise_still_loads_with_fast_start(model_path):
+    """Darwin's libc has no posix_fadvise: the hooks go on without it (injected here)."""
+    from helpers import stock_llama
+
+    proc = subprocess.run([sys.executable, "-c", NO_FADVISE, str(model_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    stock = stock_llama(model_path, n_ctx=256)
+    expected = stock("The capital of France is", max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    assert proc.stdout.rstrip("\n") == expected

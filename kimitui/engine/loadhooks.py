@@ -223,13 +223,25 @@ def _fd_path(fd: int) -> str:
     return f"fd:{fd}"
 
 
+def libc_function(prototype, name: str, libc: ctypes.CDLL):
+    """``name`` from ``libc`` as ``prototype``; None where this libc has no such symbol (Darwin's
+    has no posix_fadvise: xnu exports posix_madvise only)."""
+    try:
+        return prototype((name, libc))
+    except AttributeError:
+        return None
+
+
 class LoadHooks:
     """The installed wrappers. One per process: the library's slots point at this object's callbacks."""
 
     def __init__(self, libc: ctypes.CDLL, *, fd_path: Callable[[int], str] = _fd_path) -> None:
-        self._real_mmap = MMAP_T(("mmap", libc))
-        self._real_madvise = MADVISE_T(("posix_madvise", libc))
-        self._real_fadvise = FADVISE_T(("posix_fadvise", libc))
+        self._real_mmap = libc_function(MMAP_T, "mmap", libc)
+        self._real_madvise = libc_function(MADVISE_T, "posix_madvise", libc)
+        if self._real_mmap is None or self._real_madvise is None:
+            raise HookUnavailable("this libc has no mmap or posix_madvise")
+        # Optional: llama.cpp calls it on Linux only, and a libllama that imports none is not rebound there.
+        self._real_fadvise = libc_function(FADVISE_T, "posix_fadvise", libc)
         self._mprotect = libc.mprotect
         self._mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         self._munmap = libc.munmap
@@ -284,7 +296,7 @@ class LoadHooks:
 
     def _fadvise(self, fd, offset, length, advice):
         # SEQUENTIAL doubles readahead: on a streamed model that drags in bytes nobody asked for.
-        if self.enabled and advice == POSIX_FADV_SEQUENTIAL:
+        if (self.enabled and advice == POSIX_FADV_SEQUENTIAL) or self._real_fadvise is None:
             return 0
         return self._real_fadvise(fd, offset, length, advice)
 

@@ -250,16 +250,35 @@ def can_reserve(nbytes: int, platform: str = sys.platform, calls: AddressSpace |
 EXTENDED_VA_ENTITLEMENT = "com.apple.developer.kernel.extended-virtual-addressing"
 
 
-def address_space_fix(platform: str = sys.platform, python: str = sys.executable) -> str:
+# Where iOS ends a process's user address space (xnu's MACH_VM_MAX_ADDRESS_RAW for arm64
+# outside macOS): the extended-virtual-addressing entitlement raises a process to it, not past it.
+IOS_ADDRESS_CEILING = 0x0FC0000000  # 63 GiB
+
+
+def address_space_limit() -> int | None:
+    """This process's address-space limit (RLIMIT_AS, `ulimit -v`), None where unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def address_space_fix(platform: str = sys.platform, python: str = sys.executable, total_bytes: int = 0) -> str:
     """What to do when the model's files cannot all be mapped at once."""
     if is_ios(platform):
+        if total_bytes > IOS_ADDRESS_CEILING:
+            return (
+                f"iOS ends a process's address space at {IOS_ADDRESS_CEILING / 2**30:.0f} GiB, even with the "
+                f"{EXTENDED_VA_ENTITLEMENT} entitlement, and llama.cpp maps each model file whole: a model this large "
+                "cannot be loaded on iOS by this version"
+            )
         return (
             f"sign the interpreter with the {EXTENDED_VA_ENTITLEMENT} entitlement: "
             f"ldid -S<entitlements.plist> {os.path.realpath(python)} (README, On the iPhone)"
         )
+    limit = address_space_limit()
+    has = f"this process may have {limit / 2**30:.1f} GiB (ulimit -v): " if limit is not None else ""
     if is_darwin(platform):
-        return "check `ulimit -v` (unlimited is needed for a model larger than memory)"
-    return "check `ulimit -v` and vm.overcommit_memory (0 or 1 maps a model larger than memory)"
+        return has + "check `ulimit -v` (unlimited is needed for a model larger than memory)"
+    return has + "check `ulimit -v` and vm.overcommit_memory (0 or 1 maps a model larger than memory)"
 
 
 @dataclass(frozen=True)
@@ -295,5 +314,8 @@ def model_fits_limits(files: list, total_bytes: int, platform: str = sys.platfor
             f"{limit.soft} (hard limit {limit.shown(limit.hard)}): run `ulimit -n {limit.needed}` first"
         )
     if total_bytes and not (reserve or (lambda n: can_reserve(n, platform)))(total_bytes):
-        return f"this process cannot map the model's {total_bytes / 2**30:.1f} GiB of files at once: {address_space_fix(platform)}"
+        return (
+            f"this process cannot map the model's {total_bytes / 2**30:.1f} GiB of files at once (out of address space, "
+            f"not a damaged file): {address_space_fix(platform, total_bytes=total_bytes)}"
+        )
     return None

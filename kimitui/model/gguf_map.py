@@ -8,6 +8,7 @@ the trunk every token needs. Single files and llama.cpp split sets
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
@@ -474,14 +475,54 @@ def _open_reader(path: Path, arrays: bool = False):
     try:
         with path.open("rb") as fh:
             magic = fh.read(4)
+        size = path.stat().st_size
     except OSError as exc:
         raise UserError(f"cannot read model file {path}: {exc.strerror}") from None
     if magic != b"GGUF":
         raise UserError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    try:
-        return HeaderReader(str(path), "r")
-    except Exception as exc:  # the gguf package raises ValueError, IndexError, ... on damage
-        raise UserError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from None
+    window = min(size, HEADER_WINDOW)
+    while True:
+        try:
+            with path.open("rb") as fh:
+                reader = HeaderReader(_FileWindow(fh, window), "r")
+            if reader.data_offset <= window:
+                return reader
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM:
+                raise UserError(
+                    f"{path}: cannot map {format_bytes(window)} to read its header: this process's address space is full "
+                    f"({exc.strerror}; ulimit -v, or the platform's ceiling)"
+                ) from None
+            raise UserError(f"cannot read model file {path}: {exc.strerror}") from None
+        except Exception as exc:  # the gguf package raises ValueError, IndexError, ... on damage
+            if window >= size:
+                raise UserError(f"{path}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})") from None
+        window = min(size, window * 4)  # a header larger than the window: look further
+
+
+# How much of a file the header is first read through: Kimi K3's, vocabulary included, is a few
+# MB. Never the whole file: a 1.5 TB model mapped whole would not fit a phone's address space.
+HEADER_WINDOW = 64 * 2**20
+
+
+class _FileWindow:
+    """The first ``size`` bytes of an open file, as np.memmap sees a file: it maps up to where
+    ``tell()`` says the file ends, so the header is read through a bounded mapping."""
+
+    def __init__(self, fh, size: int) -> None:
+        self._fh, self._size = fh, size
+
+    def read(self, *args):
+        return self._fh.read(*args)
+
+    def fileno(self) -> int:
+        return self._fh.fileno()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return min(self._fh.seek(offset, whence), self._size)
+
+    def tell(self) -> int:
+        return min(self._fh.tell(), self._size)
 
 
 def field_value(reader, key: str):
