@@ -27,3 +27,14 @@ def isolated_dirs(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def dense(tmp_path_factory) -> Path:
+    """A dense synthetic llama of 160 MiB (random weights, written once): what streams in the
+    engine tests. Read-only; a test that cuts or edits a model copies it first."""
+    from kimitui.model import synth
+
+    out = tmp_path_factory.mktemp("dense") / "dense.gguf"
+    spec = synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer())
+    return synth.write_model(spec, out, seed=5, progress=False).paths[0]

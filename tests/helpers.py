@@ -15,6 +15,16 @@ def wait_for(condition, what: str, timeout: float = 180.0) -> None:
         time.sleep(0.02)
 
 
+async def until(pilot, condition, timeout: float = 60.0) -> None:
+    """Let a Pilot-driven app run until ``condition()`` holds; AssertionError past ``timeout``."""
+    waited = 0.0
+    while not condition():
+        await pilot.pause(0.02)
+        waited += 0.02
+        if waited > timeout:
+            raise AssertionError("condition not reached in time")
+
+
 def peak_while(source, work):
     """The highest value ``source()`` gives, sampled every 2 ms on a thread of its own while
     ``work()`` runs; and what ``work`` returned."""

@@ -145,19 +145,15 @@ def test_a_range_that_cannot_be_given_back_keeps_its_bytes(mapped_file):
     assert placer.placed_bytes == 0 and ctypes.string_at(address, len(data)) == data
 
 
-def test_released_buffers_beyond_the_spare_ones_go_back_to_the_system(mapped_file):
-    from kimitui.engine.direct import SPARE_BUFFERS
-
+def test_a_smaller_pool_gives_its_spare_buffers_back(mapped_file):
     path, data, address, placer = mapped_file
     pieces = [(s, n) for s, n, p in split_pieces(0, len(data), PAGE) if p][:4]
     for start, length in pieces:
         assert placer.place(0, start, length) == length
-    assert placer._made == 4
     placer.release(0, 0, len(data))
-    # Only the spare buffers the budget sets aside stay faulted in for the next read.
-    assert placer._made == SPARE_BUFFERS and sum(map(len, placer._free.values())) == SPARE_BUFFERS
-    placer.capacity = 0
-    assert placer._made == 0 and sum(map(len, placer._free.values())) == 0
+    assert placer._made == 4 and sum(map(len, placer._free.values())) == 4
+    placer.capacity = 1
+    assert placer._made == 1 and sum(map(len, placer._free.values())) == 1
 
 
 def test_a_failed_release_is_reported_and_the_dropper_lives_on():

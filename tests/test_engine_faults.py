@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,16 +19,8 @@ import pytest
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
 from kimitui.engine.state import EngineError, EngineState, IllegalMove, Lifecycle
-from kimitui.model import synth
 
 MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("engine-faults") / "dense.gguf"
-    spec = synth.plan_dense(160 * MIB, "q4_1", synth.default_tokenizer())
-    return synth.write_model(spec, out, seed=5, progress=False).paths[0]
 
 
 def greedy(engine: Engine, prompt="Once upon a time", n: int = 8, **kw) -> str:
@@ -162,12 +153,11 @@ def resident_bytes(spans: list[tuple[int, int]]) -> int:
     return total
 
 
-def test_the_pools_memory_beside_the_mapping_stays_within_what_the_budget_sets_aside(tmp_path):
+def test_the_pools_memory_beside_the_mapping_is_its_free_buffers_only(tmp_path):
     import random
 
     from helpers import takes_direct_reads
 
-    from kimitui.engine.budget import POOL_SPARE_BYTES
     from kimitui.engine.direct import PIECE_BYTES, DirectPlacer, Libc, split_pieces
     from kimitui.engine.loadhooks import MAP_SHARED, PROT_READ
 
@@ -181,6 +171,10 @@ def test_the_pools_memory_beside_the_mapping_stays_within_what_the_budget_sets_a
     address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
     page = os.sysconf("SC_PAGE_SIZE")
     placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=16)
+    if placer is None:
+        libc.munmap(address, len(data))
+        os.close(fd)
+        pytest.skip("no direct placement on this kernel (MREMAP_DONTUNMAP)")
     try:
         # Shards whose ends fall inside 4 MiB blocks: partial pieces beside whole ones.
         shards = [(1 * MIB + 4096, 9 * MIB + 123), (9 * MIB + 123, 18 * MIB), (18 * MIB + 777, 40 * MIB)]
@@ -189,18 +183,37 @@ def test_the_pools_memory_beside_the_mapping_stays_within_what_the_budget_sets_a
                 for start, length, whole_pages in split_pieces(lo, hi, page):
                     if whole_pages:
                         assert placer.place(0, start, length) == length
-            # While placed, a partial piece's buffer holds only what moved: nothing beside it.
-            assert resident_bytes(placer.buffer_spans()) <= POOL_SPARE_BYTES
+            # A lent buffer holds nothing: its piece's pages are in the mapping (counted there),
+            # the rest of a partial piece's buffer was given back. Only free buffers hold memory.
+            free = sum(map(len, placer._free.values()))
+            assert resident_bytes(placer.buffer_spans()) <= free * PIECE_BYTES
+            assert resident_bytes(placer.buffer_spans()) + placer.placed_bytes <= placer.capacity * PIECE_BYTES
             for lo, hi in shards:
                 placer.release(0, lo, hi - lo)
-            # Released: the free buffers kept for the next read are what the budget set aside.
-            assert resident_bytes(placer.buffer_spans()) <= POOL_SPARE_BYTES
+            assert resident_bytes(placer.buffer_spans()) <= placer.capacity * PIECE_BYTES
         assert ctypes.string_at(address, len(data)) == data
-        assert POOL_SPARE_BYTES >= PIECE_BYTES
     finally:
         placer.close()
         libc.munmap(address, len(data))
         os.close(fd)
+
+
+@pytest.mark.parametrize("budget_mib", [100, 120, 150])
+def test_the_plan_counts_the_direct_read_pool_the_streamer_may_fill(dense, budget_mib):
+    from kimitui.engine.budget import PIECE_BYTES, SLACK_BYTES
+
+    engine = Engine(dense, n_ctx=256, budget=budget_mib * MIB)
+    engine.load()
+    engine.pin()
+    plan, streamer = engine.plan, engine.streamer
+    assert streamer is not None
+    # Pinned set, what streams at its fullest (the window, or the pool holding it) and the slack:
+    # within the budget.
+    streams = max(plan.window_bytes, plan.pool_buffers * PIECE_BYTES)
+    assert plan.pinned_bytes + streams + SLACK_BYTES <= budget_mib * MIB
+    if streamer.placer is not None:
+        assert streamer.placer.capacity <= plan.pool_buffers
+    engine.close()
 
 
 # -- the API: caps, bad numbers, nothing CPU-bound on the event loop -------------------------------------

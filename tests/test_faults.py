@@ -17,13 +17,6 @@ MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "dense.gguf"
-    spec = synth.plan_dense(160 * MIB, "q4_1", synth.default_tokenizer())
-    return synth.write_model(spec, out, seed=5, progress=False).paths[0]
-
-
-@pytest.fixture(scope="module")
 def k3(tmp_path_factory) -> Path:
     """A Kimi K3 cut (4 layers, all 896 experts) of 210 MiB: trunk shards and expert slices stream."""
     spec = synth.plan_like("kimi-k3", None, 0.06, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))

@@ -122,16 +122,6 @@ def test_jetsam_caps_the_memory_the_budget_comes_from(monkeypatch):
     assert memory.default_budget() <= int(3 * 2**30 * memory.SAFE_SHARE)
 
 
-def test_a_process_at_its_jetsam_limit_has_no_headroom_not_free_memorys(monkeypatch):
-    class AtTheLimit:
-        @staticmethod
-        def os_proc_available_memory():
-            return 0
-
-    assert memory.jetsam_headroom("ios", lambda: AtTheLimit) == 0
-    monkeypatch.setattr(memory, "jetsam_headroom", lambda: 0)
-    assert memory.available_memory() == 0
-
 
 class Limits:
     def __init__(self, soft, hard, refuse_above=None):

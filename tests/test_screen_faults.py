@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sqlite3
 
-import pytest
 from fakes import FakeEngine, fake_app
+from helpers import until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,17 +17,8 @@ from kimitui.history import HistoryStore
 from kimitui.tui.widgets.chat import MessageView, PromptInput
 
 
-async def wait_for(pilot, condition, timeout: float = 20.0) -> None:
-    waited = 0.0
-    while not condition():
-        await pilot.pause(0.02)
-        waited += 0.02
-        if waited > timeout:
-            raise AssertionError("condition not reached in time")
-
-
 async def typed(pilot, app, text: str) -> None:
-    await wait_for(pilot, lambda: app.main.ready)
+    await until(pilot, lambda: app.main.ready)
     app.query_one(PromptInput).focus()
     await pilot.press(*text)
     await pilot.press("enter")
@@ -50,7 +41,7 @@ async def test_a_message_the_history_cannot_save_stays_in_the_box_and_the_app_go
     monkeypatch.setattr(HistoryStore, "add_message", add_message)
     async with app.run_test(size=(120, 40)) as pilot:
         await typed(pilot, app, "keep me")
-        await wait_for(pilot, lambda: any("disk is full" in n for n in notices(app)))
+        await until(pilot, lambda: any("disk is full" in n for n in notices(app)))
         assert app.query_one(PromptInput).text == "keep me"  # not lost
         assert not app.query(MessageView) and app.main.reply is None
         line = next(n for n in notices(app) if "disk is full" in n)
@@ -58,7 +49,7 @@ async def test_a_message_the_history_cannot_save_stays_in_the_box_and_the_app_go
         full[0] = False  # space freed: the same message goes through
         app.query_one(PromptInput).focus()
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 2 and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 2 and app.query(MessageView).last().border_subtitle)
         assert app.query(MessageView).last().text.startswith("Hello!")
         conv = app.main.conversation_id
     assert [m.content for m in HistoryStore(data_dir() / "history.sqlite3").messages(conv)][0] == "keep me"
@@ -68,16 +59,16 @@ async def test_a_conversation_deleted_by_another_instance_is_said_and_nothing_ty
     app = fake_app()
     async with app.run_test(size=(120, 40)) as pilot:
         await typed(pilot, app, "first")
-        await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
         HistoryStore(data_dir() / "history.sqlite3").delete_conversation(app.main.conversation_id)  # the other kimitui
         await typed(pilot, app, "second")
-        await wait_for(pilot, lambda: any("deleted meanwhile" in n for n in notices(app)))
+        await until(pilot, lambda: any("deleted meanwhile" in n for n in notices(app)))
         assert app.query_one(PromptInput).text == "second"
         await pilot.press("ctrl+n")
         await pilot.pause()
         app.query_one(PromptInput).focus()
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 2 and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 2 and app.query(MessageView).last().border_subtitle)
         assert app.query(MessageView).first().text == "second"
 
 
@@ -93,11 +84,11 @@ async def test_opening_a_conversation_while_a_reply_streams_keeps_that_reply_in_
     async with app.run_test(size=(120, 40)) as pilot:
         await typed(pilot, app, "count")
         first = None
-        await wait_for(pilot, lambda: app.main.reply is not None and app.main.reply.text)  # held mid-reply
+        await until(pilot, lambda: app.main.reply is not None and app.main.reply.text)  # held mid-reply
         first = app.main.conversation_id
         await app.main._open_conversation(other)
         engine.gate.set()
-        await wait_for(pilot, lambda: app.main.reply is None)
+        await until(pilot, lambda: app.main.reply is None)
         assert app.main.engine_state == "idle"  # not left on "generating"
         assert [v.text for v in app.query(MessageView)] == ["from before"]
     rows = store.messages(first)
@@ -111,10 +102,10 @@ async def test_a_reply_that_failed_before_its_first_token_stays_a_turn():
     app = fake_app(engine)
     async with app.run_test(size=(120, 40)) as pilot:
         await typed(pilot, app, "Hi")
-        await wait_for(pilot, lambda: app.main.reply is None and str(app.query(MessageView).last().border_subtitle).startswith("error:"))
+        await until(pilot, lambda: app.main.reply is None and str(app.query(MessageView).last().border_subtitle).startswith("error:"))
         engine.fail_reply, engine.reply_words = None, ["fine"]
         await typed(pilot, app, "Hello")
-        await wait_for(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
     # Roles alternate, as templates that insist on it need: the empty reply is a turn.
     assert [(m["role"], m["content"]) for m in engine.asked[-1] if m["role"] != "system"] == [("user", "Hi"), ("assistant", ""), ("user", "Hello")]
 
@@ -123,10 +114,10 @@ async def test_a_failed_engine_refuses_the_send_in_one_line_and_keeps_the_messag
     engine = FakeEngine()
     app = fake_app(engine)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.main.ready)
+        await until(pilot, lambda: app.main.ready)
         engine.lifecycle.fail("llama.cpp could not make a new context for streaming (out of memory)")
         await typed(pilot, app, "still here")
-        await wait_for(pilot, lambda: any("new context" in n for n in notices(app)))
+        await until(pilot, lambda: any("new context" in n for n in notices(app)))
         assert app.query_one(PromptInput).text == "still here" and not app.query(MessageView)
 
 
@@ -146,7 +137,7 @@ async def test_random_keys_while_streaming_and_tuning_raise_nothing_and_lose_no_
     app = fake_app(engine)
     async with app.run_test(size=(120, 40)) as pilot:
         await typed(pilot, app, "hold")  # a reply held mid-stream while the keys arrive
-        await wait_for(pilot, lambda: app.main.reply is not None)
+        await until(pilot, lambda: app.main.reply is not None)
         await pilot.press("ctrl+e")  # and the tuning strip open
         for i, key in enumerate(keys):
             if i == len(keys) // 2:
@@ -157,7 +148,7 @@ async def test_random_keys_while_streaming_and_tuning_raise_nothing_and_lose_no_
         engine.gate.set()
         while app.screen is not app.main:
             await pilot.press("escape")
-        await wait_for(pilot, lambda: app.main.reply is None and not app.main.busy)
+        await until(pilot, lambda: app.main.reply is None and not app.main.busy)
         conv = app.main.conversation_id
         shown = [(v.role, v.text) for v in app.query(MessageView)]
     assert app.return_code in (None, 0)

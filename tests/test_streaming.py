@@ -28,10 +28,8 @@ TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("stream") / "dense.gguf"
-    spec = synth.plan_dense(160 * MIB, "q4_1", synth.default_tokenizer())
-    return synth.write_model(spec, out, seed=5, progress=False).paths[0]
+def model(dense) -> Path:
+    return dense  # conftest's: the 160 MiB dense model the engine tests share
 
 
 def greedy(engine: Engine) -> tuple[str, int]:

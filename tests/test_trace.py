@@ -16,7 +16,6 @@ from kimitui.engine.generation import GenerationResult, Sampling
 from kimitui.engine.session import Engine
 from kimitui.engine.streaming import StreamSettings
 from kimitui.errors import UserError
-from kimitui.model import synth
 from kimitui.model.gguf_map import Shard
 from kimitui.trace import TraceWriter, check_not_model_drive, default_trace_path, open_trace
 from kimitui.trace.cli import METRICS
@@ -30,10 +29,8 @@ DEPTH = 4
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("trace") / "dense.gguf"
-    spec = synth.plan_dense(160 * MIB, "q4_1", synth.default_tokenizer())
-    return synth.write_model(spec, out, seed=3, progress=False).paths[0]
+def model(dense) -> Path:
+    return dense  # conftest's: the 160 MiB dense model the engine tests share
 
 
 @pytest.fixture(scope="module")

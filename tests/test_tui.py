@@ -6,6 +6,7 @@ import sqlite3
 import threading
 
 import pytest
+from helpers import until
 
 from kimitui import cli
 from kimitui.cli import build_parser, resolve_model, resolve_settings
@@ -35,21 +36,12 @@ def make_app(*flags: str) -> KimituiApp:
     return cli.make_app(settings, resolve_model(settings))
 
 
-async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
-    waited = 0.0
-    while not condition():
-        await pilot.pause(0.05)
-        waited += 0.05
-        if waited > timeout:
-            raise AssertionError("condition not reached in time")
-
-
 async def ask(pilot, app: KimituiApp, text: str) -> None:
-    await wait_for(pilot, lambda: app.main.ready)
+    await until(pilot, lambda: app.main.ready)
     app.query_one(PromptInput).focus()
     await pilot.press(*text)
     await pilot.press("enter")
-    await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView) and app.query(MessageView).last().border_subtitle)
+    await until(pilot, lambda: app.main.reply is None and app.query(MessageView) and app.query(MessageView).last().border_subtitle)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -69,7 +61,7 @@ async def test_chat_streams_and_panels_fill(size):
         assert reply.text and len(tokens) > 1  # streamed token by token, not in one piece
         assert reply.text == "".join(e.text for e in tokens)
         assert "tok" in str(reply.border_subtitle)
-        await wait_for(pilot, lambda: "p50 —" not in str(app.query_one(LatencyPanel).body.render()))
+        await until(pilot, lambda: "p50 —" not in str(app.query_one(LatencyPanel).body.render()))
         latency = str(app.query_one(LatencyPanel).body.render())
         assert "ms" in latency and "tok/s" in latency and "TTFT" in latency
         memory = app.query_one(MemoryPanel).summary
@@ -97,7 +89,7 @@ async def test_status_bar_reports_the_engines_load_time_when_the_load_started_ea
     loaded = []
     try:
         async with app.run_test(size=(120, 40), message_hook=lambda m: loaded.append(m) if isinstance(m, LoadFinished) else None) as pilot:
-            await wait_for(pilot, lambda: app.main.ready)
+            await until(pilot, lambda: app.main.ready)
             assert loaded[0].seconds == app.engine.load_s > 0
             assert gc.isenabled()  # ...and the app turns it back on once it is up
     finally:
@@ -122,7 +114,7 @@ async def test_status_bar_shows_pinning_progress_then_what_was_pinned():
     progress = []
     async with app.run_test(size=(120, 40), message_hook=lambda m: progress.append(m.progress) if isinstance(m, PinProgressed) else None) as pilot:
         status = app.query_one(StatusBar)
-        await wait_for(pilot, lambda: status.pinned.startswith("pinned"))
+        await until(pilot, lambda: status.pinned.startswith("pinned"))
         assert progress and progress[-1].finished
         assert status.pinned in str(status.render()) and not status.pinning
         status.pinning = progress[0].describe()  # as it showed while the reads ran
@@ -133,13 +125,13 @@ async def test_status_bar_shows_pinning_progress_then_what_was_pinned():
 async def test_escape_cancels_a_reply_and_keeps_history():
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.main.ready)
+        await until(pilot, lambda: app.main.ready)
         app.main.sampling.max_tokens = 400
         await pilot.press(*"Write a long story about a lighthouse")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.main.reply is not None and len(app.main.reply.view.text) > 10)
+        await until(pilot, lambda: app.main.reply is not None and len(app.main.reply.view.text) > 10)
         await pilot.press("escape")
-        await wait_for(pilot, lambda: app.main.reply is None)
+        await until(pilot, lambda: app.main.reply is None)
         reply = app.query(MessageView).last()
         assert "cancelled" in str(reply.border_subtitle)
         assert reply.text
@@ -157,12 +149,12 @@ async def test_history_reopens_after_restart():
         texts = [v.text for v in first.query(MessageView)]
     second = make_app()
     async with second.run_test(size=(50, 30)) as pilot:
-        await wait_for(pilot, lambda: second.main.ready)
+        await until(pilot, lambda: second.main.ready)
         assert not second.query(MessageView)
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(second.screen, HistoryScreen) and second.screen.filled)
+        await until(pilot, lambda: isinstance(second.screen, HistoryScreen) and second.screen.filled)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(second.query(MessageView)) == 2)
+        await until(pilot, lambda: len(second.query(MessageView)) == 2)
         assert [v.text for v in second.query(MessageView)] == texts
         # The reopened chat continues: a new question sees the earlier turns.
         await ask(pilot, second, "And three plus three?")
@@ -174,9 +166,9 @@ async def test_history_lists_markup_titles_and_survives_deleting_the_open_chat()
     async with app.run_test(size=(120, 40)) as pilot:
         await ask(pilot, app, "what does [/] mean")  # the title is text, not Textual markup
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen) and app.screen.filled)
+        await until(pilot, lambda: isinstance(app.screen, HistoryScreen) and app.screen.filled)
         await pilot.press("d", "escape")
-        await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen) and not app.query(MessageView))
+        await until(pilot, lambda: not isinstance(app.screen, HistoryScreen) and not app.query(MessageView))
         assert app.main.conversation_id is None
         await ask(pilot, app, "Hi")  # a new conversation, not the deleted one
         messages = app.store.messages(app.main.conversation_id)
@@ -189,9 +181,9 @@ async def test_history_exports_a_conversation_to_markdown(tmp_path, monkeypatch)
     async with app.run_test(size=(120, 40)) as pilot:
         await ask(pilot, app, "Name a sea")
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen) and app.screen.filled)
+        await until(pilot, lambda: isinstance(app.screen, HistoryScreen) and app.screen.filled)
         await pilot.press("e")
-        await wait_for(pilot, lambda: list(tmp_path.glob("kimitui-*.md")))
+        await until(pilot, lambda: list(tmp_path.glob("kimitui-*.md")))
         text = next(tmp_path.glob("kimitui-*.md")).read_text(encoding="utf-8")
         assert "Name a sea" in text and app.query(MessageView).last().text.strip()[:20] in text
 
@@ -199,14 +191,14 @@ async def test_history_exports_a_conversation_to_markdown(tmp_path, monkeypatch)
 async def test_a_database_error_in_the_history_dialog_is_a_notice_and_the_chat_goes_on(monkeypatch):
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.main.ready)
+        await until(pilot, lambda: app.main.ready)
 
         def locked():
             raise sqlite3.OperationalError("database is locked")
 
         monkeypatch.setattr(app.store, "list_conversations", locked)
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: any("database is locked" in n.message for n in app._notifications))
+        await until(pilot, lambda: any("database is locked" in n.message for n in app._notifications))
         assert isinstance(app.screen, HistoryScreen) and not app.screen.filled
         await pilot.press("escape")
         await ask(pilot, app, "Hi")  # the chat still answers, and is still saved
@@ -219,8 +211,8 @@ async def test_regenerate_new_chat_copy_and_panel_keys():
         await ask(pilot, app, "Hi")
         first_reply = app.query(MessageView).last()
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: app.query(MessageView).last() is not first_reply)
-        await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.query(MessageView).last() is not first_reply)
+        await until(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
         assert len(app.query(MessageView)) == 2
         await pilot.press("ctrl+y")
         assert app.clipboard == app.query(MessageView).last().text
@@ -250,7 +242,7 @@ async def test_sampling_screen_validates_and_applies():
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("ctrl+t")
-        await wait_for(pilot, lambda: isinstance(app.screen, SamplingScreen))
+        await until(pilot, lambda: isinstance(app.screen, SamplingScreen))
         field = app.screen.query_one("#field-temperature")
         field.value = "hot"
         await pilot.click("#apply")
@@ -260,7 +252,7 @@ async def test_sampling_screen_validates_and_applies():
         field.value = "0"
         app.screen.query_one("#field-max_tokens").value = "7"
         await pilot.click("#apply")
-        await wait_for(pilot, lambda: not isinstance(app.screen, SamplingScreen))
+        await until(pilot, lambda: not isinstance(app.screen, SamplingScreen))
         assert app.main.sampling.temperature == 0.0 and app.main.sampling.max_tokens == 7
         await ask(pilot, app, "Count to twenty")
         assert app.query(MessageView).last().border_subtitle.startswith("7 tok")
@@ -294,9 +286,9 @@ async def test_message_typed_while_loading_is_kept():
         assert not app.query(MessageView)
         assert "loading" in str(app.query_one(StatusBar).render())
         gate.set()
-        await wait_for(pilot, lambda: app.main.ready)
+        await until(pilot, lambda: app.main.ready)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.query(MessageView)) == 2)
+        await until(pilot, lambda: len(app.query(MessageView)) == 2)
 
 
 async def test_serve_inside_the_app_shares_the_engine():
@@ -308,7 +300,7 @@ async def test_serve_inside_the_app_shares_the_engine():
     # As `kimitui --serve 127.0.0.1:0 --api-key KEY` builds it: the key guards the app's API.
     app = build_app(build_parser().parse_args(["--serve", "127.0.0.1:0", "--api-key", "app-key"]))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.main.ready)
+        await until(pilot, lambda: app.main.ready)
         url = app.main.api_url
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             body = {"prompt": "The sea is", "n_predict": 8, "temperature": 0}
@@ -317,7 +309,7 @@ async def test_serve_inside_the_app_shares_the_engine():
         assert response.status_code == 200 and response.json()["timings"]["predicted_n"] == 8
         panel = app.query_one(ApiPanel)
         # Both requests show, the refused one too; the panel hears of them from the server's thread.
-        await wait_for(pilot, lambda: any("200 POST /completion" in line for line in panel.lines))
+        await until(pilot, lambda: any("200 POST /completion" in line for line in panel.lines))
         assert any("401 POST /completion" in line for line in panel.lines)
         assert "200 POST /completion 8 tok" in panel.lines[-1]
         await ask(pilot, app, "Hello")  # the chat still works beside the API
@@ -341,7 +333,7 @@ async def test_remote_mode_chats_through_our_server(model_path):
             assert reply.text and "tok" in str(reply.border_subtitle)
             assert server.url in str(app.query_one(StatusBar).render())
             # Panels filled from the server's /metrics: its RSS, not ours.
-            await wait_for(pilot, lambda: "RSS —" not in app.query_one(MemoryPanel).summary)
+            await until(pilot, lambda: "RSS —" not in app.query_one(MemoryPanel).summary)
     finally:
         server.stop()
         engine.close()
@@ -357,9 +349,9 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
     model = synth.write_model(synth.plan_dense(160 * 2**20, "q4_1", synth.default_tokenizer()), tmp_path / "m.gguf", progress=False).paths[0]
     app = make_app("--model", str(model), "--budget", "150MiB")
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.engine.streamer is not None)
+        await until(pilot, lambda: app.engine.streamer is not None)
         await ask(pilot, app, "Hello")
-        await wait_for(pilot, lambda: "hits —" not in str(app.query_one(CachePanel).body.render()))
+        await until(pilot, lambda: "hits —" not in str(app.query_one(CachePanel).body.render()))
         assert "hit rate" in str(app.query_one(CachePanel).body.render())
         cells = str(app.query_one(ResidencyPanel).body.render())
         assert "█" in cells or "▓" in cells or "░" in cells
@@ -376,7 +368,7 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
         assert "prefetch depth: applies from the next token" in str(strip.render())
         await ask(pilot, app, "Again")
         assert app.engine.streamer.settings.prefetch_depth == depth - 1
-        await wait_for(pilot, lambda: "after" in str(strip.render()) and " 0 tok" not in str(strip.render()).split("after")[1])
+        await until(pilot, lambda: "after" in str(strip.render()) and " 0 tok" not in str(strip.render()).split("after")[1])
         shown = str(strip.render())
         assert "before" in shown and "tok/s" in shown and "read/tok" in shown
         placer = app.engine.streamer.placer
@@ -385,7 +377,7 @@ async def test_streaming_model_fills_cache_panels_and_tuning_applies(tmp_path):
             placer.capacity = 0
             await ask(pilot, app, "Once more")
             note = app.query_one(PrefetchPanel).note
-            await wait_for(pilot, lambda: "via page cache" in str(note.render()))
+            await until(pilot, lambda: "via page cache" in str(note.render()))
         await pilot.press("ctrl+e")  # the chat had the keys: back to the strip, on the row it was at
         assert strip.has_focus
         await pilot.press("down", "down", "down", "down", "right", "right", "enter")  # I/O threads, two more
@@ -406,11 +398,11 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
     half = whole[: len(whole) // 2]
     app = make_app("--model", str(model), "--budget", "150MiB")
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.engine.streamer is not None)
+        await until(pilot, lambda: app.engine.streamer is not None)
         app.main.sampling.max_tokens = 200
         await pilot.press(*"Tell me a story")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.main.reply is not None and app.main.reply.view.text)
+        await until(pilot, lambda: app.main.reply is not None and app.main.reply.view.text)
         # The drive goes away mid-reply, here at a layer start so that the cut surely lands
         # mid-reply (test_faults.py cuts at any moment, in a child process).
         streamer = app.engine.streamer
@@ -426,7 +418,7 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
 
         streamer.on_layer_start = cut_then_start
         # The reply ends, then its note is written (after the markdown stream stops).
-        await wait_for(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.main.reply is None and app.query(MessageView).last().border_subtitle)
         reply = app.query(MessageView).last()
         assert str(reply.border_subtitle).startswith("error:") and "m.gguf" in str(reply.border_subtitle)
         conv = app.main.conversation_id
@@ -439,7 +431,7 @@ async def test_model_file_cut_mid_reply_shows_an_error_and_keeps_the_app(tmp_pat
             f.write(whole[len(half):])
         app.main.sampling.max_tokens = 8
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
+        await until(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 4 and app.query(MessageView).last().border_subtitle)
         again = app.query(MessageView).last()
         assert again.text and not str(again.border_subtitle).startswith("error:")
     msgs = HistoryStore(data_dir() / "history.sqlite3").messages(conv)
@@ -457,10 +449,10 @@ async def test_trace_flag_shows_the_live_trace_and_writes_the_file(tmp_path):
     app = make_app("--model", str(model), "--budget", "150MiB", "--trace", str(trace))
     async with app.run_test(size=(120, 40)) as pilot:
         assert app.query_one(TraceLog).display
-        await wait_for(pilot, lambda: app.engine.streamer is not None)
+        await until(pilot, lambda: app.engine.streamer is not None)
         await ask(pilot, app, "Hi")
         assert app.query_one(TokenBreakdown).is_mounted
-        await wait_for(pilot, lambda: len(app.query_one(TraceLog).query_one("RichLog").lines) > 0)
+        await until(pilot, lambda: len(app.query_one(TraceLog).query_one("RichLog").lines) > 0)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     kinds = {r["type"] for r in records}
     assert {"request", "token", "read", "end"} <= kinds

@@ -28,11 +28,19 @@ from kimitui.model.gguf_map import ModelMap, Shard
 
 # Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
 # cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
-PAGE_SLACK_BYTES = 12 * 2**20
-# The direct-read pool's free buffer, kept faulted in for the next read (direct.py): resident
-# memory that is not model pages, set aside from the budget with the page slack.
-POOL_SPARE_BYTES = 4 * 2**20
-SLACK_BYTES = PAGE_SLACK_BYTES + POOL_SPARE_BYTES
+SLACK_BYTES = 16 * 2**20
+PIECE_BYTES = 4 * 2**20  # one direct-read buffer (direct.py); pieces start on its multiples in the file
+
+
+def pool_buffers(window_bytes: int, shards_per_layer: int, layers: int) -> int:
+    """Direct-read buffers a window of ``window_bytes`` over ``layers`` layers may hold
+    (direct.py): a shard's pieces start on PIECE_BYTES multiples of the file, so each shard in
+    flight may take one buffer more than its bytes say. Free buffers keep their pages for the
+    next read (faulting 4 MiB in anew each time cost a fifth of a dense model's decode), so the
+    pool's memory is all of them, and the plan counts it so."""
+    if window_bytes <= 0:
+        return 0
+    return -(-window_bytes // PIECE_BYTES) + shards_per_layer * layers
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -41,6 +49,7 @@ class MemoryPlan:
     budget: int
     pinned: tuple[Shard, ...]  # whole shards pinned (non-layer tensors and trunk)
     window_bytes: int  # trunk bytes streamed in flight at most (computing layer and read-ahead)
+    pool_buffers: int  # direct-read buffers that window may take (pool_buffers), as many as the budget holds
     prefetch_depth: int  # layers read ahead; the configured depth or less, so the window fits
     expert_bytes: int  # routed experts resident at most (the cache, with any hot pinned ones)
     hot_expert_bytes: int  # of expert_bytes: at most this much may pin past runs' hot experts
@@ -86,7 +95,7 @@ def budget_shortfall(model: ModelMap, budget: int) -> str | None:
     what = "the largest trunk and the routed experts one token uses in a layer" if model.is_moe else "its largest layer"
     return (
         f"budget {format_bytes(budget)} is below the minimum working set of {model.files[0].name}: "
-        f"{format_bytes(needed)} (non-layer tensors, {what}, {format_bytes(SLACK_BYTES)} of page slack and a spare read buffer)"
+        f"{format_bytes(needed)} (non-layer tensors, {what}, {format_bytes(SLACK_BYTES)} of page slack)"
     )
 
 
@@ -106,20 +115,28 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
     layered = [s for s in shards if s.layer is not None]
     pinned = list(nonlayer)
     left = room - sum(s.length for s in nonlayer) - expert_floor(model)
+    per_layer = [0] * model.n_layers
+    for shard in layered:
+        per_layer[shard.layer] += 1
+    most_shards = max(per_layer, default=0)
 
     def window(pinned_by_layer: dict[int, int], depth: int) -> int:
         """The largest trunk still streamed (what is not pinned of it), times the layers in flight."""
         streamed = [trunk_bytes(model, i) - pinned_by_layer.get(i, 0) for i in range(model.n_layers)]
         return max(streamed, default=0) * (depth + 1)
 
+    def footprint(pinned_by_layer: dict[int, int], depth: int) -> int:
+        """What streaming that window takes in memory: the direct-read pool that holds it."""
+        return pool_buffers(window(pinned_by_layer, depth), most_shards, depth + 1) * PIECE_BYTES
+
     def pin_trunk(depth: int) -> tuple[dict[int, int], int, list[Shard]]:
-        """Trunk shards in order, while the window of what still streams fits beside them."""
+        """Trunk shards in order, while the pool for what still streams fits beside them."""
         by_layer: dict[int, int] = {}
         spent, chosen = 0, []
         for shard in layered:
             after = dict(by_layer)
             after[shard.layer] = after.get(shard.layer, 0) + shard.length
-            if spent + shard.length + window(after, depth) > left:
+            if spent + shard.length + footprint(after, depth) > left:
                 break
             chosen.append(shard)
             spent += shard.length
@@ -131,18 +148,22 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
         # compute. So the trunk is pinned first, beside a window of the layer computing; one
         # layer of read-ahead if what is left holds it; the rest caches experts.
         pinned_by_layer, spent, chosen = pin_trunk(0)
-        depth = 1 if prefetch_depth >= 1 and spent + window(pinned_by_layer, 1) <= left else 0
+        depth = 1 if prefetch_depth >= 1 and spent + footprint(pinned_by_layer, 1) <= left else 0
     else:
         # Dense: the deepest read-ahead that fits with nothing pinned, then the trunk beside it.
         depth = prefetch_depth
-        while depth > 0 and window({}, depth) > left:
+        while depth > 0 and footprint({}, depth) > left:
             depth -= 1
         pinned_by_layer, spent, chosen = pin_trunk(depth)
     pinned += chosen
     win = window(pinned_by_layer, depth)
+    # Near the minimum budget the whole pool may not fit: what does is the pool, and a piece that
+    # finds it spent is read through the page cache, into the window's own pages. Either way what
+    # streams takes max(window, pool) beside the pinned set.
+    buffers = min(pool_buffers(win, most_shards, depth + 1), max(0, (left - spent) // PIECE_BYTES))
     experts = 0
     if model.is_moe:
-        experts = max(0, left - spent - win) + expert_floor(model)
+        experts = max(0, left - spent - max(win, buffers * PIECE_BYTES)) + expert_floor(model)
     cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
     ubatch = n_batch
     if model.is_moe and model.bytes_per_expert:
@@ -153,6 +174,7 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
         budget=budget,
         pinned=tuple(pinned),
         window_bytes=win,
+        pool_buffers=buffers,
         prefetch_depth=depth,
         expert_bytes=experts,
         hot_expert_bytes=(experts - expert_floor(model)) // 2,

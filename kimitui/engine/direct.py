@@ -45,7 +45,7 @@ import errno
 import os
 import threading
 
-from kimitui.engine.budget import POOL_SPARE_BYTES
+from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.loadhooks import (
     HUGE_ALIGN, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, reserve_aligned,
 )
@@ -54,10 +54,6 @@ MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23
 MAP_FIXED_NOREPLACE = 0x100000
-PIECE_BYTES = 4 * 2**20  # one pool buffer; pieces start on multiples of it in the file
-# Free buffers kept faulted in for the next read: their pages are not the model's, so the
-# budget sets them aside (budget.POOL_SPARE_BYTES); more are given back to the system at once.
-SPARE_BUFFERS = POOL_SPARE_BYTES // PIECE_BYTES
 
 
 class Libc:
@@ -361,13 +357,11 @@ class DirectPlacer(PlacedParts):
 
     def _give_back(self, buf: int, whole: bool) -> None:
         with self._returned:
-            spare = len(self._free[True]) + len(self._free[False])
-            if self._made <= self._capacity and spare < SPARE_BUFFERS:
+            if self._made <= self._capacity:
                 self._free[whole].append(buf)
                 self._returned.notify_all()
                 return
             self._made -= 1
-            self._returned.notify_all()  # a reader waiting on a spent pool may make one now
         self._libc.munmap(buf, PIECE_BYTES)
 
     def buffer_spans(self) -> list[tuple[int, int]]:

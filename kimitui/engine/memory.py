@@ -75,8 +75,7 @@ def cgroup_headroom(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/
 def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None,
                     machine: str | None = None) -> int | None:
     """Bytes this process may still take before jetsam kills it (iOS); None elsewhere, or where
-    libSystem has no such call. 0 is an answer: the process is at or past its limit
-    (kern_memorystatus.c), the moment free memory would be the wrong figure to fall back on."""
+    libSystem has no answer (it returns 0 for a process jetsam does not limit)."""
     from kimitui.engine.platform import is_ios
 
     if not is_ios(platform, machine):
@@ -86,7 +85,8 @@ def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes
     except (OSError, AttributeError):
         return None
     call.restype, call.argtypes = ctypes.c_size_t, ()
-    return int(call())
+    room = int(call())
+    return room or None
 
 
 def memory_sources() -> list[tuple[str, int]]:

@@ -484,7 +484,7 @@ class Engine:
 
             streamer = Streamer(
                 model, addresses, {s.index for s in pinned}, settings, self.metrics,
-                mapping_fds=mapping_fds, window_limit=plan.window_bytes,
+                mapping_fds=mapping_fds, window_limit=plan.window_bytes, pool_limit=plan.pool_buffers,
             )
             if model.is_moe:
                 streamer.attach_experts(plan.expert_bytes - self.pinned.hot_expert_bytes, hot, counts)
@@ -624,8 +624,11 @@ class Engine:
     def reply_started(self, generation) -> None:
         with self._replying_lock:
             self._replying = generation
-            if self.cancel_flag is not None:
-                self.cancel_flag.set() if generation.cancelled else self.cancel_flag.clear()
+            flag = self.cancel_flag
+            if flag is not None and generation.cancelled:
+                flag.set()
+            elif flag is not None:
+                flag.clear()
 
     def reply_ended(self, generation) -> None:
         with self._replying_lock:

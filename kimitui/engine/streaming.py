@@ -30,7 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
-from kimitui.engine.direct import PIECE_BYTES, split_pieces
+from kimitui.engine.budget import pool_buffers
+from kimitui.engine.direct import split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
@@ -185,12 +186,14 @@ class Streamer:
         platform_io: PlatformIO | None = None,
         mapping_fds: dict[int, int] | None = None,
         window_limit: int | None = None,
+        pool_limit: int | None = None,
     ) -> None:
         """``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
         them), through which direct reads give ranges back to the file; our own otherwise.
         ``window_limit``: the most trunk bytes in flight the budget allows, whatever the
-        prefetch depth is tuned to later."""
+        prefetch depth is tuned to later; ``pool_limit``: the direct-read buffers it holds room for."""
         self.window_limit = window_limit
+        self.pool_limit = pool_limit
         self.model = model
         self.addresses = mapping_addresses
         self.settings = settings
@@ -266,11 +269,10 @@ class Streamer:
         return wanted if self.window_limit is None else max(per_layer, min(wanted, self.window_limit))
 
     def _pool_pieces(self) -> int:
-        """Direct-read buffers for a full window: a shard's pieces start on PIECE_BYTES
-        multiples of the file, so each shard may take one more than its size says."""
+        """Direct-read buffers for a full window, as many as the budget holds room for."""
         most_shards = max((len(shards) for shards in self.layer_shards), default=0)
-        layers = self.settings.prefetch_depth + 1
-        return -(-self._window() // PIECE_BYTES) + most_shards * layers
+        wanted = pool_buffers(self._window(), most_shards, self.settings.prefetch_depth + 1)
+        return wanted if self.pool_limit is None else min(wanted, self.pool_limit)
 
     # -- reads --------------------------------------------------------------------------
 

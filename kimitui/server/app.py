@@ -471,7 +471,7 @@ class Api:
 
     async def body(self, request: Request) -> Fields:
         raw = await request.body()
-        # A body of up to server.max_body parses in tens of milliseconds: not on the event loop.
+        # A large body (server.max_body allows megabytes) takes tens of milliseconds to parse: off the event loop.
         return Fields(parse_body(raw) if len(raw) < 65536 else await run_in_threadpool(parse_body, raw))
 
     def _too_long(self, name: str, n_prompt: int) -> ApiError:
