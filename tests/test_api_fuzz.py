@@ -1,7 +1,7 @@
 """The fault suite that keeps finding them: random and malformed bodies (types, sizes, unicode,
 huge numbers, broken JSON) sent over loopback HTTP to the real server on the real default model.
-Whatever arrives, the answer is never a 5xx and never later than a bound, and the server still
-answers a plain request afterwards."""
+Whatever arrives, the answer is never a 5xx, no read of it waits past a bound, and the server
+still answers a plain request afterwards."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kimitui.engine.session import Engine
 from kimitui.server.app import create_app
 from kimitui.server.runner import ServerThread, bind_socket
 
-BOUND_S = 60.0  # no request of these may take longer (max_n_predict is small here)
+BOUND_S = 60.0  # no read of a reply waits longer (max_n_predict is small here)
 
 ROUTES = {
     "/completion": ["prompt", "n_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "n_probs",

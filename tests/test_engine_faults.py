@@ -104,7 +104,7 @@ def test_a_cancel_stops_a_long_prompt_within_its_evaluation_and_the_next_reply_i
     consumer.start()
     while engine._replying is not gen:
         time.sleep(0.005)
-    time.sleep(min(0.2, whole / 10))
+    time.sleep(whole / 2)  # past the first of its 512-token micro-batches
     asked = time.perf_counter()
     gen.cancel()
     consumer.join(whole * 2)
@@ -114,7 +114,13 @@ def test_a_cancel_stops_a_long_prompt_within_its_evaluation_and_the_next_reply_i
     # Within the evaluation, not after it: a small part of what the whole prompt takes.
     assert stopped < whole / 4, (stopped, whole)
     assert engine.state is EngineState.READY
-    assert greedy(engine, prompt, n=4, cache_prompt=False) == reference
+    # What was evaluated before the cancel stays cached (an attention model's cells are trimmed
+    # to what llama-cpp-python counts), and the next reply's tokens are an uninterrupted run's.
+    kept = engine.llm.n_tokens
+    assert 0 < kept < len(prompt)
+    again = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=4))
+    list(again)
+    assert again.result.text == reference and again.result.cached_tokens == kept
     engine.close()
 
 
@@ -128,7 +134,7 @@ def test_raising_the_budget_past_the_memory_there_is_is_refused_with_the_numbers
     engine.load()
     engine.pin()
     assert engine.streamer is not None
-    monkeypatch.setattr(memory, "available_memory", lambda: 32 * MIB)
+    monkeypatch.setattr(memory, "available_memory", lambda: 0)  # nothing free: only what the engine holds
     with pytest.raises(EngineError, match=r"budget 2\.0 GiB does not fit: .* may use .*: at most") as refused:
         engine.retune(budget=2048 * MIB)
     assert "\n" not in str(refused.value)

@@ -51,6 +51,7 @@ async def test_a_message_the_history_cannot_save_stays_in_the_box_and_the_app_go
         await pilot.press("enter")
         await until(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 2 and app.query(MessageView).last().border_subtitle)
         assert app.query(MessageView).last().text.startswith("Hello!")
+        assert app.query_one(PromptInput).text == ""  # sent: it left the box
         conv = app.main.conversation_id
     assert [m.content for m in HistoryStore(data_dir() / "history.sqlite3").messages(conv)][0] == "keep me"
 
@@ -83,7 +84,6 @@ async def test_opening_a_conversation_while_a_reply_streams_keeps_that_reply_in_
     store.add_message(other, "user", "from before")
     async with app.run_test(size=(120, 40)) as pilot:
         await typed(pilot, app, "count")
-        first = None
         await until(pilot, lambda: app.main.reply is not None and app.main.reply.text)  # held mid-reply
         first = app.main.conversation_id
         await app.main._open_conversation(other)
@@ -94,6 +94,31 @@ async def test_opening_a_conversation_while_a_reply_streams_keeps_that_reply_in_
     rows = store.messages(first)
     assert [r.role for r in rows] == ["user", "assistant"]
     assert rows[1].content.startswith("one two three") and rows[1].complete
+
+
+async def test_a_reply_whose_row_cannot_be_saved_leaves_the_message_unsent_in_the_box(monkeypatch):
+    real_add = HistoryStore.add_message
+    full = [True]
+
+    def add_message(self, conversation_id, role, *args, **kwargs):
+        if role == "assistant" and full[0]:
+            raise sqlite3.OperationalError("database is locked")
+        return real_add(self, conversation_id, role, *args, **kwargs)
+
+    monkeypatch.setattr(HistoryStore, "add_message", add_message)
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await typed(pilot, app, "ask")
+        await until(pilot, lambda: any("database is locked" in n for n in notices(app)))
+        await until(pilot, lambda: not app.main.busy)
+        assert app.query_one(PromptInput).text == "ask" and not app.query(MessageView)
+        full[0] = False
+        app.query_one(PromptInput).focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: app.main.reply is None and len(app.query(MessageView)) == 2 and app.query(MessageView).last().border_subtitle)
+        conv = app.main.conversation_id
+    # No user turn left without its reply in the history: the unsent one was taken back.
+    assert [m.role for m in HistoryStore(data_dir() / "history.sqlite3").messages(conv)] == ["user", "assistant"]
 
 
 async def test_a_reply_that_failed_before_its_first_token_stays_a_turn():
@@ -129,7 +154,7 @@ KEYS = ["a", "b", "enter", "escape", "ctrl+e", "up", "down", "left", "right", "c
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(KEYS), min_size=5, max_size=40))
-async def test_random_keys_while_streaming_and_tuning_raise_nothing_and_lose_no_message(keys):
+async def test_random_keys_while_streaming_and_tuning_raise_nothing_and_keep_every_shown_message(keys):
     import threading
 
     engine = FakeEngine(reply="w " * 12)

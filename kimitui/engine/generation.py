@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 
-from kimitui.engine.llama_glue import clear_context, llama_log
+from kimitui.engine.llama_glue import clear_context, keep_counted, llama_log
 from kimitui.engine.slots import common_prefix
 from kimitui.engine.state import EngineError
 
@@ -244,6 +244,9 @@ class Generation:
                 raise
             engine.reply_started(self)
             try:
+                if self._cancel.is_set():  # cancelled while it waited for its turn: nothing to evaluate
+                    self.result.finish_reason = "cancelled"
+                    return
                 try:
                     engine.apply_pending_tuning(mid_reply=False)
                 except EngineError as exc:
@@ -431,12 +434,13 @@ class Generation:
         except Exception as exc:  # llama_decode failures and the like: stop this reply only
             # llama.cpp takes back only the micro-batch that failed; earlier ones of the same
             # evaluation stay in the cache (and in a recurrent state, for good) beyond what
-            # llama-cpp-python counts. Cleared, the next reply starts afresh instead of from that.
-            clear_context(llm)
+            # llama-cpp-python counts.
             streamer = engine.streamer
             if self._cancel.is_set() and (streamer is None or streamer.error is None):
+                keep_counted(llm)  # the conversation's prefix stays cached for the next reply
                 finish = "cancelled"  # llama.cpp stopped between two graph nodes when asked
                 return
+            clear_context(llm)  # after a failure the next reply starts afresh
             finish = "error"
             if streamer is not None and streamer.error is not None:
                 result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"

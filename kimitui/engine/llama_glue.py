@@ -340,6 +340,20 @@ def clear_context(llm) -> None:
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
 
 
+def keep_counted(llm) -> None:
+    """After an evaluation stopped part-way (a cancel): keep what llama-cpp-python counts as
+    evaluated, so the next reply reuses that prefix, and drop the cells of the micro-batches it
+    does not count. A recurrent state (Kimi K3's KDA) cannot be taken back a few tokens: there
+    the context is cleared whole."""
+    import llama_cpp
+
+    model = llm._model.model
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        clear_context(llm)
+    elif not llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1):
+        clear_context(llm)
+
+
 def builtin_chat_templates() -> tuple[str, ...]:
     """The names of llama.cpp's built-in chat templates (llama3, chatml, command-r, ...)."""
     import llama_cpp

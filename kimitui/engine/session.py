@@ -682,7 +682,6 @@ class Engine:
         its prompt again."""
         import llama_cpp._internals as internals
 
-        self.pending.rebuild = False
         llm = self._llm
         params = llm.context_params
         params.cb_eval, params.abort_callback = self._stream_callbacks()
@@ -702,6 +701,7 @@ class Engine:
             )
             self.lifecycle.fail(reason, recover=self._repin)
             raise EngineError(reason) from None
+        self.pending.rebuild = False  # only now: until a context is made, nothing computes
         llm._stack.callback(llm._ctx.close)
         self.decode_clock.attach(llm._ctx)  # its abort callback is the streaming one, which asks the flag
         llm.reset()
@@ -733,8 +733,7 @@ class Engine:
                 if m.fd >= 0:
                     os.close(m.fd)
             self.mappings = {}
-        if self.state is not EngineState.EMPTY:
-            self.lifecycle.move(EngineState.EMPTY)
+            self.lifecycle.close()  # inside the turn: no reply can start on what was closed
 
     @property
     def mapping(self):

@@ -75,7 +75,7 @@ class Slots:
 
     def activate(self, llm, slot_id: int) -> None:
         """Put ``slot_id``'s cached prompt in the context, parking the active slot's. Called in
-        the engine's turn, between replies."""
+        the engine's turn, as a reply begins (before its prompt is evaluated)."""
         import llama_cpp
 
         self.lifecycle.require(EngineState.GENERATING)

@@ -51,6 +51,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self._state = EngineState.EMPTY
         self._lock = threading.Lock()
+        self.closed = False  # after close(): EMPTY for good, and a load or reply ending late changes nothing
         self.reason: str | None = None  # why the engine failed, while it is FAILED
         self._recover: Callable[[], None] | None = None
 
@@ -60,6 +61,8 @@ class Lifecycle:
 
     def move(self, to: EngineState) -> None:
         with self._lock:
+            if self.closed:
+                return
             if to not in MOVES[self._state]:
                 raise IllegalMove(f"engine state {self._state.value} -> {to.value} is not a transition")
             self._state = to
@@ -67,8 +70,11 @@ class Lifecycle:
                 self.reason, self._recover = None, None
 
     def fail(self, reason: str, recover: Callable[[], None] | None = None) -> None:
-        """FAILED, from whatever state: ``reason`` is what the user is told."""
+        """FAILED, from any state that has started (loading, ready, generating): ``reason`` is
+        what the user is told."""
         with self._lock:
+            if self.closed:
+                return
             if self._state is not EngineState.FAILED and EngineState.FAILED not in MOVES[self._state]:
                 raise IllegalMove(f"engine state {self._state.value} -> failed is not a transition")
             self._state, self.reason, self._recover = EngineState.FAILED, reason, recover
@@ -86,6 +92,8 @@ class Lifecycle:
             return None
         if state is EngineState.FAILED:
             return self.reason or "the engine failed"
+        if self.closed:
+            return "the engine was closed"
         return "the model is still loading"  # EMPTY too: a server answers before its load begins
 
     def begin_reply(self) -> None:
@@ -98,6 +106,10 @@ class Lifecycle:
             except EngineError as exc:
                 self.fail(str(exc), recover)
                 raise
+            except Exception as exc:  # a bug in the mend: said, and the engine stays failed
+                reason = f"mending the engine failed: {type(exc).__name__}: {exc}"
+                self.fail(reason, recover)
+                raise EngineError(reason) from None
             self.move(EngineState.READY)
         refused = self.refusal()
         if refused is not None or self._state is not EngineState.READY:
@@ -107,8 +119,13 @@ class Lifecycle:
     def end_reply(self) -> None:
         """GENERATING -> READY; a failure met during the reply stays."""
         with self._lock:
-            if self._state is EngineState.GENERATING:
+            if self._state is EngineState.GENERATING and not self.closed:
                 self._state = EngineState.READY
+
+    def close(self) -> None:
+        """EMPTY from any state, for good: the engine was closed (a quit mid-load or mid-reply)."""
+        with self._lock:
+            self._state, self.closed, self.reason, self._recover = EngineState.EMPTY, True, None, None
 
     def require(self, *states: EngineState) -> None:
         """For code that touches llama.cpp's context (slots): a bug if the engine is elsewhere."""

@@ -485,8 +485,8 @@ def _open_reader(path: Path, arrays: bool = False):
         try:
             with path.open("rb") as fh:
                 reader = HeaderReader(_FileWindow(fh, window), "r")
-            if reader.data_offset <= window:
-                return reader
+            if reader.data_offset <= window or window >= size:
+                return reader  # past the file's end: tensor_layout says which tensor is cut
         except OSError as exc:
             if exc.errno == errno.ENOMEM:
                 raise UserError(

@@ -219,8 +219,7 @@ class RemoteEngine:
     def close(self) -> None:
         self.abort_load()
         self._client.close()
-        if self.state is not EngineState.EMPTY:
-            self.lifecycle.move(EngineState.EMPTY)
+        self.lifecycle.close()
 
     def _body(self, sampling: Sampling) -> dict:
         if self.info is None:

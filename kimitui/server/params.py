@@ -159,6 +159,8 @@ def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float
         elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or not BIAS[0] <= amount <= BIAS[1]:
             raise ApiError(f"{where}: expected a bias between -100 and 100 or false, got {_shown(amount)}")
         if isinstance(value, dict) and key.isascii() and key.lstrip("-").isdecimal():
+            if len(key) > 12:  # no vocabulary is that large (and int() refuses past 4,300 digits)
+                raise ApiError(f"{name}: token id {key[:20]}... is outside the vocabulary (0 to {n_vocab - 1})")
             key = int(key)  # OpenAI's "token id" keys; other keys are text, as llama-server takes them
         if isinstance(key, str):
             ids = tokenize(key)

@@ -61,7 +61,7 @@ class Reply:
             self.generation.cancel()
 
 
-class HistoryFailed(Exception):
+class HistoryError(Exception):
     """A history write or read the screen waited for failed: one line saying what and why."""
 
 
@@ -302,7 +302,7 @@ class MainScreen(Screen):
         if refused is not None:
             self.notify(f"{refused}; your message stays in the box", severity="error", timeout=15)
             return
-        self.prompt.clear()
+        # The message leaves the box only once it is saved, and only if the box still holds it.
         store = self.history.store
         with self._starting_reply():
             try:
@@ -311,21 +311,28 @@ class MainScreen(Screen):
                         "start a conversation", store.create_conversation, event.text.splitlines()[0], self.model_name,
                     )
                 message_id = await self._history("save your message", store.add_message, self.conversation_id, "user", event.text)
-            except HistoryFailed as exc:
-                if not self.prompt.text:  # nothing typed meanwhile: the message goes back where it was
-                    self.prompt.load_text(event.text)
+            except HistoryError as exc:
                 self.notify(f"{exc}; your message stays in the box", severity="error", timeout=15)
                 return
-            await self.chat_log.add(MessageView("user", event.text, message_id=message_id))
-            await self._start_reply()
+            view = MessageView("user", event.text, message_id=message_id)
+            await self.chat_log.add(view)
+            try:
+                await self._start_reply()
+            except HistoryError as exc:  # no reply can follow it: the message goes back to being unsent
+                self.history.post(store.delete_message, message_id)
+                await view.remove()
+                self.notify(f"{exc}; no reply started, your message stays in the box", severity="error", timeout=15)
+                return
+            if self.prompt.text == event.text:
+                self.prompt.clear()
 
     async def _history(self, what: str, fn, *args, **kwargs):
-        """A history call the screen waits for; HistoryFailed says what failed and why (a full
+        """A history call the screen waits for; HistoryError says what failed and why (a full
         disk, a read-only or locked database, a conversation deleted by another instance)."""
         try:
             return await self.history.call(fn, *args, **kwargs)
         except (sqlite3.Error, OSError) as exc:
-            raise HistoryFailed(f"history: could not {what}: {_history_reason(exc)}") from None
+            raise HistoryError(f"history: could not {what}: {_history_reason(exc)}") from None
 
     @contextmanager
     def _starting_reply(self):
@@ -352,6 +359,7 @@ class MainScreen(Screen):
         return msgs
 
     async def _start_reply(self) -> None:
+        """HistoryError where the reply's row cannot be written (nothing started)."""
         messages = self._history_messages()
         view = MessageView("assistant", "")
         with self._starting_reply():
@@ -360,10 +368,9 @@ class MainScreen(Screen):
                 view.message_id = await self._history(
                     "save the reply's row", self.history.store.add_message, self.conversation_id, "assistant", "", complete=False,
                 )
-            except HistoryFailed as exc:
+            except HistoryError:
                 await view.remove()
-                self.notify(f"{exc}; no reply started (send again once it is fixed)", severity="error", timeout=15)
-                return
+                raise
         self.reply = Reply(next(self._reply_ids), view, view.message_id)
         self.engine_state, self.status_detail = "generating", ""
         self.run_worker(
@@ -476,14 +483,20 @@ class MainScreen(Screen):
             return
         last = self.chat_log.last_reply()
         views = list(self.chat_log.query(MessageView))
-        if last is None or not views or views[-1] is not last:
+        if views and views[-1].role == "user":
+            last = None  # a message whose reply never started: start it now
+        elif last is None or not views or views[-1] is not last:
             self.notify("nothing to regenerate yet")
             return
         with self._starting_reply():
-            if last.message_id is not None:
-                self.history.post(self.history.store.delete_message, last.message_id)
-            await last.remove()
-            await self._start_reply()
+            if last is not None:
+                if last.message_id is not None:
+                    self.history.post(self.history.store.delete_message, last.message_id)
+                await last.remove()
+            try:
+                await self._start_reply()
+            except HistoryError as exc:
+                self.notify(f"{exc}; no reply started (ctrl+r tries again)", severity="error", timeout=15)
 
     async def action_new_chat(self) -> None:
         if self._refused_while_starting():
@@ -518,7 +531,7 @@ class MainScreen(Screen):
             if conversation_id is None or await self._history("read the conversation", store.get_conversation, conversation_id) is None:
                 return
             messages = await self._history("read the conversation's messages", store.messages, conversation_id)
-        except HistoryFailed as exc:
+        except HistoryError as exc:
             self.notify(str(exc), severity="error", timeout=15)
             return
         if self.reply is not None:
