@@ -67,7 +67,7 @@ for round_ in range(2):
     cutter = threading.Thread(target=cut)
     if anywhere:
         cutter.start()
-    else:  # nothing placed (no MREMAP_DONTUNMAP): a cut while a layer computes could SIGBUS (README)
+    else:  # nothing placed (no MREMAP_DONTUNMAP): a cut while a layer computes could SIGBUS (docs/design.md)
         real = engine.streamer.on_layer_start
         def cut_at_layer_start(layer, real=real):
             if started.is_set() and path.stat().st_size == full:

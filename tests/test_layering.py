@@ -1,4 +1,4 @@
-"""The layering the README states ("Code layout"), checked on every import in the package:
+"""The layering docs/design.md states ("Code layout"), checked on every import in the package:
 commands on top (they may use anything), then tui, server and trace, each over engine, over
 model, over the leaves. An arrow only ever points down."""
 

@@ -222,7 +222,7 @@ events, error = 0, None
 real = engine.streamer.on_layer_start
 def cut_then_start(layer):
     # The SSD goes away mid-reply, at a layer boundary (a cut while a layer computes can still
-    # fault inside llama.cpp: see the README's limits): the file loses its second half.
+    # fault inside llama.cpp: see docs/design.md's limits): the file loses its second half.
     if events >= 3 and layer == 2 and path.stat().st_size == full:
         os.truncate(path, full // 2)
     return real(layer)

@@ -1,1 +1,1 @@
-"""Benchmarks behind `kimitui bench*` subcommands; figures go into the README, never into timed tests."""
+"""Benchmarks behind `kimitui bench*` subcommands; figures go into docs/benchmarks.md, never into timed tests."""

@@ -79,10 +79,21 @@ def expert_floor(model: ModelMap) -> int:
     return model.n_expert_used * expert_footprint(model) if model.is_moe else 0
 
 
+def most_trunk_shards(model: ModelMap) -> int:
+    """The most trunk shards one layer has: how many pieces of a layer may start mid-buffer."""
+    per_layer = [0] * model.n_layers
+    for shard in model.shards:
+        if shard.layer is not None and not shard.routed:
+            per_layer[shard.layer] += 1
+    return max(per_layer, default=0)
+
+
 def minimum_budget(model: ModelMap) -> int:
-    """Non-layer tensors, the largest trunk, and the experts one token uses in a layer."""
+    """Non-layer tensors, the largest trunk (as the direct-read pool that holds it takes it),
+    and the experts one token uses in a layer."""
     largest = max((trunk_bytes(model, i) for i in range(model.n_layers)), default=0)
-    return model.nonlayer_bytes + largest + expert_floor(model) + SLACK_BYTES
+    streams = max(largest, pool_buffers(largest, most_trunk_shards(model), 1) * PIECE_BYTES)
+    return model.nonlayer_bytes + streams + expert_floor(model) + SLACK_BYTES
 
 
 def budget_shortfall(model: ModelMap, budget: int) -> str | None:
@@ -115,10 +126,7 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
     layered = [s for s in shards if s.layer is not None]
     pinned = list(nonlayer)
     left = room - sum(s.length for s in nonlayer) - expert_floor(model)
-    per_layer = [0] * model.n_layers
-    for shard in layered:
-        per_layer[shard.layer] += 1
-    most_shards = max(per_layer, default=0)
+    most_shards = most_trunk_shards(model)
 
     def window(pinned_by_layer: dict[int, int], depth: int) -> int:
         """The largest trunk still streamed (what is not pinned of it), times the layers in flight."""

@@ -114,9 +114,8 @@ class PlatformIO:
     def placer(self, paths, addresses: dict[int, int], fds: dict[int, int], capacity: int):
         """Reads that bypass the page cache into anonymous memory at the mapping: O_DIRECT and
         mremap on Linux (direct.py), F_NOCACHE and mach_vm_remap on Darwin (darwin_placer.py);
-        None elsewhere, or where this system cannot (the engine then reads through the cache)."""
-        if not capacity:
-            return None
+        None elsewhere, or where this system cannot (the engine then reads through the cache).
+        ``capacity`` (buffers for the trunk's pieces) may be 0: expert slices need none."""
         if self.platform.startswith("linux"):
             from kimitui.engine.direct import DirectPlacer
 

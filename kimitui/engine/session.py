@@ -361,7 +361,7 @@ class Engine:
         def on_eval(tensor, ask, _user):
             # ggml asks about every graph node, ~17,600 a token at Kimi K3's full size: what the
             # asking costs (pure overhead) and what the observed nodes cost (the streaming work,
-            # stalls included) are counted apart (README: the eval callback's cost per token).
+            # stalls included) are counted apart (kimitui bench shows both per token).
             started = clock()
             try:
                 return observe(tensor, ask)

@@ -269,9 +269,13 @@ class Streamer:
         return wanted if self.window_limit is None else max(per_layer, min(wanted, self.window_limit))
 
     def _pool_pieces(self) -> int:
-        """Direct-read buffers for a full window, as many as the budget holds room for."""
+        """Direct-read buffers for a full window (the layers it spans, each shard of them maybe
+        one buffer more), never more than the budget holds room for."""
         most_shards = max((len(shards) for shards in self.layer_shards), default=0)
-        wanted = pool_buffers(self._window(), most_shards, self.settings.prefetch_depth + 1)
+        per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+        window = self._window()
+        layers = min(self.settings.prefetch_depth + 1, max(1, window // per_layer)) if per_layer else 1
+        wanted = pool_buffers(window, most_shards, layers)
         return wanted if self.pool_limit is None else min(wanted, self.pool_limit)
 
     # -- reads --------------------------------------------------------------------------
