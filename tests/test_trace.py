@@ -37,7 +37,7 @@ def model(dense) -> Path:
 def engine(model):
     # Prefetch 4 layers deep: the read-ahead issued after each pass reaches past the pinned
     # first layers, so reads cross token boundaries and outlive the last token.
-    engine = Engine(model, n_ctx=256, budget=150 * MIB, stream_settings=StreamSettings(prefetch_depth=DEPTH))
+    engine = Engine(model, n_ctx=256, budget=160 * MIB, stream_settings=StreamSettings(prefetch_depth=DEPTH))
     engine.load()
     engine.pin()
     assert engine.streamer is not None, "the budget should force streaming"
@@ -155,7 +155,7 @@ def test_summarize_and_compare_recorded_runs(engine, tmp_path, capsys):
 
     assert main(["trace", "summarize", str(a)]) == 0
     text = capsys.readouterr().out
-    assert "settings: budget 150.0 MiB" in text and "prefetch 4" in text
+    assert "settings: budget 160.0 MiB" in text and "prefetch 4" in text
     assert gen_line(text, "req-") and gen_line(text, "overall") and "slowest decode tokens" in text
 
     assert main(["trace", "compare", str(a), str(b), "--json"]) == 0

@@ -49,7 +49,7 @@ class MemoryPlan:
     budget: int
     pinned: tuple[Shard, ...]  # whole shards pinned (non-layer tensors and trunk)
     window_bytes: int  # trunk bytes streamed in flight at most (computing layer and read-ahead)
-    pool_buffers: int  # direct-read buffers that window may take (pool_buffers), as many as the budget holds
+    pool_buffers: int  # of the direct-read buffers that window may take (pool_buffers), those the budget holds
     prefetch_depth: int  # layers read ahead; the configured depth or less, so the window fits
     expert_bytes: int  # routed experts resident at most (the cache, with any hot pinned ones)
     hot_expert_bytes: int  # of expert_bytes: at most this much may pin past runs' hot experts
@@ -89,11 +89,9 @@ def most_trunk_shards(model: ModelMap) -> int:
 
 
 def minimum_budget(model: ModelMap) -> int:
-    """Non-layer tensors, the largest trunk (as the direct-read pool that holds it takes it),
-    and the experts one token uses in a layer."""
+    """Non-layer tensors, the largest trunk, and the experts one token uses in a layer."""
     largest = max((trunk_bytes(model, i) for i in range(model.n_layers)), default=0)
-    streams = max(largest, pool_buffers(largest, most_trunk_shards(model), 1) * PIECE_BYTES)
-    return model.nonlayer_bytes + streams + expert_floor(model) + SLACK_BYTES
+    return model.nonlayer_bytes + largest + expert_floor(model) + SLACK_BYTES
 
 
 def budget_shortfall(model: ModelMap, budget: int) -> str | None:
@@ -165,9 +163,8 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
         pinned_by_layer, spent, chosen = pin_trunk(depth)
     pinned += chosen
     win = window(pinned_by_layer, depth)
-    # Near the minimum budget the whole pool may not fit: what does is the pool, and a piece that
-    # finds it spent is read through the page cache, into the window's own pages. Either way what
-    # streams takes max(window, pool) beside the pinned set.
+    # Near the minimum budget the whole pool may not fit: ``pool_buffers`` is then what does, and
+    # the pool may pass it by the rest (at most a buffer per shard of the layers in flight).
     buffers = min(pool_buffers(win, most_shards, depth + 1), max(0, (left - spent) // PIECE_BYTES))
     experts = 0
     if model.is_moe:

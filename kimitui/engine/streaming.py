@@ -186,14 +186,12 @@ class Streamer:
         platform_io: PlatformIO | None = None,
         mapping_fds: dict[int, int] | None = None,
         window_limit: int | None = None,
-        pool_limit: int | None = None,
     ) -> None:
         """``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
         them), through which direct reads give ranges back to the file; our own otherwise.
         ``window_limit``: the most trunk bytes in flight the budget allows, whatever the
-        prefetch depth is tuned to later; ``pool_limit``: the direct-read buffers it holds room for."""
+        prefetch depth is tuned to later."""
         self.window_limit = window_limit
-        self.pool_limit = pool_limit
         self.model = model
         self.addresses = mapping_addresses
         self.settings = settings
@@ -269,14 +267,12 @@ class Streamer:
         return wanted if self.window_limit is None else max(per_layer, min(wanted, self.window_limit))
 
     def _pool_pieces(self) -> int:
-        """Direct-read buffers for a full window (the layers it spans, each shard of them maybe
-        one buffer more), never more than the budget holds room for."""
+        """Direct-read buffers for a full window: each shard of the layers in flight may take one
+        buffer more than its bytes say (the plan counts the same, budget.pool_buffers). Fewer
+        would send pieces through the page cache: read-ahead drags more in, and near the minimum
+        budget such a piece's drop was seen to fail (madvise EINVAL), not yet understood."""
         most_shards = max((len(shards) for shards in self.layer_shards), default=0)
-        per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
-        window = self._window()
-        layers = min(self.settings.prefetch_depth + 1, max(1, window // per_layer)) if per_layer else 1
-        wanted = pool_buffers(window, most_shards, layers)
-        return wanted if self.pool_limit is None else min(wanted, self.pool_limit)
+        return pool_buffers(self._window(), most_shards, self.settings.prefetch_depth + 1)
 
     # -- reads --------------------------------------------------------------------------
 
