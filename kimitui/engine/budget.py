@@ -29,6 +29,7 @@ from kimitui.model.gguf_map import ModelMap, Shard
 # Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
 # cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
 SLACK_BYTES = 16 * 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
 PIECE_BYTES = 4 * 2**20  # one direct-read buffer (direct.py); pieces start on its multiples in the file
 
 
@@ -41,7 +42,6 @@ def pool_buffers(window_bytes: int, shards_per_layer: int, layers: int) -> int:
     if window_bytes <= 0:
         return 0
     return -(-window_bytes // PIECE_BYTES) + shards_per_layer * layers
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
