@@ -269,8 +269,8 @@ class Streamer:
     def _pool_pieces(self) -> int:
         """Direct-read buffers for a full window: each shard of the layers in flight may take one
         buffer more than its bytes say (the plan counts the same, budget.pool_buffers). Fewer
-        would send pieces through the page cache: read-ahead drags more in, and near the minimum
-        budget such a piece's drop was seen to fail (madvise EINVAL), not yet understood."""
+        would send pieces through the page cache, each after waiting for a buffer
+        (DirectPlacer.WAIT_FOR_BUFFER_S): a streamed K3 reply then took minutes."""
         most_shards = max((len(shards) for shards in self.layer_shards), default=0)
         return pool_buffers(self._window(), most_shards, self.settings.prefetch_depth + 1)
 
