@@ -181,6 +181,9 @@ class DirectPlacer(PlacedParts):
         self._retired: list[int] = []  # O_DIRECT descriptors replaced by buffered ones, closed at close()
         self._switch = threading.Lock()  # held while a file's descriptor is replaced
         self._capacity = capacity  # pool buffers at most
+        # A pool smaller than its window needs (the budget holds no more): a piece that finds it
+        # spent goes through the page cache at once instead of waiting for a buffer.
+        self.short = False
         # Buffer addresses, faulted in, ready for a read: huge pages for whole pieces, which
         # move into the (2 MiB-aligned, see loadhooks) mapping as whole huge pages; small pages
         # for the partial pieces at shard ends, whose moves would split a huge page for good.
@@ -328,7 +331,7 @@ class DirectPlacer(PlacedParts):
     def _take(self, whole: bool) -> int | None:
         free, other = self._free[whole], self._free[not whole]
         with self._returned:
-            if not free and not other and self._made >= self._capacity:
+            if not free and not other and self._made >= self._capacity and not self.short:
                 self._returned.wait_for(lambda: free or other or self._made < self._capacity, self.WAIT_FOR_BUFFER_S)
             if free:
                 return free.pop()

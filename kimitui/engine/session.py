@@ -484,7 +484,7 @@ class Engine:
 
             streamer = Streamer(
                 model, addresses, {s.index for s in pinned}, settings, self.metrics,
-                mapping_fds=mapping_fds, window_limit=plan.window_bytes,
+                mapping_fds=mapping_fds, window_limit=plan.window_bytes, pool_limit=plan.pool_buffers,
             )
             if model.is_moe:
                 streamer.attach_experts(plan.expert_bytes - self.pinned.hot_expert_bytes, hot, counts)

@@ -186,12 +186,15 @@ class Streamer:
         platform_io: PlatformIO | None = None,
         mapping_fds: dict[int, int] | None = None,
         window_limit: int | None = None,
+        pool_limit: int | None = None,
     ) -> None:
         """``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
         them), through which direct reads give ranges back to the file; our own otherwise.
         ``window_limit``: the most trunk bytes in flight the budget allows, whatever the
-        prefetch depth is tuned to later."""
+        prefetch depth is tuned to later; ``pool_limit``: the direct-read buffers the budget
+        holds room for."""
         self.window_limit = window_limit
+        self.pool_limit = pool_limit
         self.model = model
         self.addresses = mapping_addresses
         self.settings = settings
@@ -217,7 +220,9 @@ class Streamer:
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
         # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
-        self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), self._pool_pieces())
+        self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), 0)
+        if self.placer is not None:
+            self._size_pool()
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
         # The eval callback's calls and the time spent in them (counted by the engine's callback,
         # on the compute thread only): ggml asking about each node, and the nodes observed.
@@ -268,11 +273,17 @@ class Streamer:
 
     def _pool_pieces(self) -> int:
         """Direct-read buffers for a full window: each shard of the layers in flight may take one
-        buffer more than its bytes say (the plan counts the same, budget.pool_buffers). Fewer
-        would send pieces through the page cache, each after waiting for a buffer
-        (DirectPlacer.WAIT_FOR_BUFFER_S): a streamed K3 reply then took minutes."""
+        buffer more than its bytes say (the plan counts the same, budget.pool_buffers); never
+        more than the budget holds room for (near the minimum budget). A piece that finds such a
+        pool spent is read through the page cache at once, into the window's own pages."""
         most_shards = max((len(shards) for shards in self.layer_shards), default=0)
         return pool_buffers(self._window(), most_shards, self.settings.prefetch_depth + 1)
+
+    def _size_pool(self) -> None:
+        wanted = self._pool_pieces()
+        capped = self.pool_limit is not None and wanted > self.pool_limit
+        self.placer.short = capped
+        self.placer.capacity = self.pool_limit if capped else wanted
 
     # -- reads --------------------------------------------------------------------------
 
@@ -677,7 +688,7 @@ class Streamer:
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
         if self.placer is not None:
-            self.placer.capacity = self._pool_pieces()  # the window is trunk bytes now
+            self._size_pool()  # the window is trunk bytes now
 
     def on_router_input(self, layer: int, hidden) -> None:
         """Layer ``layer``'s FFN input (one token's, float32) is ready: read ahead the experts
@@ -747,7 +758,7 @@ class Streamer:
                 self.predictor = None
         self._evict_lru(keep=set())
         if self.placer is not None:
-            self.placer.capacity = self._pool_pieces()
+            self._size_pool()
 
     def residency_by_layer(self) -> list[str]:
         """One cell per layer: pinned / resident / in flight / cold (the least ready shard wins)."""
