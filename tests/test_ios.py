@@ -375,7 +375,7 @@ def test_the_darwin_placer_streams_k3_with_the_stock_greedy_tokens(monkeypatch, 
     stand_in, made = MremapStandIn(), []
 
     def darwin_placer(self, paths, addresses, fds, capacity):
-        placer = DarwinPlacer.create([str(p) for p in paths], addresses, fds, capacity, calls=stand_in) if capacity else None
+        placer = DarwinPlacer.create([str(p) for p in paths], addresses, fds, capacity, calls=stand_in)
         made.append(placer)
         return placer
 
