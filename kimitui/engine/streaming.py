@@ -273,13 +273,14 @@ class Streamer:
 
     def _pool_pieces(self) -> int:
         """Direct-read buffers for a full window: each shard of the layers in flight may take one
-        buffer more than its bytes say (the plan counts the same, budget.pool_buffers); never
-        more than the budget holds room for (near the minimum budget). A piece that finds such a
-        pool spent is read through the page cache at once, into the window's own pages."""
+        buffer more than its bytes say (the plan counts the same, budget.pool_buffers)."""
         most_shards = max((len(shards) for shards in self.layer_shards), default=0)
         return pool_buffers(self._window(), most_shards, self.settings.prefetch_depth + 1)
 
     def _size_pool(self) -> None:
+        """The pool a full window needs, never more than the budget holds room for (near the
+        minimum budget): a piece that finds such a pool spent is read through the page cache at
+        once, into the window's own pages, which the budget counts."""
         wanted = self._pool_pieces()
         capped = self.pool_limit is not None and wanted > self.pool_limit
         self.placer.short = capped
