@@ -23,6 +23,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file (default: $KIMITUI_CONFIG or the user config dir)")
     parser.add_argument("--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--budget", help="memory budget, e.g. 6GiB, or 'auto'")
+    parser.add_argument("--address-space", help="address space the model's weights may take, e.g. 40GiB, or 'auto'")
     parser.add_argument("--n-ctx", help="context length in tokens")
     parser.add_argument("--threads", help="compute threads (0 = one per physical core)")
 
@@ -58,6 +59,7 @@ def parse_serve(value: str) -> tuple[str, int]:
 FLAG_KEYS = {
     "model": ("model.path", "--model"),
     "budget": ("engine.budget", "--budget"),
+    "address_space": ("engine.address_space", "--address-space"),
     "n_ctx": ("model.n_ctx", "--n-ctx"),
     "threads": ("model.n_threads", "--threads"),
     "theme": ("ui.theme", "--theme"),

@@ -62,6 +62,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "io_threads": Key("int", 4, 1, 64),
         "expert_policy": Key("str", "lfu", choices=("lfu", "lru")),
         "expert_lookahead": Key("bool", False),
+        # The address space the model's weights may take: "auto" (under iOS's 63 GiB ceiling
+        # or `ulimit -v`, what the process leaves) or a size; a model larger streams through windows.
+        "address_space": Key("size_or_auto", "auto"),
     },
     "metrics": {
         "interval": Key("float", 0.25, 0.05, 10.0),

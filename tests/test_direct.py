@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import takes_direct_reads
+from kimitui.engine.addressing import WholeFiles
 from kimitui.benchmarks.common import cached_bytes, drop_from_page_cache
 from kimitui.engine.direct import MAP_SHARED, PIECE_BYTES, PROT_READ, DirectPlacer, Libc, split_pieces
 
@@ -63,7 +64,7 @@ def mapped_file(tmp_path):
         libc.munmap(address, len(data))
         os.close(fd)
         pytest.skip(f"{tmp_path} takes no O_DIRECT (the buffered placement is tested by injection below)")
-    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
+    placer = DirectPlacer.create([str(path)], WholeFiles({0: address}, {0: os.fstat(fd).st_size}), {0: fd}, capacity=8)
     assert placer is not None, "O_DIRECT works here, so direct placement must"
     yield path, data, address, placer
     placer.close()
@@ -110,7 +111,7 @@ def test_pool_buffers_are_reused_and_a_spent_pool_says_so(mapped_file):
     assert placer._made == made  # the same buffers again, no new memory
     placer.release(0, 0, len(data))
     fd = os.open(path, os.O_RDONLY)
-    small = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=1)
+    small = DirectPlacer.create([str(path)], WholeFiles({0: address}, {0: os.fstat(fd).st_size}), {0: fd}, capacity=1)
     try:
         (a, n), (b, m) = pieces[:2]
         assert small.place(0, a, n) == n
@@ -241,7 +242,7 @@ def test_without_o_direct_the_bytes_come_through_the_page_cache_and_are_still_pl
     os.fsync(fd)
     libc = Libc()
     address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
-    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=4)
+    placer = DirectPlacer.create([str(path)], WholeFiles({0: address}, {0: os.fstat(fd).st_size}), {0: fd}, capacity=4)
     try:
         assert placer is not None
         assert placer.direct is (at == "read")  # learnt at the first read there
@@ -279,7 +280,7 @@ def test_readers_that_meet_the_refusal_together_all_switch_to_the_page_cache(tmp
     fd = os.open(path, os.O_RDONLY)
     libc = Libc()
     address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
-    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=8)
+    placer = DirectPlacer.create([str(path)], WholeFiles({0: address}, {0: os.fstat(fd).st_size}), {0: fd}, capacity=8)
     try:
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda i: placer.place(0, i * PIECE_BYTES, PIECE_BYTES), range(8)))

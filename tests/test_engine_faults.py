@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from kimitui.engine.addressing import WholeFiles
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
 from kimitui.engine.state import EngineError, EngineState, IllegalMove, Lifecycle
@@ -176,7 +177,7 @@ def test_the_pools_memory_beside_the_mapping_is_its_free_buffers_only(tmp_path):
     libc = Libc()
     address = libc.check(libc.mmap(None, len(data), PROT_READ, MAP_SHARED, fd, 0), "mmap")
     page = os.sysconf("SC_PAGE_SIZE")
-    placer = DirectPlacer.create([str(path)], {0: address}, {0: fd}, capacity=16)
+    placer = DirectPlacer.create([str(path)], WholeFiles({0: address}, {0: os.fstat(fd).st_size}), {0: fd}, capacity=16)
     if placer is None:
         libc.munmap(address, len(data))
         os.close(fd)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.engine.addressing import WholeFiles
 from kimitui.engine import loadhooks, memory, platform as plat
 from kimitui.engine.darwin_placer import (
     MAP_ANON, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, VM_FLAGS_OVERWRITE, DarwinCalls, DarwinPlacer,
@@ -427,7 +428,7 @@ def test_a_read_that_failed_is_read_again_not_taken_for_data(tmp_path):
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     mapped = libc.mmap(None, 4 * page, 1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED: llama.cpp's mapping
     calls = FailingOnce()
-    placer = DarwinPlacer.create([str(path)], {0: mapped}, {0: fd}, 1, calls=calls)
+    placer = DarwinPlacer.create([str(path)], WholeFiles({0: mapped}, {0: os.fstat(fd).st_size}), {0: fd}, 1, calls=calls)
     try:
         with pytest.raises(OSError, match="Input/output"):
             placer.place(0, page, page)

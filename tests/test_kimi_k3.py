@@ -282,7 +282,7 @@ def test_k3_routers_are_read_for_look_ahead(k3_model):
     model = load_model_map(k3_model)
     engine = streamed_engine(k3_model, minimum_budget(model) + 2 * MIB)
     try:
-        predictor = RouterPredictor.from_mapping(model, engine.streamer.addresses)
+        predictor = RouterPredictor.from_mapping(model, engine.streamer.space)
         assert predictor is not None and sorted(predictor.routers) == [1, 2, 3]
         weight, bias = predictor.routers[1]
         assert weight.shape == (896, model.hparams["kimi-k3.embedding_length"]) and bias is not None

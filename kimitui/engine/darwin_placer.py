@@ -157,11 +157,11 @@ class DarwinPlacer(PlacedParts):
     """The placer interface of direct.DirectPlacer (what the streamer and the pinned set call),
     with every read in place: see the module's text."""
 
-    def __init__(self, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int,
+    def __init__(self, paths: list[str], space, file_fds: dict[int, int], capacity: int,
                  calls: PlacementCalls | None = None) -> None:
         self._calls = calls or DarwinCalls()
         self.page = self._calls.page
-        self.addresses = addresses
+        self.space = space  # addressing.WholeFiles or Windows: where each byte of the model is
         self._file_fds = file_fds
         self._capacity = capacity  # kept for the interface: there is no pool to size
         self._lock = threading.Lock()
@@ -178,10 +178,10 @@ class DarwinPlacer(PlacedParts):
             raise
 
     @classmethod
-    def create(cls, paths, addresses, file_fds, capacity, calls: PlacementCalls | None = None) -> "DarwinPlacer | None":
+    def create(cls, paths, space, file_fds, capacity, calls: PlacementCalls | None = None) -> "DarwinPlacer | None":
         """None where a file cannot be opened again: the engine then reads through the cache."""
         try:
-            return cls(paths, addresses, file_fds, capacity, calls)
+            return cls(paths, space, file_fds, capacity, calls)
         except (OSError, AttributeError):  # AttributeError: a libSystem without mach_vm_remap
             return None
 
@@ -219,7 +219,7 @@ class DarwinPlacer(PlacedParts):
         """Fresh anonymous memory at [offset, offset+length) of the mapping, read into, and
         recorded once the read is whole. A failed or short read gives the range back to the
         file: a record of it would let the next read of the range take its zeros for data."""
-        target = self.addresses[file] + offset
+        target = self.space.at(file, offset)
         self._calls.map_anonymous(target, length)
         try:
             got = self._read_into(file, target, length, offset)
@@ -255,7 +255,7 @@ class DarwinPlacer(PlacedParts):
             if not self._complete(file, offset, got, length):
                 c.free(buf, length)
                 return got
-            c.move(buf, self.addresses[file] + offset, length)
+            c.move(buf, self.space.at(file, offset), length)
         except OSError:
             c.free(buf, length)
             raise
@@ -293,7 +293,7 @@ class DarwinPlacer(PlacedParts):
         if length is None:
             return
         try:
-            self._calls.map_file(self.addresses[file] + offset, length, self._file_fds[file], offset)
+            self._calls.map_file(self.space.at(file, offset), length, self._file_fds[file], offset)
         except OSError:
             with self._lock:
                 self._placed[(file, offset)] = length
@@ -307,8 +307,8 @@ class DarwinPlacer(PlacedParts):
             taken, self._unread = self._unread, {}
         return [(file, offset, length) for (file, offset), length in taken.items()]
 
-    def map_file(self, file: int, offset: int, length: int) -> None:
-        self._calls.map_file(self.addresses[file] + offset, length, self._file_fds[file], offset)
+    def map_file(self, file: int, offset: int, length: int, address: int | None = None) -> None:
+        self._calls.map_file(self.space.at(file, offset) if address is None else address, length, self._file_fds[file], offset)
 
     @property
     def placed_bytes(self) -> int:

@@ -90,9 +90,9 @@ def huge_buffer(libc: Libc, size: int) -> int:
     return start
 
 
-def mapped_areas() -> list[tuple[int, int, tuple[int, int] | None]]:
+def mapped_areas() -> list[tuple[int, int, tuple[int, int] | None, int]]:
     """This process's mappings from /proc/self/maps: (start, end, (st_dev, st_ino) of the file
-    mapped, None for anonymous memory)."""
+    mapped, None for anonymous memory, the file offset mapped at start)."""
     out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -100,7 +100,7 @@ def mapped_areas() -> list[tuple[int, int, tuple[int, int] | None]]:
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             major, minor = (int(x, 16) for x in fields[3].split(":"))
             inode = int(fields[4])
-            out.append((lo, hi, (os.makedev(major, minor), inode) if inode else None))
+            out.append((lo, hi, (os.makedev(major, minor), inode) if inode else None, int(fields[2], 16)))
     return out
 
 
@@ -166,16 +166,14 @@ class DirectPlacer(PlacedParts):
     # release (the dropper runs beside compute) before it goes through the page cache instead.
     WAIT_FOR_BUFFER_S = 0.5
 
-    def __init__(self, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int) -> None:
+    def __init__(self, paths: list[str], space, file_fds: dict[int, int], capacity: int) -> None:
         self.page = os.sysconf("SC_PAGE_SIZE")
         self._libc = Libc()
-        self.addresses = addresses
+        self.space = space  # addressing.WholeFiles or Windows: where each byte of the model is
         # The file is mapped back through these: best the very open file that llama.cpp mapped,
         # whose mapping the range then merges back into. Any other open file of it works, but
         # leaves a kernel mapping per range (Linux allows 65,530), ruinous on a terabyte model.
         self._file_fds = file_fds
-        # What each mapping spans: the files' sizes when it was made (a cut file is shorter now).
-        self._mapped_bytes = {i: os.fstat(fd).st_size for i, fd in file_fds.items()}
         self._direct_fds: dict[int, int] = {}
         self._buffered: set[int] = set()  # files read through the page cache (no O_DIRECT there)
         self._retired: list[int] = []  # O_DIRECT descriptors replaced by buffered ones, closed at close()
@@ -281,11 +279,11 @@ class DirectPlacer(PlacedParts):
             os.close(fd)
 
     @classmethod
-    def create(cls, paths: list[str], addresses: dict[int, int], file_fds: dict[int, int], capacity: int) -> "DirectPlacer | None":
+    def create(cls, paths: list[str], space, file_fds: dict[int, int], capacity: int) -> "DirectPlacer | None":
         """None where this system cannot do it (a kernel without MREMAP_DONTUNMAP, a file that
         cannot be opened again): the engine then reads through the page cache."""
         try:
-            placer = cls(paths, addresses, file_fds, capacity)
+            placer = cls(paths, space, file_fds, capacity)
         except OSError:
             return None
         if not placer._can_move():
@@ -400,7 +398,7 @@ class DirectPlacer(PlacedParts):
         if got != length:
             self._give_back(buf, whole)
             return got
-        target = self.addresses[file] + offset
+        target = self.space.at(file, offset)
         c = self._libc
         with self._moves:
             moved = c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) == target
@@ -430,7 +428,7 @@ class DirectPlacer(PlacedParts):
         instead of three. Returns the bytes read, or None where the caller must read through
         the page cache (no mapping to be had)."""
         c, page = self._libc, self.page
-        base = self.addresses[file]
+        base = self.space.at(file, offset) - offset  # the slice lies in one run of its layer: offsets map linearly
         if inner is not None:
             if c.mmap(base + inner[0], inner[1], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
                 self._refill(file, *inner, ctypes.get_errno())
@@ -493,7 +491,7 @@ class DirectPlacer(PlacedParts):
         if not self._complete(file, offset, got, length):
             c.munmap(buf, length)
             return got
-        target = self.addresses[file] + offset
+        target = self.space.at(file, offset)
         with self._moves:
             if c.mremap(buf, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, target) != target:
                 err = ctypes.get_errno()
@@ -512,26 +510,23 @@ class DirectPlacer(PlacedParts):
         with self._moves:
             return self._blank_file_backed()
 
-    def _blank_file_backed(self) -> list[tuple[int, int, int]]:
+    def _blank_file_backed(self) -> list[tuple[int, int, int, int]]:
         c = self._libc
         ids = {self._identity(file): file for file in self._file_fds}
         blanked = []
-        for lo, hi, identity in mapped_areas():
+        for lo, hi, identity, file_offset in mapped_areas():
             file = ids.get(identity) if identity is not None else None
-            if file is None or file not in self.addresses:
-                continue
-            base = self.addresses[file]
-            if lo < base or hi > base + -(-self._mapped_bytes[file] // self.page) * self.page:
-                continue  # some other mapping of the same file, not llama.cpp's
+            if file is None or not self.space.holds(file, lo, hi):
+                continue  # some other mapping of the same file, not the model's
             if c.mmap(lo, hi - lo, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap: {os.strerror(err)}")
-            blanked.append((file, lo - base, hi - lo))
+            blanked.append((file, file_offset, hi - lo, lo))
         return blanked
 
-    def map_file(self, file: int, offset: int, length: int) -> None:
-        """The file again at [offset, offset+length) of its mapping (after ``blank_file_backed``)."""
-        self._map_file(file, offset, length)
+    def map_file(self, file: int, offset: int, length: int, address: int | None = None) -> None:
+        """The file again at [offset, offset+length), at ``address`` (after ``blank_file_backed``)."""
+        self._map_file(file, offset, length, address)
 
     def _refill(self, file: int, offset: int, length: int, err: int) -> None:
         """After a failed mmap or mremap onto [offset, offset+length) of the mapping, which may or
@@ -540,7 +535,7 @@ class DirectPlacer(PlacedParts):
         Never MAP_FIXED: a hole in the mapping may have been given to another mmap meanwhile, and
         mapping over it would corrupt someone else's memory. OSError if the range was lost."""
         c = self._libc
-        target = self.addresses[file] + offset
+        target = self.space.at(file, offset)
         got = c.mmap(target, length, PROT_READ, MAP_SHARED | MAP_FIXED_NOREPLACE, self._file_fds[file], offset)
         if got == target:
             return
@@ -560,7 +555,7 @@ class DirectPlacer(PlacedParts):
         """Whether [address, address+length) is wholly mapped, by this file or anonymous memory (ours)."""
         ours = self._identity(file)
         covered = address
-        for lo, hi, identity in mapped_areas():
+        for lo, hi, identity, _ in mapped_areas():
             if hi <= covered or lo > covered:
                 continue
             if identity is not None and identity != ours:
@@ -570,10 +565,10 @@ class DirectPlacer(PlacedParts):
                 return True
         return False
 
-    def _map_file(self, file: int, offset: int, length: int) -> None:
+    def _map_file(self, file: int, offset: int, length: int, address: int | None = None) -> None:
         """The file over a range of the mapping that is ours (placed or blanked memory)."""
         c = self._libc
-        if c.mmap(self.addresses[file] + offset, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
+        if c.mmap(self.space.at(file, offset) if address is None else address, length, PROT_READ, MAP_SHARED | MAP_FIXED, self._file_fds[file], offset) in (None, MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap: {os.strerror(err)}")
 
@@ -592,7 +587,7 @@ class DirectPlacer(PlacedParts):
                 raise
             return
         c = self._libc
-        target = self.addresses[file] + offset
+        target = self.space.at(file, offset)
         moves = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
         try:
             c.check(c.mremap(target, length, length, moves, buf + at), "mremap")
@@ -619,7 +614,7 @@ class DirectPlacer(PlacedParts):
     def _file_maps(self, file: int, address: int) -> bool:
         """Whether the page at ``address`` maps this file (not anonymous memory)."""
         ours = self._identity(file)
-        return any(lo <= address < hi and identity is not None and identity == ours for lo, hi, identity in mapped_areas())
+        return any(lo <= address < hi and identity is not None and identity == ours for lo, hi, identity, _ in mapped_areas())
 
     @property
     def placed_bytes(self) -> int:

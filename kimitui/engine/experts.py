@@ -311,6 +311,12 @@ class ExpertCache:
         for key in list(self._resident):
             self._forget(key)
 
+    def forget_layer(self, layer: int) -> None:
+        """Forget ``layer``'s cached experts (its slot is being taken, addressing.py): each is read
+        again when next routed to. The pinned hot ones come back with the slot."""
+        for key in [key for key in self._resident if key[0] == layer]:
+            self._forget(key)
+
     def _forget(self, key: tuple[int, int]) -> None:
         unit = self._resident.pop(key, None)
         self._rank.pop(key, None)
@@ -351,7 +357,7 @@ class RouterPredictor:
         self.routers = routers  # layer -> (weights [n_expert, n_embd] float32, selection bias or None)
 
     @classmethod
-    def from_mapping(cls, model: ModelMap, addresses: dict[int, int]) -> "RouterPredictor | None":
+    def from_mapping(cls, model: ModelMap, space) -> "RouterPredictor | None":
         """None where the router weights are not plain floats (nothing cheap to apply)."""
         import ctypes
 
@@ -367,7 +373,7 @@ class RouterPredictor:
                 base = t.name.split(".")[-2] if t.name.count(".") >= 2 else t.name
                 if t.role != "router" or t.ggml_type not in dtypes:
                     continue
-                view = np.frombuffer((ctypes.c_char * t.n_bytes).from_address(addresses[t.file] + t.offset), dtype=dtypes[t.ggml_type])
+                view = np.frombuffer((ctypes.c_char * t.n_bytes).from_address(space.at(t.file, t.offset)), dtype=dtypes[t.ggml_type])
                 if base == "ffn_gate_inp" and len(t.shape) == 2:
                     weight = view.reshape(t.shape[1], t.shape[0])
                 elif base == "exp_probs_b":

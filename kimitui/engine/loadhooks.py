@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 
 from kimitui.engine.platform import F_GETPATH, is_darwin
 
-HOOKED = ("mmap", "posix_madvise", "posix_fadvise")
+HOOKED = ("mmap", "munmap", "posix_madvise", "posix_fadvise")
 
 MAP_POPULATE = 0x8000 if sys.platform.startswith("linux") else 0
 POSIX_MADV_WILLNEED = 3
@@ -38,6 +38,7 @@ HUGE_ALIGN = 2 * 2**20  # Linux x86-64/arm64 (4 KiB pages): one page-table entry
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 MMAP_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+MUNMAP_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 MADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 FADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
 
@@ -75,6 +76,7 @@ class Mapping:
     # instead of leaving a kernel mapping per streamed piece (see direct.py). The engine that
     # takes the mapping closes it.
     fd: int = -1
+    phantom: bool = False  # an address range handed to llama.cpp with nothing mapped there (addressing.py)
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,10 @@ class LoadHooks:
         self._mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         self._munmap = libc.munmap
         self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self._munmap.restype = ctypes.c_int
+        # Set by the engine for a load whose files the address space cannot hold: each model
+        # file's mapping is then a phantom range from here up, which llama.cpp's unmaps skip.
+        self.phantom_next: int | None = None
         self.align = HUGE_ALIGN if sys.platform.startswith("linux") else 0
         self._fd_path = fd_path
         self._lock = threading.Lock()
@@ -254,11 +260,14 @@ class LoadHooks:
         self.enabled = True
         # Kept as attributes: the C side holds raw pointers to these callbacks.
         self.mmap_cb = MMAP_T(self._mmap)
+        self.munmap_cb = MUNMAP_T(self._munmap_hook)
         self.madvise_cb = MADVISE_T(self._madvise)
         self.fadvise_cb = FADVISE_T(self._fadvise)
 
     def _mmap(self, addr, length, prot, flags, fd, offset):
         result = None
+        if self.enabled and fd >= 0 and self.phantom_next is not None and not addr:
+            return self._phantom(length, fd)
         if self.enabled and fd >= 0:
             flags &= ~MAP_POPULATE
             if not addr and self.align and length >= self.align and not flags & MAP_FIXED:
@@ -276,6 +285,26 @@ class LoadHooks:
                 self.mappings.append(Mapping(self._fd_path(fd), int(result), int(length), kept))
         return result
 
+    def _phantom(self, length: int, fd: int) -> int:
+        result = self.phantom_next
+        self.phantom_next = result + -(-length // HUGE_ALIGN) * HUGE_ALIGN
+        try:
+            kept = os.dup(fd)
+        except OSError:
+            kept = -1  # the engine opens the file itself then
+        with self._lock:
+            self.mappings.append(Mapping(self._fd_path(fd), result, int(length), kept, phantom=True))
+        return result
+
+    def _munmap_hook(self, addr, length):
+        if addr and self._is_phantom(addr, length):
+            return 0  # llama.cpp giving back part of a phantom mapping: there is nothing to unmap
+        return self._munmap(addr, length)
+
+    def _is_phantom(self, addr: int, length: int) -> bool:
+        with self._lock:
+            return any(m.phantom and m.address <= addr and addr + length <= m.address + m.length for m in self.mappings)
+
     def _aligned_mmap(self, length, prot, flags, fd, offset):
         """The model's mapping on a 2 MiB boundary, so that its offsets that are multiples of
         2 MiB are too: the engine's direct reads then move whole huge pages into it (one
@@ -289,6 +318,8 @@ class LoadHooks:
         return result
 
     def _madvise(self, addr, length, advice):
+        if addr and self._is_phantom(addr, length):
+            return 0
         if self.enabled and advice == POSIX_MADV_WILLNEED and self._is_model_range(addr or 0, length):
             self.skipped_willneed_bytes += length
             return 0
@@ -333,7 +364,7 @@ class LoadHooks:
                     self.mappings[i] = replace(m, fd=-1)
 
     def pointer_for(self, name: str) -> int:
-        return ctypes.cast({"mmap": self.mmap_cb, "posix_madvise": self.madvise_cb, "posix_fadvise": self.fadvise_cb}[name], ctypes.c_void_p).value
+        return ctypes.cast({"mmap": self.mmap_cb, "munmap": self.munmap_cb, "posix_madvise": self.madvise_cb, "posix_fadvise": self.fadvise_cb}[name], ctypes.c_void_p).value
 
     def write_slot(self, slot: Slot, value: int) -> None:
         page = os.sysconf("SC_PAGE_SIZE")

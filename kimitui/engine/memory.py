@@ -112,14 +112,19 @@ def default_budget() -> int:
     return int(available_memory() * SAFE_SHARE)
 
 
-def mapped_resident_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/proc/self/smaps")) -> int | None:
+def mapped_resident_bytes(
+    ranges: list[tuple[int, int]], smaps: Path = Path("/proc/self/smaps"), shared_name: str | None = None,
+) -> int | None:
     """Resident bytes of this process inside the address ranges ``[(start, end), ...]``: the
     model's mappings, whatever backs each page there (the file, or anonymous pages a direct
     read moved in). From /proc/self/smaps (Linux); None where there is none.
 
     Only areas wholly inside a range count: llama.cpp unmaps the unused head and tail of a
     model's mapping after the load, and the allocator may then grow its own areas into that
-    room (one seen here reached 1.7 MB into the span and held other memory)."""
+    room (one seen here reached 1.7 MB into the span and held other memory).
+
+    ``shared_name``: memory mapped twice (the bounded layout's pinned store) counts only in its
+    own mapping, the last range: its other mappings inside the first ranges are the same pages."""
     try:
         text = smaps.read_text()
     except OSError:
@@ -138,6 +143,9 @@ def mapped_resident_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/pr
                 inside = False
                 continue
             inside = any(r_start <= start and end <= r_end for r_start, r_end in ranges)
+            if inside and shared_name is not None and shared_name in line:
+                home = ranges[-1]
+                inside = home[0] <= start and end <= home[1]
         elif inside and head == "Rss:":
             total += int(line.split()[1]) * 1024
     return total

@@ -265,6 +265,7 @@ class PinnedSet:
         self.hot_expert_bytes = 0  # experts earlier runs' heatmap marked hot, pinned with the trunk
         self.note: str | None = None  # why the set is not locked, or pages stay mapped, when so
         self._placer = None  # holds the set's anonymous pages
+        self._windows = None  # the bounded layout the set's store was handed to, if so
 
     def read(self, files, mappings: dict, ranges: list[ByteRange], hot: list, on_progress, cancel: threading.Event,
              drop_the_rest: bool) -> None:
@@ -273,7 +274,9 @@ class PinnedSet:
         model, which a streamed model reads itself. OSError if a file cannot be read."""
         addresses = {i: m.address for i, m in mappings.items()}
         mapping_fds = {i: m.fd for i, m in mappings.items() if m.fd >= 0}
-        placer = PlatformIO().placer(files, addresses, mapping_fds, 1)
+        from kimitui.engine.addressing import WholeFiles
+
+        placer = PlatformIO().placer(files, WholeFiles(addresses, {i: m.length for i, m in mappings.items()}), mapping_fds, 1)
         pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
         try:
             reader = ParallelReader(chunk_bytes=PLACED_CHUNK_BYTES) if placer is not None else ParallelReader()
@@ -297,10 +300,71 @@ class PinnedSet:
         self.bytes = sum(r.length for r in ranges)
         self.hot_expert_bytes = sum(unit.footprint for unit in hot)
 
+    def read_store(self, files, windows, ranges: list[ByteRange], hot: list, on_progress, cancel: threading.Event) -> None:
+        """The bounded layout's pinned set (addressing.py): ``ranges`` read in whole pages into
+        a store of their own, locked, and handed to ``windows``, which maps each layer's part
+        into its slot whenever the layer takes one. OSError if a file cannot be read."""
+        from kimitui.engine.addressing import PinnedStore
+
+        store = PinnedStore(ranges, os.sysconf("SC_PAGE_SIZE"), windows.calls)
+        try:
+            self._fill(files, store, on_progress, cancel)
+        except OSError:
+            store.close()
+            raise
+        self.read_bytes += store.size
+        if cancel.is_set():
+            store.close()
+            return
+        self.note = store.lock()
+        windows.set_store(store)
+        self._windows = windows
+        self.ranges = [pages for _, pages, _ in store.pieces]
+        self.bytes = sum(r.length for r in ranges)
+        self.hot_expert_bytes = sum(unit.footprint for unit in hot)
+
+    @staticmethod
+    def _fill(files, store, on_progress, cancel: threading.Event) -> None:
+        chunks = [
+            (pages.file, pages.offset + done, min(CHUNK_BYTES, pages.length - done), at + done)
+            for _, pages, at in store.pieces
+            for done in range(0, pages.length, CHUNK_BYTES)
+        ]
+        total = sum(c[2] for c in chunks)
+        fds = {index: os.open(files[index], os.O_RDONLY) for index in {c[0] for c in chunks}}
+        lock, done, started = threading.Lock(), [0], time.perf_counter()
+
+        def read_chunk(chunk) -> None:
+            file, offset, length, at = chunk
+            if cancel.is_set():
+                return
+            fd = fds[file]
+            want = min(length, os.fstat(fd).st_size - offset)  # a last whole page may pass the end of the file
+            view = memoryview((ctypes.c_char * length).from_address(store.address + at)).cast("B")
+            if want <= 0 or os.preadv(fd, [view[:want]], offset) != want:
+                raise OSError(f"short read at byte {offset} of {files[file]}: the file is shorter than its header says")
+            PlatformIO().uncache(fd, offset, want)  # the store holds the bytes now, not the page cache
+            with lock:
+                done[0] += length
+                progress = PinProgress(done[0], total, time.perf_counter() - started)
+            if on_progress is not None:
+                on_progress(progress)
+
+        try:
+            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kimitui-read") as pool:
+                for future in [pool.submit(read_chunk, chunk) for chunk in chunks]:
+                    future.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
     def release(self, mappings: dict) -> None:
         """Unlock the set and give its anonymous pages back to the file (the mapping reads the
-        file there again)."""
-        if mappings and self.ranges:
+        file there again); the bounded layout's store is closed."""
+        windows, self._windows = self._windows, None
+        if windows is not None:
+            windows.set_store(None)
+        elif mappings and self.ranges:
             unlock_ranges({i: m.address for i, m in mappings.items()}, self.ranges)
         self.ranges, self.bytes = [], 0
         if self._placer is not None:

@@ -111,7 +111,7 @@ class PlatformIO:
             return False
         raise OSError(err, os.strerror(err))
 
-    def placer(self, paths, addresses: dict[int, int], fds: dict[int, int], capacity: int):
+    def placer(self, paths, space, fds: dict[int, int], capacity: int):
         """Reads that bypass the page cache into anonymous memory at the mapping: O_DIRECT and
         mremap on Linux (direct.py), F_NOCACHE and mach_vm_remap on Darwin (darwin_placer.py);
         None elsewhere, or where this system cannot (the engine then reads through the cache).
@@ -119,11 +119,11 @@ class PlatformIO:
         if self.platform.startswith("linux"):
             from kimitui.engine.direct import DirectPlacer
 
-            return DirectPlacer.create([str(p) for p in paths], addresses, fds, capacity)
+            return DirectPlacer.create([str(p) for p in paths], space, fds, capacity)
         if is_darwin(self.platform):
             from kimitui.engine.darwin_placer import DarwinPlacer
 
-            return DarwinPlacer.create([str(p) for p in paths], addresses, fds, capacity)
+            return DarwinPlacer.create([str(p) for p in paths], space, fds, capacity)
         return None
 
     def exact_reads(self, fd: int) -> None:

@@ -57,6 +57,7 @@ class Engine:
         n_ctx_fixed: bool = False,
         chat_template: str | None = None,
         n_slots: int = 1,
+        address_space: int | str = "auto",
     ) -> None:
         self.model_path = Path(model_path)
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
@@ -70,6 +71,9 @@ class Engine:
         self.fast_load = fast_load
         self.fast_load_note: str | None = None  # why the stock load was used, when it was
         self.mappings: dict = {}  # file index -> loadhooks.Mapping, once loaded with fast start
+        self.address_space = address_space  # engine.address_space: "auto" or bytes
+        self.space = None  # where the weights live (addressing.py), once loaded with fast start
+        self.pointers = None  # addressing.WeightPointers, while weights still point into phantoms
         self.budget = budget
         self.stream_settings = stream_settings or StreamSettings()
         self.shard_size = shard_size
@@ -203,7 +207,13 @@ class Engine:
                 hooks = loadhooks.install()
             except loadhooks.HookUnavailable as exc:
                 self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
-        streams = self._may_stream()
+        files = self.info.files or (self.model_path,)
+        files_bytes = sum(os.path.getsize(f) for f in files)
+        bound = self._address_bound() if hooks is not None else None
+        # Larger than the address space allows: llama.cpp's mappings are phantoms, and the
+        # weights live in windows (addressing.py), which only a streamed model has.
+        bounded = bound is not None and files_bytes > bound
+        streams = self._may_stream() or bounded
         callbacks = self._stream_callbacks() if streams else (None, None)
         if streams:
             # A prefill micro-batch needs the union of its tokens' experts at once: as many
@@ -225,14 +235,17 @@ class Engine:
             self.fast_load_note += " (mapped, as it is larger than free memory: a file cut short while it runs crashes the app)"
         from kimitui.engine.platform import model_fits_limits
 
-        files = self.info.files or (self.model_path,)
-        refused = model_fits_limits(list(files), 0 if own_buffers else sum(os.path.getsize(f) for f in files))
+        refused = model_fits_limits(list(files), 0 if own_buffers or bounded else files_bytes)
         if refused:
             raise EngineError(f"cannot load {self.model_path.name}: {refused}")
         process = psutil.Process()
         rss_before, vms_before = process.memory_info()[:2]
         self._rss_before_load = rss_before
         mark = hooks.mark() if hooks is not None else 0
+        if bounded:
+            from kimitui.engine.addressing import PHANTOM_BASE
+
+            hooks.phantom_next = PHANTOM_BASE
         self._in_c.set()
         try:
             # llama.cpp calls the progress callback once per tensor, each call a wait for the
@@ -274,6 +287,7 @@ class Engine:
         except Exception as exc:
             if hooks is not None:
                 hooks.close_unclaimed(mark)
+                hooks.phantom_next = None
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
@@ -283,6 +297,7 @@ class Engine:
         if not streams:  # a streaming context's abort callback asks the flag itself
             self.cancel_flag.attach(self._llm._ctx)
         if hooks is not None:
+            hooks.phantom_next = None
             found = {i: hooks.claim(path, since=mark) for i, path in enumerate(files)}
             hooks.close_unclaimed(mark)
             # Every file of a split set must be mapped where we can see it, or none is managed.
@@ -296,13 +311,18 @@ class Engine:
         if self.mappings:
             from kimitui.engine.memory import mapped_resident_bytes
 
-            spans = [(m.address, m.address + m.length) for m in self.mappings.values()]
-            self.metrics.model_resident_source = lambda: mapped_resident_bytes(spans)
+            from kimitui.engine.addressing import PinnedStore
+
+            space = self.space = self._make_space(bound if bounded else None)
+            shared = PinnedStore.NAME if space.bounded else None
+            self.metrics.model_resident_source = lambda: mapped_resident_bytes(space.spans(), shared_name=shared)
+        elif bounded:
+            raise EngineError(f"cannot load {self.model_path.name}: llama.cpp mapped none of its files where kimitui can see them")
         # llama.cpp's own working memory (KV cache, recurrent state, compute buffers, vocabulary):
         # committed at load, touched as the context fills, so the address space it added tells
         # what RSS will tell later. The model's mappings are not part of it.
         rss_after, vms_after = process.memory_info()[:2]
-        mapped = sum(os.path.getsize(f) for f in files)
+        mapped = 0 if bounded else files_bytes
         held = tensor_bytes if own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
         self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
         self._formatter, self.template_error = self._make_formatter()
@@ -310,6 +330,35 @@ class Engine:
         if self.load_progress < 1.0:
             progress(1.0)  # fast start: the one step there was
         self.lifecycle.move(EngineState.READY)
+
+    def _address_bound(self) -> int | None:
+        """The address space the weights may take (engine.address_space), None: unbounded."""
+        from kimitui.engine.addressing import address_bound
+        from kimitui.engine.budget import working_estimate
+
+        return address_bound(self.address_space, working_estimate(self.model_map(), self.n_ctx, self.n_ubatch, self.slots.count))
+
+    def _make_space(self, bound: int | None):
+        """Where the weights live: each file's whole mapping, or (``bound``) the windows."""
+        from kimitui.engine.addressing import WeightPointers, Windows, WholeFiles, plan_windows
+
+        if bound is None:
+            return WholeFiles({i: m.address for i, m in self.mappings.items()}, {i: m.length for i, m in self.mappings.items()})
+        model = self.model_map()
+        fds = {}
+        for i, m in self.mappings.items():
+            fds[i] = m.fd if m.fd >= 0 else os.open(model.files[i], os.O_RDONLY)
+        self.mappings = {i: replace(m, fd=fds[i]) for i, m in self.mappings.items()}  # closed with the engine
+        budget = self.budget if self.budget is not None else self._memory_plan(model).budget
+        try:
+            space = Windows(plan_windows(model, bound, min(budget, model.tensor_bytes)), fds, {i: m.address for i, m in self.mappings.items()})
+        except OSError as exc:
+            raise EngineError(f"cannot load {self.model_path.name}: out of address space for its windows ({exc})") from None
+        import llama_cpp.llama_cpp as C
+
+        WeightPointers.check_layout(ggml_base(C._lib._name))
+        self.pointers = WeightPointers(space)
+        return space
 
     def _fit_context(self) -> None:
         """Pick n_ctx so that the budget and llama.cpp's context (KV cache, recurrent state,
@@ -381,6 +430,9 @@ class Engine:
             # Only the nodes themselves, never views of them: ggml names a view of l_out-5
             # "l_out-5 (reshaped)" (K3's residual attention makes one at each block boundary).
             if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
+                pointers = self.pointers
+                if pointers is not None and pointers.active:
+                    self._point_weights(pointers, ggml, tensor, name)
                 # Every node passes here: one builtin test first, the digits only for the few that match.
                 if name in LAYER_ZERO_NODES or (name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit()):
                     return True
@@ -412,6 +464,16 @@ class Engine:
 
         self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
         return self._callbacks
+
+    def _point_weights(self, pointers, ggml, tensor: int, name: bytes) -> None:
+        """Before ggml computes ``tensor``: its weights out of the phantom mappings (addressing.py)."""
+        if name in LAYER_ZERO_NODES:
+            pointers.token_started()
+        try:
+            pointers.point(tensor)
+        except EngineError as exc:  # a phantom address outside every tensor: a bug, stopped here
+            if self.streamer is not None:
+                self.streamer.fail(str(exc))
 
     def pin(self, on_progress: Callable | None = None) -> PinOutcome:
         """Read the pinned set with parallel reads and lock it; call from a worker after load.
@@ -462,6 +524,12 @@ class Engine:
                     f"prefetch depth {plan.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
                     "deeper read-ahead would pass the budget"
                 )
+            if self.space.bounded and settings.prefetch_depth >= self.space.n_slots:
+                settings = replace(settings, prefetch_depth=self.space.n_slots - 1)
+                self.plan_note = (
+                    f"prefetch depth {settings.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
+                    f"the address space holds {self.space.n_slots} layers at once"
+                )
             if model.is_moe:
                 from kimitui.engine.experts import hot_experts, load_heatmap
 
@@ -470,10 +538,12 @@ class Engine:
         else:  # the whole model fits: pin it all, streaming nothing
             pinned = plan_pinned(model, sum(shard.length for shard in model.shards))
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
-        addresses = {i: m.address for i, m in self.mappings.items()}
         mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
         try:
-            self.pinned.read(model.files, self.mappings, ranges, hot, on_progress, self._abort_load, drop_the_rest=streaming)
+            if self.space.bounded:
+                self.pinned.read_store(model.files, self.space, ranges, hot, on_progress, self._abort_load)
+            else:
+                self.pinned.read(model.files, self.mappings, ranges, hot, on_progress, self._abort_load, drop_the_rest=streaming)
         except OSError as exc:
             self.pending.repin = True  # the next reply tries again: the drive may be back by then
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
@@ -483,7 +553,7 @@ class Engine:
             from kimitui.engine.streaming import Streamer
 
             streamer = Streamer(
-                model, addresses, {s.index for s in pinned}, settings, self.metrics,
+                model, self.space, {s.index for s in pinned}, settings, self.metrics,
                 mapping_fds=mapping_fds, window_limit=plan.window_bytes, pool_limit=plan.pool_buffers,
             )
             if model.is_moe:
@@ -729,6 +799,9 @@ class Engine:
                 self._llm.close()
                 self._llm = None
             self.slots.forget()
+            if self.space is not None and self.space.bounded:
+                self.space.close()
+            self.space = self.pointers = None
             for m in self.mappings.values():
                 if m.fd >= 0:
                     os.close(m.fd)
@@ -901,4 +974,5 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
             expert_policy=settings["engine.expert_policy"],
             expert_lookahead=settings["engine.expert_lookahead"],
         ),
+        address_space=settings["engine.address_space"],
     )

@@ -179,7 +179,7 @@ class Streamer:
     def __init__(
         self,
         model: ModelMap,
-        mapping_addresses: dict[int, int],
+        space,
         pinned: set[int],
         settings: StreamSettings,
         metrics: EngineMetrics,
@@ -188,7 +188,7 @@ class Streamer:
         window_limit: int | None = None,
         pool_limit: int | None = None,
     ) -> None:
-        """``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
+        """``space``: where each byte of the model is (addressing.py); ``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
         them), through which direct reads give ranges back to the file; our own otherwise.
         ``window_limit``: the most trunk bytes in flight the budget allows, whatever the
         prefetch depth is tuned to later; ``pool_limit``: the direct-read buffers the budget
@@ -196,7 +196,7 @@ class Streamer:
         self.window_limit = window_limit
         self.pool_limit = pool_limit
         self.model = model
-        self.addresses = mapping_addresses
+        self.space = space
         self.settings = settings
         self.metrics = metrics
         self.io = platform_io or PlatformIO()
@@ -220,7 +220,7 @@ class Streamer:
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
         # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
-        self.placer = self.io.placer(model.files, mapping_addresses, self.fds | (mapping_fds or {}), 0)
+        self.placer = self.io.placer(model.files, space, self.fds | (mapping_fds or {}), 0)
         if self.placer is not None:
             self._size_pool()
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
@@ -230,7 +230,7 @@ class Streamer:
         self.eval_ask_s = self.eval_observe_s = 0.0
         self._dropper = Dropper(self._release, self.fail)
         self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
-        self._blanked: list[tuple[int, int, int]] = []  # (file, offset, length) shielded as zeros, see _shield
+        self._blanked: list[tuple] = []  # (file, offset, length[, address]) shielded as zeros, see _shield
         if self.placer is not None:
             # Pinned pages are locked in place (anonymous, see Engine.pin): a neighbour never reads over them.
             for shard in model.shards:
@@ -324,7 +324,7 @@ class Streamer:
             # Shards (MiB, in file order) are faulted straight into the mapping; an expert's slices
             # are read through our descriptor instead, because a fault on the mapping brings the
             # disk's whole read-ahead window (8 MiB here) with each small slice.
-            elif not expert and self.io.populate(self.fds[file], self.addresses[file], offset, length):
+            elif not expert and self.io.populate(self.fds[file], self._base(file, offset), offset, length):
                 got = length
                 if placed:  # meant for a direct read, but the pool was spent
                     with self._lock:
@@ -429,7 +429,7 @@ class Streamer:
         try:
             if self.placer is not None:
                 self.placer.release(r.file, r.offset, r.length)
-            self.io.drop(self.fds[r.file], self.addresses[r.file], r.offset, r.length)
+            self.io.drop(self.fds[r.file], self._base(r.file, r.offset), r.offset, r.length)
         finally:
             if self.placer is not None:
                 for offset, length in self._give_back_edges(r):
@@ -456,7 +456,12 @@ class Streamer:
         return lo, hi, shared
 
     def _take_edges(self, r) -> list[int]:
-        """Count ``r``'s shared end pages as held; the ones no one held before, to be read."""
+        """Count ``r``'s shared end pages as held; the ones no one held before, to be read.
+
+        In the bounded layout a page on a layer's edge has a place in each layer's slot, so no
+        end page is placed: they stay the window's file pages (see addressing.py)."""
+        if self.space.bounded:
+            return []
         lo, hi, shared = self._slice_pages(r)
         with self._lock:
             fresh = [edge for edge in shared if self._edge_refs.get((r.file, edge), 0) == 0]
@@ -466,6 +471,8 @@ class Streamer:
 
     def _give_back_edges(self, r) -> list[tuple[int, int]]:
         """Stop holding ``r``'s shared end pages; the ones no one holds any more, to be given back."""
+        if self.space.bounded:
+            return []
         page = self.io.page
         out = []
         with self._lock:
@@ -478,11 +485,16 @@ class Streamer:
                     out.append((edge, page))
         return out
 
+    def _base(self, file: int, offset: int) -> int:
+        """Where ``file``'s offset 0 would be for the run holding ``offset`` (a range within one
+        run of one layer maps linearly; for platform calls that take a base and an offset)."""
+        return self.space.at(file, offset) - offset
+
     def _give_back(self, file: int, offset: int, length: int) -> None:
         if self.placer is not None and self.placer.holds(file, offset):
             self.placer.release_in_place(file, offset)
         else:  # read through the page cache (O_DIRECT refused): out of our tables and the cache
-            self.io.drop(self.fds[file], self.addresses[file], offset, length)
+            self.io.drop(self.fds[file], self._base(file, offset), offset, length)
 
     def _expert_pieces(self, r) -> list[tuple]:
         """The slice's pages not already held, as one read: its own whole pages into place, each
@@ -570,6 +582,7 @@ class Streamer:
             return
         if layer == 0:
             self._check_files(None)
+        self._take_slot(layer)  # the layer before has finished: its slot, if shared, is free
         self.current_layer = layer
         self._check_files(layer)
         self.bytes_from_cache += self._pinned_by_layer[layer]
@@ -633,6 +646,8 @@ class Streamer:
         window = self._window()
         for d in range(self.settings.prefetch_depth):
             layer = (first_layer + d) % n
+            if not self._take_slot(layer):
+                break  # its slot holds the layer computing now
             for shard in self.layer_shards[layer]:
                 if self.state[shard.index] != Residency.COLD:
                     continue
@@ -651,6 +666,25 @@ class Streamer:
         for index, futures in self._futures.items():
             if self.state[index] == Residency.INFLIGHT and all(f.done() and f.exception() is None for f in futures):
                 self.state[index] = Residency.RESIDENT
+
+    def _take_slot(self, layer: int) -> bool:
+        """Bounded layout: make ``layer``'s slot its own (addressing.Windows.claim), giving back
+        first everything placed there for the layer that held it. False while that layer is the
+        one computing."""
+        space = self.space
+        if space.owns(layer):
+            return True
+        held_by = space.occupant(layer)
+        if held_by is not None:
+            if held_by == self.current_layer:
+                return False
+            for shard in self.layer_shards[held_by]:
+                self._drop(shard)
+            if self.experts is not None:
+                self.experts.forget_layer(held_by)
+            self._dropper.flush()  # every release done: nothing placed for it is left in the slot
+        space.claim(layer)
+        return True
 
     def _check_files(self, layer: int | None) -> None:
         """Pinned bytes live in the mapping too: a file that shrank would SIGBUS there, so stop
@@ -687,7 +721,7 @@ class Streamer:
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
         )
         if self.settings.expert_lookahead:
-            self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
+            self.predictor = RouterPredictor.from_mapping(self.model, self.space)
         if self.placer is not None:
             self._size_pool()  # the window is trunk bytes now
 
@@ -699,6 +733,8 @@ class Streamer:
         if self.error is not None or predictor is None or following not in predictor.routers:
             return
         try:
+            if not self._take_slot(following):
+                return
             self.experts.prefetch(following, predictor.predict(following, hidden, self.model.n_expert_used))
         except StreamAbort as exc:
             self.fail(str(exc))
@@ -726,6 +762,7 @@ class Streamer:
                 and self.predictor is None
                 and following < self.model.n_layers
                 and self.model.layers[following].is_moe
+                and self._take_slot(following)
             ):
                 self.experts.prefetch(following, self.experts.last_choice[following])
         except StreamAbort as exc:
@@ -754,7 +791,7 @@ class Streamer:
         if self.experts is not None:
             self.experts.set_policy(self.settings.expert_policy)
             if self.settings.expert_lookahead and self.predictor is None:
-                self.predictor = RouterPredictor.from_mapping(self.model, self.addresses)
+                self.predictor = RouterPredictor.from_mapping(self.model, self.space)
             elif not self.settings.expert_lookahead:
                 self.predictor = None
         self._evict_lru(keep=set())
@@ -841,8 +878,8 @@ class Streamer:
                 self.experts.clear()
             self._dropper.flush()
             blanked, self._blanked = self._blanked, []
-            for file, offset, length in blanked:
-                self.placer.map_file(file, offset, length)
+            for entry in blanked:
+                self.placer.map_file(*entry)
         self.error = None
 
     def close(self) -> None:

@@ -1,0 +1,479 @@
+"""Where the model's bytes live in this process's address space.
+
+``WholeFiles``: llama.cpp maps each model file whole, and a byte of the model sits at its file's
+mapping plus its offset. That needs as much address space as the files are large, and iOS ends
+a process's at 63 GiB: Kimi K3 (1.5 TB) cannot be mapped there at all.
+
+``Windows``, the bounded layout, used where the files are larger than the address space the
+model may take (``engine.address_space``). llama.cpp's mapping of each file is a phantom: the
+load hooks hand it an address range above every user address (nothing is mapped there, so
+nothing is reserved), and llama.cpp sets each weight's data pointer into it. Before ggml first
+computes with a weight, the eval callback points it (and any view of it) at the weight's place
+in a few real regions instead (``WeightPointers``):
+
+- the non-layer tensors (embeddings, output) in a fixed region of their own;
+- layer L's tensors in slot L mod S, at their offset within the layer, so that every layer's
+  pointers stay put while the slot is filled with one layer after another. Taking a slot for a
+  layer (``claim``) maps that layer's file range over the slot (read-only, random access: no
+  fault-around) and the layer's pinned pages over that; the streamer then places streamed
+  pages in it exactly as in a whole mapping. A slot is only claimed once every page placed for
+  the layer before has been given back.
+- the pinned set in a store of its own (``PinnedStore``: memory that can be mapped twice, a
+  memfd on Linux, POSIX shared memory on Darwin), read and locked once, and mapped into a slot
+  each time its layer takes one: pinned bytes are never read twice.
+
+Every run of consecutive same-layer tensors keeps its file offset modulo 2 MiB, so direct reads
+still move whole huge pages in. A routed expert tensor spans its slot whole, but only the routed
+experts' pages are placed there. What S is, and what it costs, is in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+
+from kimitui.engine.loadhooks import HUGE_ALIGN, MAP_FAILED, PROT_NONE, PROT_READ, PROT_WRITE, reserve_aligned
+from kimitui.engine.platform import LIBC_NAME, is_darwin
+from kimitui.engine.state import EngineError
+from kimitui.model.gguf_map import ByteRange, ModelMap
+from kimitui.units import format_bytes
+
+# Phantom mappings start here: above every user address on x86-64 (47 bits), arm64 Linux (48)
+# and iOS (63 GiB), so a stray use of one faults at once instead of reading someone's memory.
+PHANTOM_BASE = 1 << 48
+MAP_SHARED, MAP_FIXED = 0x01, 0x10  # the same on Linux and Darwin
+MADV_RANDOM = 1  # Linux and Darwin: no read-around, and (Linux) no fault-around
+MIN_SLOTS = 2  # one layer computing, the next one arriving
+
+
+def _flags_anon_noreserve() -> int:
+    return 0x2 | (0x1000 | 0x40 if is_darwin() else 0x20 | 0x4000)  # MAP_PRIVATE | MAP_ANON(YMOUS) | MAP_NORESERVE
+
+
+class Calls:
+    """libc's mmap, munmap, madvise and mlock, errors as OSError."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(LIBC_NAME, use_errno=True)
+        self._mmap = libc.mmap
+        self._mmap.restype = ctypes.c_void_p
+        self._mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        self._munmap = libc.munmap
+        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self._madvise = libc.madvise
+        self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self._mlock = libc.mlock
+        self._mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+    @staticmethod
+    def _failed(what: str) -> OSError:
+        err = ctypes.get_errno()
+        return OSError(err, f"{what}: {os.strerror(err)}")
+
+    def mmap(self, address, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+        got = self._mmap(address, length, prot, flags, fd, offset)
+        if got in (None, MAP_FAILED):
+            raise self._failed(f"mmap of {format_bytes(length)}")
+        return got
+
+    def munmap(self, address: int, length: int) -> None:
+        self._munmap(address, length)
+
+    def madvise(self, address: int, length: int, advice: int) -> None:
+        self._madvise(address, length, advice)
+
+    def mlock(self, address: int, length: int) -> str | None:
+        if self._mlock(address, length) != 0:
+            return os.strerror(ctypes.get_errno())
+        return None
+
+    def reserve(self, length: int) -> int:
+        """Address space for the windows, no access and no memory: counted against the limit
+        now, so that running out is said at load, not mid-reply."""
+        got = reserve_aligned(self._mmap, self._munmap, length, HUGE_ALIGN, PROT_NONE, _flags_anon_noreserve())
+        if got is None:
+            raise self._failed(f"reserving {format_bytes(length)} of address space")
+        return got
+
+
+def _up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive tensors of one file and one layer (None: outside the layers), file bytes
+    [lo, hi), placed ``place`` bytes into its region: congruent to ``lo`` modulo 2 MiB."""
+
+    file: int
+    lo: int
+    hi: int
+    layer: int | None
+    place: int
+
+
+def _runs(model: ModelMap) -> list[tuple[int, int, int, int | None]]:
+    runs: list[list] = []
+    for t in sorted(model.tensors, key=lambda t: (t.file, t.offset)):
+        if runs and runs[-1][0] == t.file and runs[-1][3] == t.layer:
+            runs[-1][2] = t.offset + t.n_bytes
+        else:
+            runs.append([t.file, t.offset, t.offset + t.n_bytes, t.layer])
+    return [tuple(r) for r in runs]
+
+
+def _placed(runs, page: int) -> tuple[list[Run], int]:
+    """``runs`` one after another from 0, each on its own 2 MiB-aligned stretch; the extent."""
+    out, cursor = [], 0
+    for file, lo, hi, layer in runs:
+        place = cursor + lo % HUGE_ALIGN
+        out.append(Run(file, lo, hi, layer, place))
+        cursor = _up(place + _up(hi, page) - lo, HUGE_ALIGN)
+    return out, cursor
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    fixed: tuple[Run, ...]  # the non-layer tensors' runs, in the fixed region
+    layers: tuple[tuple[Run, ...], ...]  # each layer's runs, placed within a slot
+    fixed_bytes: int
+    slot_bytes: int
+    n_slots: int
+    store_bytes: int  # room the pinned set may take (its own region)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + self.n_slots * self.slot_bytes + self.store_bytes
+
+
+def plan_windows(model: ModelMap, bound: int, store_bytes: int, page: int | None = None) -> WindowPlan:
+    """As many slots as ``bound`` bytes of address space hold beside the fixed region and a
+    pinned set of ``store_bytes``, one per layer at most. EngineError if not two."""
+    page = page or os.sysconf("SC_PAGE_SIZE")
+    runs = _runs(model)
+    fixed, fixed_bytes = _placed([r for r in runs if r[3] is None], page)
+    layers, slot_bytes = [], 0
+    for layer in range(model.n_layers):
+        placed, extent = _placed([r for r in runs if r[3] == layer], page)
+        layers.append(tuple(placed))
+        slot_bytes = max(slot_bytes, extent)
+        spread = extent - model.layers[layer].n_bytes
+        if spread > max(model.layers[layer].n_bytes, 64 * 2**20):
+            raise EngineError(
+                f"layer {layer}'s tensors are scattered over the file ({format_bytes(extent)} of windows for "
+                f"{format_bytes(model.layers[layer].n_bytes)}): rewrite it with `kimitui shard` to stream it in a bounded address space"
+            )
+    room = bound - fixed_bytes - store_bytes
+    n_slots = min(model.n_layers, max(0, room // slot_bytes if slot_bytes else model.n_layers))
+    if n_slots < min(MIN_SLOTS, model.n_layers):
+        need = fixed_bytes + store_bytes + MIN_SLOTS * slot_bytes
+        raise EngineError(
+            f"out of address space: the model's windows need {format_bytes(need)} ({format_bytes(fixed_bytes)} outside the "
+            f"layers, {format_bytes(store_bytes)} pinned, two layers of {format_bytes(slot_bytes)}) and "
+            f"{format_bytes(bound)} may be taken: raise engine.address_space or lower --budget"
+        )
+    return WindowPlan(tuple(fixed), tuple(layers), fixed_bytes, slot_bytes, n_slots, store_bytes)
+
+
+class WholeFiles:
+    """Each file mapped whole by llama.cpp (the layout when the address space allows it)."""
+
+    bounded = False
+
+    def __init__(self, bases: dict[int, int], lengths: dict[int, int]) -> None:
+        self.bases = bases
+        self.lengths = lengths
+
+    def at(self, file: int, offset: int) -> int:
+        return self.bases[file] + offset
+
+    def owns(self, layer: int | None) -> bool:
+        return True
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [(base, base + self.lengths[file]) for file, base in self.bases.items()]
+
+    def holds(self, file: int, lo: int, hi: int) -> bool:
+        """Whether [lo, hi) lies in ``file``'s place (an area /proc/self/maps lists)."""
+        base = self.bases.get(file)
+        return base is not None and base <= lo and hi <= base + _up(self.lengths[file], os.sysconf("SC_PAGE_SIZE"))
+
+
+class PinnedStore:
+    """The pinned set's memory: whole pages of the model, each range at its own offset in a
+    memory object that can be mapped twice (a memfd on Linux, POSIX shared memory elsewhere).
+    Mapped once whole here (read into, locked), and into a slot whenever its layer takes one."""
+
+    NAME = "kimitui-pinned"
+
+    def __init__(self, ranges: list[ByteRange], page: int, calls: Calls) -> None:
+        self.calls = calls
+        # (the range, rounded out to whole pages, where in the store those pages are)
+        self.pieces: list[tuple[ByteRange, ByteRange, int]] = []
+        at = 0
+        for r in ranges:
+            lo, hi = r.offset // page * page, _up(r.end, page)
+            self.pieces.append((r, ByteRange(r.file, lo, hi - lo), at))
+            at += hi - lo
+        self.size = at
+        self.fd = self._open(max(at, page))
+        try:
+            self.address = calls.mmap(None, max(at, page), PROT_READ | PROT_WRITE, MAP_SHARED, self.fd, 0)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    @classmethod
+    def _open(cls, size: int) -> int:
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create(cls.NAME, os.MFD_CLOEXEC)
+        else:
+            import _posixshmem
+            import secrets
+
+            name = f"/{cls.NAME}-{os.getpid()}-{secrets.token_hex(4)}"
+            fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            _posixshmem.shm_unlink(name)  # nothing but this process's descriptor keeps it
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def lock(self) -> str | None:
+        why = self.calls.mlock(self.address, self.size) if self.size else None
+        return None if why is None else f"cannot lock the pinned set in memory ({why}); it stays unlocked"
+
+    def close(self) -> None:
+        self.calls.munmap(self.address, max(self.size, 1))
+        os.close(self.fd)
+
+
+class Windows:
+    """The bounded layout (see the module's docstring)."""
+
+    bounded = True
+
+    def __init__(self, plan: WindowPlan, fds: dict[int, int], phantoms: dict[int, int], calls: Calls | None = None) -> None:
+        self.plan = plan
+        self.fds = fds
+        self.phantoms = phantoms  # file -> where llama.cpp believes the file is mapped
+        self.calls = calls or Calls()
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.n_slots = plan.n_slots
+        self.size = plan.fixed_bytes + plan.n_slots * plan.slot_bytes
+        self.region = self.calls.reserve(self.size)
+        self.owner: list[int | None] = [None] * plan.n_slots
+        self.store: PinnedStore | None = None
+        self._store_pieces: dict[int | None, list[tuple[ByteRange, ByteRange, int]]] = {}
+        self.claims = 0  # slots taken over, each one a window mapped again
+        runs = list(plan.fixed) + [r for layer in plan.layers for r in layer]
+        self._index: dict[int, tuple[list[int], list[Run]]] = {}
+        for file in {r.file for r in runs}:
+            mine = sorted((r for r in runs if r.file == file), key=lambda r: r.lo)
+            self._index[file] = ([r.lo for r in mine], mine)
+        self._map_runs(plan.fixed)
+
+    # -- where things are --------------------------------------------------------------
+
+    def _run(self, file: int, offset: int) -> Run:
+        los, runs = self._index[file]
+        i = bisect.bisect_right(los, offset) - 1
+        if i < 0 or offset >= _up(runs[i].hi, self.page):
+            raise ValueError(f"byte {offset} of file {file} is in no tensor")
+        return runs[i]
+
+    def layer_of(self, file: int, offset: int) -> int | None:
+        return self._run(file, offset).layer
+
+    def _base(self, run: Run) -> int:
+        """Where file offset ``run.lo`` sits."""
+        if run.layer is None:
+            return self.region + run.place
+        return self.region + self.plan.fixed_bytes + self.slot_of(run.layer) * self.plan.slot_bytes + run.place
+
+    def at(self, file: int, offset: int) -> int:
+        run = self._run(file, offset)
+        return self._base(run) + offset - run.lo
+
+    def slot_of(self, layer: int) -> int:
+        return layer % self.n_slots
+
+    def owns(self, layer: int | None) -> bool:
+        """Whether ``layer``'s bytes are where ``at`` says (non-layer tensors always are)."""
+        return layer is None or self.owner[self.slot_of(layer)] == layer
+
+    def occupant(self, layer: int) -> int | None:
+        """The layer holding ``layer``'s slot now."""
+        return self.owner[self.slot_of(layer)]
+
+    def real_address(self, phantom: int) -> int | None:
+        """The real place of an address in llama.cpp's phantom mapping; None if not in one."""
+        for file, base in self.phantoms.items():
+            if base <= phantom < base + self._phantom_length(file):
+                return self.at(file, phantom - base)
+        return None
+
+    def _phantom_length(self, file: int) -> int:
+        return self._index[file][1][-1].hi if file in self._index else 0
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The model's areas: the windows, and the pinned store."""
+        out = [(self.region, self.region + self.size)]
+        if self.store is not None and self.store.size:
+            out.append((self.store.address, self.store.address + self.store.size))
+        return out
+
+    def holds(self, file: int, lo: int, hi: int) -> bool:
+        return self.region <= lo and hi <= self.region + self.size
+
+    # -- taking slots --------------------------------------------------------------------
+
+    def _map_runs(self, runs) -> None:
+        """The file over each run's place: read-only, shared, random access."""
+        page, c = self.page, self.calls
+        for run in runs:
+            lo = run.lo // page * page
+            address = self._base(run) - (run.lo - lo)
+            length = _up(run.hi, page) - lo
+            c.mmap(address, length, PROT_READ, MAP_SHARED | MAP_FIXED, self.fds[run.file], lo)
+            c.madvise(address, length, MADV_RANDOM)
+
+    def _map_store(self, layer: int | None) -> None:
+        """The pinned pages of ``layer`` over its place. A page shared with a neighbour is the
+        file's page either way: the store's copy serves both."""
+        store = self.store
+        for r, pages, at in self._store_pieces.get(layer, ()):
+            run = self._run(r.file, r.offset)
+            address = self._base(run) + pages.offset - run.lo
+            self.calls.mmap(address, pages.length, PROT_READ, MAP_SHARED | MAP_FIXED, store.fd, at)
+
+    def claim(self, layer: int) -> None:
+        """Map ``layer``'s file range and pinned pages over its slot. The caller has given back
+        every page placed there for the layer it held."""
+        self._map_runs(self.plan.layers[layer])
+        self._map_store(layer)
+        self.owner[self.slot_of(layer)] = layer
+        self.claims += 1
+
+    def set_store(self, store: PinnedStore | None) -> None:
+        """A new pinned set: the fixed region gets its pages, and each slot is taken again on
+        its next use (the pages of the set before leave with the old store)."""
+        old, self.store = self.store, store
+        self._store_pieces = {}
+        if store is not None:
+            for piece in store.pieces:
+                self._store_pieces.setdefault(self.layer_of(piece[0].file, piece[0].offset), []).append(piece)
+        self._map_runs(self.plan.fixed)
+        if store is not None:
+            self._map_store(None)
+        self.owner = [None] * self.n_slots
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        self.set_store(None)
+        self.calls.munmap(self.region, self.size)
+
+
+# -- weight pointers ----------------------------------------------------------------------
+
+# ggml_tensor's fields (ggml.h, kept for years): src[10] at 152, data at 248, name at 256.
+# Checked against ggml's own accessors before any pointer is written (``WeightPointers.check``).
+SRC_OFFSET, N_SRC, DATA_OFFSET, NAME_OFFSET = 152, 10, 248, 256
+
+
+class WeightPointers:
+    """Points weights (and views of them) from llama.cpp's phantom mapping at their real place,
+    from the eval callback's ask for each graph node: ggml asks about a node before it computes
+    it, so no kernel ever sees a phantom address. Graphs built after a weight is pointed get
+    its real address from the start; after a whole token with nothing left to point, the check
+    stops (``active``)."""
+
+    def __init__(self, windows: Windows) -> None:
+        self.windows = windows
+        self.lo = min(windows.phantoms.values())
+        self.hi = max(base + windows._phantom_length(f) for f, base in windows.phantoms.items())
+        self.active = True
+        self.pointed = 0
+        self._this_token = 0
+
+    @staticmethod
+    def check_layout(ggml) -> None:
+        """EngineError if this ggml's tensor layout is not the one the offsets above describe
+        (checked on a tensor of a context of our own, before any graph runs)."""
+
+        class InitParams(ctypes.Structure):
+            _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+        ggml.ggml_init.restype = ctypes.c_void_p
+        ggml.ggml_init.argtypes = (InitParams,)
+        ggml.ggml_new_tensor_1d.restype = ctypes.c_void_p
+        ggml.ggml_new_tensor_1d.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+        ggml.ggml_view_1d.restype = ctypes.c_void_p
+        ggml.ggml_view_1d.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t)
+        ggml.ggml_set_name.argtypes = (ctypes.c_void_p, ctypes.c_char_p)
+        ggml.ggml_free.argtypes = (ctypes.c_void_p,)
+        ctx = ggml.ggml_init(InitParams(1 << 16, None, False))
+        if not ctx:
+            raise EngineError("ggml_init failed")
+        try:
+            tensor = ggml.ggml_new_tensor_1d(ctx, 0, 16)  # GGML_TYPE_F32
+            view = ggml.ggml_view_1d(ctx, tensor, 4, 8)
+            ggml.ggml_set_name(view, b"kimitui-layout")
+            ok = (
+                ctypes.c_void_p.from_address(view + DATA_OFFSET).value == ggml.ggml_get_data(view)
+                and ctypes.c_void_p.from_address(view + SRC_OFFSET).value == tensor
+                and ctypes.string_at(view + NAME_OFFSET) == b"kimitui-layout"
+            )
+        finally:
+            ggml.ggml_free(ctx)
+        if not ok:
+            raise EngineError("this llama.cpp's ggml_tensor layout is not the one kimitui knows: it cannot bound the model's address space")
+
+    def token_started(self) -> None:
+        if self._this_token == 0 and self.pointed:
+            self.active = False
+        self._this_token = 0
+
+    def point(self, node: int) -> None:
+        srcs = (ctypes.c_void_p * N_SRC).from_address(node + SRC_OFFSET)
+        for tensor in (node, *srcs):
+            if not tensor:
+                continue
+            data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
+            value = data.value
+            if value is not None and self.lo <= value < self.hi:
+                real = self.windows.real_address(value)
+                if real is None:
+                    raise EngineError(f"graph tensor {ctypes.string_at(tensor + NAME_OFFSET).decode(errors='replace')} points "
+                                      "into the model's mapping outside every tensor")
+                data.value = real
+                self.pointed += 1
+                self._this_token += 1
+
+
+def address_bound(setting: int | str, working_bytes: int, platform: str = sys.platform) -> int | None:
+    """The address space the model's weights may take; None: unbounded (each file mapped whole).
+
+    "auto": where the process has a ceiling (iOS's 63 GiB, or `ulimit -v`), what is left under it
+    after what the process has mapped so far, llama.cpp's KV cache and buffers
+    (``working_bytes``) and room for the Python heap, the allocator's arenas and the threads'
+    stacks (``PROCESS_ROOM``)."""
+    if setting != "auto":
+        return int(setting)
+    from kimitui.engine.platform import IOS_ADDRESS_CEILING, address_space_limit, is_ios
+
+    ceiling = IOS_ADDRESS_CEILING if is_ios(platform) else address_space_limit()
+    if ceiling is None:
+        return None
+    import psutil
+
+    return max(0, ceiling - psutil.Process().memory_info().vms - working_bytes - PROCESS_ROOM)
+
+
+PROCESS_ROOM = 2 * 2**30
