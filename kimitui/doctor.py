@@ -68,12 +68,42 @@ def check_fast_start() -> Check:
     return Check("fast start", True, "libllama's mmap and posix_madvise rebound: the load reads only the file's header")
 
 
-def check_address_space(files: list[Path]) -> Check:
+def check_address_space(
+    files: list[Path], model=None, budget: int | None = None, setting="auto", working: int = 0,
+    platform: str = sys.platform, reserve=None,
+) -> Check:
+    """Whether the process can hold the model's weights: mapped whole where the ceiling allows,
+    else through windows (engine/addressing.py), whose size is checked against it. ``working``:
+    llama.cpp's KV cache and buffers, beside the weights."""
+    from kimitui.engine.addressing import address_bound, plan_windows
+    from kimitui.engine.platform import EXTENDED_VA_ENTITLEMENT, IOS_ADDRESS_CEILING, IOS_LARGE_FILE_ENTITLEMENT, address_space_limit
+
+    reserve = reserve or (lambda n: can_reserve(n, platform))
     total = sum(os.path.getsize(f) for f in files)
     what = f"{format_bytes(total)} for {files[0].name}" + (f" ({len(files)} files)" if len(files) > 1 else "")
-    if can_reserve(total):
-        return Check("address space", True, f"{what} can be mapped at once")
-    return Check("address space", False, f"{what} cannot be mapped at once: {address_space_fix(total_bytes=total)}")
+    ios = is_ios(platform)
+    ceiling = IOS_ADDRESS_CEILING if ios else address_space_limit()
+    named = (
+        f"iOS's ceiling {format_bytes(IOS_ADDRESS_CEILING)} (with {EXTENDED_VA_ENTITLEMENT}; past it only an iOS 18 kernel "
+        f"and the private {IOS_LARGE_FILE_ENTITLEMENT}, which no user can sign for, so kimitui stays under it)"
+        if ios else f"ulimit -v {format_bytes(ceiling)}" if ceiling is not None else "no ceiling"
+    )
+    bound = address_bound(setting, working, platform)
+    if (bound is None or total <= bound) and reserve(total):
+        return Check("address space", True, f"{what} can be mapped at once ({named})")
+    if model is None:
+        return Check("address space", False, f"{what} cannot be mapped at once: {address_space_fix(platform, total_bytes=total)}")
+    try:
+        plan = plan_windows(model, bound if bound is not None else total, budget or 0)
+    except Exception as exc:  # noqa: BLE001 - EngineError: the least windows pass the bound
+        return Check("address space", False, f"{what}: {exc}; {named}: {address_space_fix(platform, total_bytes=total)}")
+    if not reserve(plan.total_bytes):
+        return Check("address space", False, f"{what}: windows of {format_bytes(plan.total_bytes)} cannot be reserved; {address_space_fix(platform)}")
+    return Check(
+        "address space", True,
+        f"{what} streams through windows of {format_bytes(plan.total_bytes)} ({plan.n_slots} layer slots of "
+        f"{format_bytes(plan.slot_bytes)}, {format_bytes(plan.store_bytes)} for the pinned set) under {named}",
+    )
 
 
 def check_descriptors(files: list[Path]) -> Check:
@@ -266,9 +296,14 @@ def run(args: argparse.Namespace) -> int:
     model_path = resolve_model(settings)
     files = split_set(model_path)
     model = load_model_map(model_path, shard_size=settings["engine.shard_size"])
-    for step in (check_fast_start, check_address_space, check_descriptors, check_direct_reads):
-        checks.append(_report(step() if step is check_fast_start else step(files)))
+    checks.append(_report(check_fast_start()))
     memory, budget = check_memory(model, settings["engine.budget"])
+    from kimitui.engine.budget import working_estimate
+
+    working = working_estimate(model, settings["model.n_ctx"], settings["model.n_batch"], settings["server.slots"])
+    checks.append(_report(check_address_space(files, model, budget, settings["engine.address_space"], working)))
+    for step in (check_descriptors, check_direct_reads):
+        checks.append(_report(step(files)))
     checks.append(_report(memory))
     checks.append(_report(check_drive(files, model, budget if memory.ok else None, args.seconds)))
     return 0 if all(c.ok for c in checks) else 1

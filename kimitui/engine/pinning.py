@@ -251,6 +251,10 @@ def _file_areas(paths: set[str]) -> list[tuple[int, int, str]]:
     return out
 
 
+class StoreTooLarge(Exception):
+    """The bounded layout's pinned set would pass the address space kept for it."""
+
+
 class PinnedSet:
     """The bytes every token needs, held for good: read once with parallel reads into anonymous
     memory at their place in the model's mapping, as streamed shards are (a file cut short, a
@@ -307,6 +311,12 @@ class PinnedSet:
         from kimitui.engine.addressing import PinnedStore
 
         store = PinnedStore(ranges, os.sysconf("SC_PAGE_SIZE"), windows.calls)
+        if store.size > windows.plan.store_bytes:
+            store.close()
+            raise StoreTooLarge(
+                f"the pinned set ({store.size / 2**20:.1f} MiB) is larger than the address space left for it "
+                f"({windows.plan.store_bytes / 2**20:.1f} MiB): lower the budget or raise engine.address_space"
+            )
         try:
             self._fill(files, store, on_progress, cancel)
         except OSError:

@@ -260,24 +260,22 @@ def address_space_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+# Past the jumbo ceiling only iOS 18-era kernels built with EXTENDED_USER_VA_SUPPORT go, for a
+# binary that also carries this private entitlement: none a user can sign for.
+IOS_LARGE_FILE_ENTITLEMENT = "com.apple.private.kernel.large-file-support"
+
+
 def address_space_fix(platform: str = sys.platform, python: str = sys.executable, total_bytes: int = 0) -> str:
-    """What to do when the model's files cannot all be mapped at once."""
+    """What to do when the model's weights need more address space than the process may take."""
     if is_ios(platform):
-        if total_bytes > IOS_ADDRESS_CEILING:
-            return (
-                f"iOS ends a process's address space at {IOS_ADDRESS_CEILING / 2**30:.0f} GiB, even with the "
-                f"{EXTENDED_VA_ENTITLEMENT} entitlement, and llama.cpp maps each model file whole: a model this large "
-                "cannot be loaded on iOS by this version"
-            )
         return (
-            f"sign the interpreter with the {EXTENDED_VA_ENTITLEMENT} entitlement: "
-            f"ldid -S<entitlements.plist> {os.path.realpath(python)} (README, On the iPhone)"
+            f"iOS gives a process {IOS_ADDRESS_CEILING / 2**30:.0f} GiB at most, with the {EXTENDED_VA_ENTITLEMENT} "
+            f"entitlement (ldid -S<entitlements.plist> {os.path.realpath(python)}, README, On the iPhone); a model larger "
+            "streams through windows inside it: lower --budget or engine.address_space if it still does not fit"
         )
     limit = address_space_limit()
     has = f"this process may have {limit / 2**30:.1f} GiB (ulimit -v): " if limit is not None else ""
-    if is_darwin(platform):
-        return has + "check `ulimit -v` (unlimited is needed for a model larger than memory)"
-    return has + "check `ulimit -v` and vm.overcommit_memory (0 or 1 maps a model larger than memory)"
+    return has + "raise `ulimit -v`, or lower --budget (the pinned set) or engine.address_space"
 
 
 @dataclass(frozen=True)

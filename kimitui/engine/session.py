@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import psutil
 
 from kimitui.engine.interface import PinOutcome, TuningValues
-from kimitui.engine.pinning import PinnedSet
+from kimitui.engine.pinning import PinnedSet, StoreTooLarge
 from kimitui.engine.tuning import PendingTuning, schedule
 from kimitui.engine.memory import cap_malloc_arenas
 from kimitui.engine.metrics import EngineMetrics
@@ -351,9 +351,14 @@ class Engine:
         self.mappings = {i: replace(m, fd=fds[i]) for i, m in self.mappings.items()}  # closed with the engine
         budget = self.budget if self.budget is not None else self._memory_plan(model).budget
         try:
-            space = Windows(plan_windows(model, bound, min(budget, model.tensor_bytes)), fds, {i: m.address for i, m in self.mappings.items()})
-        except OSError as exc:
-            raise EngineError(f"cannot load {self.model_path.name}: out of address space for its windows ({exc})") from None
+            space = Windows(plan_windows(model, bound, budget), fds, {i: m.address for i, m in self.mappings.items()})
+        except (OSError, EngineError) as exc:
+            from kimitui.engine.platform import address_space_fix
+
+            raise EngineError(
+                f"cannot load {self.model_path.name}: out of address space, not a damaged file: {exc}; "
+                f"{address_space_fix(total_bytes=bound)}"
+            ) from None
         import llama_cpp.llama_cpp as C
 
         WeightPointers.check_layout(ggml_base(C._lib._name))
@@ -541,7 +546,10 @@ class Engine:
         mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
         try:
             if self.space.bounded:
-                self.pinned.read_store(model.files, self.space, ranges, hot, on_progress, self._abort_load)
+                try:
+                    self.pinned.read_store(model.files, self.space, ranges, hot, on_progress, self._abort_load)
+                except StoreTooLarge as exc:
+                    raise EngineError(str(exc)) from None
             else:
                 self.pinned.read(model.files, self.mappings, ranges, hot, on_progress, self._abort_load, drop_the_rest=streaming)
         except OSError as exc:

@@ -1,0 +1,149 @@
+"""The bounded address space (engine/addressing.py): models larger than the address space the
+process may take load, stream and give stock llama.cpp's greedy tokens, with `ulimit -v` as
+the stand-in for iOS's 63 GiB ceiling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine.addressing import PHANTOM_BASE, Windows, plan_windows
+from kimitui.engine.generation import Sampling
+from kimitui.engine.loadhooks import HUGE_ALIGN
+from kimitui.engine.session import Engine
+from kimitui.engine.state import EngineError
+from kimitui.model import synth
+from kimitui.model.gguf_map import load_model_map
+
+GIB = 2**30
+MIB = 2**20
+PROMPT = "The capital of France"
+
+# Run in a child under `ulimit -v`: the engine as the app makes it, a greedy reply, and what
+# the address space looked like (the peak the kernel saw, from /proc/self/status).
+UNDER_LIMIT = r"""
+import json, resource, sys
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+path, budget, prompt, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+engine = Engine(path, n_ctx=128, budget=budget)
+engine.load()
+engine.pin()
+tokens = [e.token_id for e in engine.complete(prompt, Sampling(temperature=0.0, max_tokens=n)) if e.token_id >= 0]
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmPeak:"))
+space = engine.space
+print(json.dumps({
+    "tokens": tokens, "bounded": space.bounded, "slots": space.n_slots, "claims": space.claims,
+    "peak": peak, "limit": resource.getrlimit(resource.RLIMIT_AS)[0], "error": engine.streamer.error,
+}))
+engine.close()
+"""
+
+
+def under_limit(path: Path, limit: int, budget: int, prompt: str, n: int) -> dict:
+    proc = subprocess.run(
+        ["bash", "-c", f'ulimit -v {limit // 1024} && exec "$0" -c "$1" "$2" "$3" "$4" "$5"',
+         sys.executable, UNDER_LIMIT, str(path), str(budget), prompt, str(n)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def stock_tokens(path: Path, prompt: str, n: int) -> list[int]:
+    engine = Engine(path, n_ctx=128, fast_load=False)
+    engine.load()
+    try:
+        return [e.token_id for e in engine.complete(prompt, Sampling(temperature=0.0, max_tokens=n)) if e.token_id >= 0]
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def dense2(tmp_path_factory) -> Path:
+    """A 2 GiB dense model of random weights: 26 layers of 72 MiB, 195 MiB outside the layers."""
+    spec = synth.plan_dense(2 * GIB, "q4_1", synth.default_tokenizer())
+    out = tmp_path_factory.mktemp("dense2") / "dense2.gguf"
+    return synth.write_model(spec, out, seed=7, progress=False).paths[0]
+
+
+@pytest.fixture(scope="module")
+def dense2_stock(dense2) -> list[int]:
+    tokens = stock_tokens(dense2, PROMPT, 4)
+    assert len(set(tokens)) > 2  # random weights: a reply from zeros read in their place would not match
+    return tokens
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+
+def test_each_run_keeps_its_offset_modulo_2_mib_and_slots_hold_the_largest_layer(dense2):
+    model = load_model_map(dense2)
+    plan = plan_windows(model, GIB, 450 * MIB)
+    assert 2 <= plan.n_slots < model.n_layers and plan.total_bytes <= GIB
+    for run in plan.fixed + tuple(r for layer in plan.layers for r in layer):
+        assert run.place % HUGE_ALIGN == run.lo % HUGE_ALIGN
+    assert plan.slot_bytes >= max(layer.n_bytes for layer in model.layers)
+    with pytest.raises(EngineError, match=r"windows need .* two layers of .* may be taken"):
+        plan_windows(model, 450 * MIB + plan.fixed_bytes + plan.slot_bytes, 450 * MIB)
+
+
+def test_every_tensor_byte_has_one_place_and_layers_that_share_a_slot_share_addresses(dense2, tmp_path):
+    import os
+
+    model = load_model_map(dense2)
+    plan = plan_windows(model, GIB, 450 * MIB)
+    fd = os.open(dense2, os.O_RDONLY)
+    windows = Windows(plan, {0: fd}, {0: PHANTOM_BASE})
+    try:
+        n = windows.n_slots
+        first, again = model.layer_tensors(0)[0], model.layer_tensors(n)[0]
+        slot = windows.region + plan.fixed_bytes  # slot 0
+        for t in (first, again):  # layer n reuses layer 0's slot
+            assert slot <= windows.at(0, t.offset) < slot + plan.slot_bytes
+        assert windows.real_address(PHANTOM_BASE + first.offset) == windows.at(0, first.offset)
+        lo, hi = windows.spans()[0]
+        for t in model.tensors:
+            assert lo <= windows.at(0, t.offset) and windows.at(0, t.offset) + t.n_bytes <= hi
+        # A claimed slot reads the layer's own bytes from the file.
+        windows.claim(n)
+        t = model.layer_tensors(n)[0]
+        import ctypes
+
+        assert ctypes.string_at(windows.at(0, t.offset), 64) == os.pread(fd, 64, t.offset)
+    finally:
+        windows.close()
+        os.close(fd)
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+def test_a_dense_model_in_a_bound_smaller_than_it_gives_the_stock_greedy_tokens(dense2, dense2_stock):
+    engine = Engine(dense2, n_ctx=128, budget=450 * MIB, address_space=GIB)
+    engine.load()
+    engine.pin()
+    try:
+        space = engine.space
+        assert space.bounded and 2 <= space.n_slots < engine.model_map().n_layers
+        assert all(m.phantom and m.address >= PHANTOM_BASE for m in engine.mappings.values())
+        tokens = [e.token_id for e in engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=4)) if e.token_id >= 0]
+        assert tokens == dense2_stock
+        assert engine.streamer.error is None and space.claims > engine.model_map().n_layers
+        assert not engine.pointers.active and engine.pointers.pointed >= len(engine.model_map().tensors)
+        # The model's pages stay inside the budget: the store counted once, the windows' pages beside it.
+        assert engine.metrics.model_resident_source() <= 450 * MIB
+    finally:
+        engine.close()
+
+
+def test_under_ulimit_v_smaller_than_the_model_a_dense_model_streams_with_the_stock_tokens(dense2, dense2_stock):
+    got = under_limit(dense2, 1900 * MIB, 450 * MIB, PROMPT, 4)
+    assert dense2.stat().st_size > got["limit"]
+    assert got["bounded"] and got["error"] is None
+    assert got["tokens"] == dense2_stock
+    assert got["peak"] <= got["limit"]
