@@ -123,6 +123,28 @@ def test_jetsam_caps_the_memory_the_budget_comes_from(monkeypatch):
     assert memory.default_budget() <= int(3 * 2**30 * memory.SAFE_SHARE)
 
 
+def jetsam_stand_in(limit_mb: int):
+    """libSystem past its jetsam limit (limit_mb > 0) or with none (-1, not an app): both answer 0."""
+
+    class LibSystem:
+        @staticmethod
+        def os_proc_available_memory():
+            return 0
+
+        @staticmethod
+        def memorystatus_control(command, pid, flags, buffer, size):
+            assert command == memory.MEMORYSTATUS_CMD_GET_MEMLIMIT_PROPERTIES and pid == os.getpid() and size == 16
+            buffer._obj.active = limit_mb
+            return 0
+
+    return LibSystem
+
+
+def test_jetsam_answering_zero_is_no_headroom_under_a_limit_and_no_answer_without_one():
+    assert memory.jetsam_headroom("ios", lambda: jetsam_stand_in(3072)) == 0  # past its limit: nothing left
+    assert memory.jetsam_headroom("ios", lambda: jetsam_stand_in(-1)) is None  # started over SSH: free memory decides
+
+
 
 class Limits:
     def __init__(self, soft, hard, refuse_above=None):
@@ -177,10 +199,11 @@ def test_an_address_space_too_small_says_so_and_what_applies_on_ios():
     space = RefusingAddressSpace()
     assert plat.can_reserve(1_560 * 10**9, "ios", space) is False
     assert space.asked == [(1_560 * 10**9, plat.PROT_NONE, plat.MAP_PRIVATE | 0x1000 | 0x40)]  # Darwin's MAP_ANON | MAP_NORESERVE
-    # Past iOS's 63 GiB ceiling no entitlement helps: said so, not "sign with ldid".
+    # Past iOS's 63 GiB ceiling no entitlement helps: the entitlement raises the process to it,
+    # and the model streams through windows inside it.
     line = plat.model_fits_limits(["k3.gguf"], 1_560 * 10**9, "ios", reserve=lambda n: False)
     assert "cannot map the model's 1452.9 GiB" in line and "out of address space, not a damaged file" in line
-    assert "at 63 GiB" in line and plat.EXTENDED_VA_ENTITLEMENT in line and "ldid" not in line
+    assert "63 GiB at most" in line and plat.EXTENDED_VA_ENTITLEMENT in line and "through windows" in line
     # Below it, the entitlement is what raises a process to the ceiling.
     line = plat.model_fits_limits(["small.gguf"], 20 * 2**30, "ios", reserve=lambda n: False)
     assert plat.EXTENDED_VA_ENTITLEMENT in line and "ldid -S" in line

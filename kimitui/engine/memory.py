@@ -72,21 +72,49 @@ def cgroup_headroom(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/
     return best
 
 
+MEMORYSTATUS_CMD_GET_MEMLIMIT_PROPERTIES = 8  # xnu bsd/sys/kern_memorystatus.h
+
+
+class _MemlimitProperties(ctypes.Structure):
+    _fields_ = [("active", ctypes.c_int32), ("active_attr", ctypes.c_uint32),
+                ("inactive", ctypes.c_int32), ("inactive_attr", ctypes.c_uint32)]
+
+
+def jetsam_limit_mb(lib) -> int | None:
+    """This process's jetsam limit in MB (memorystatus_control); None where it has none (-1) or
+    the call is refused."""
+    try:
+        call = lib.memorystatus_control
+    except AttributeError:
+        return None
+    call.restype = ctypes.c_int
+    call.argtypes = (ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+    props = _MemlimitProperties()
+    if call(MEMORYSTATUS_CMD_GET_MEMLIMIT_PROPERTIES, os.getpid(), 0, ctypes.byref(props), ctypes.sizeof(props)) != 0:
+        return None
+    return props.active if props.active > 0 else None
+
+
 def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None,
                     machine: str | None = None) -> int | None:
     """Bytes this process may still take before jetsam kills it (iOS); None elsewhere, or where
-    libSystem has no answer (it returns 0 for a process jetsam does not limit)."""
+    jetsam sets it no limit. ``os_proc_available_memory`` returns 0 both for a process past its
+    limit and for one that is not an app (kimitui started over SSH): the limit itself
+    (memorystatus_control) tells the two apart, and 0 under a limit is no headroom at all."""
     from kimitui.engine.platform import is_ios
 
     if not is_ios(platform, machine):
         return None
     try:
-        call = (libsystem or (lambda: ctypes.CDLL(None)))().os_proc_available_memory
+        lib = (libsystem or (lambda: ctypes.CDLL(None)))()
+        call = lib.os_proc_available_memory
     except (OSError, AttributeError):
         return None
     call.restype, call.argtypes = ctypes.c_size_t, ()
     room = int(call())
-    return room or None
+    if room:
+        return room
+    return 0 if jetsam_limit_mb(lib) is not None else None
 
 
 def memory_sources() -> list[tuple[str, int]]:
