@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (default 32)")
     parser.add_argument("--baseline", action="store_true", help="also run plain llama-cpp-python with stock mmap and print the ratios")
     parser.add_argument("--cgroup-limit", help="run the engine runs in a fresh memory cgroup of this size, e.g. 1536MiB (root)")
+    parser.add_argument("--address-space", help="the address space the engine's weights may take, e.g. 40GiB (default auto: under `ulimit -v`)")
     parser.add_argument("--policy", choices=POLICIES, help="the engine's residency policy when it streams (default: the engine's)")
     parser.add_argument("--prefetch-depth", type=int, help="layers read ahead when the engine streams (default: the engine's)")
     parser.add_argument("--io-threads", type=int, help="the engine's I/O threads when it streams (default: the engine's)")
@@ -304,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
         "io_threads": args.io_threads,
         "expert_lookahead": args.expert_lookahead,
         "trace": str(args.trace) if args.trace else None,
+        "address_space": _size(args.address_space, "--address-space") if args.address_space else "auto",
     }
 
     def show_pinning(kind: str, message: dict) -> None:
@@ -502,6 +504,10 @@ def render(report: dict) -> str:
         row("load (setup)", "load_s", seconds),
         row("pinned (setup)", "pinned_bytes", lambda v: "—" if v is None else format_bytes(v)),
         row("pinning time (setup)", "pin_s", seconds),
+        row("address space", "windows_bytes", lambda v: "whole files" if v is None else f"windows {format_bytes(v)}"),
+        row("  layer slots", "slots", lambda v: "—" if v is None else str(v)),
+        row("  slots taken over", "slot_claims", lambda v: "—" if v is None else str(v)),
+        row("  peak of the process", "peak_address_space_bytes", lambda v: "—" if v is None else format_bytes(v)),
         row("RSS after load", "rss_after_load_bytes", format_bytes),
         row("prefill tok/s", "prefill_tok_s", per_s),
         row("TTFT", "ttft_s", format_ms),

@@ -43,6 +43,15 @@ def _peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+def _peak_address_space() -> int | None:
+    """The most address space the process has held (VmPeak, Linux); None elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmPeak:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def _rss() -> int:
     import psutil
 
@@ -262,7 +271,10 @@ def _engine(spec: dict):
     # "auto" is sized here, inside the run's cgroup, exactly as the app sizes it.
     budget = spec["budget"] if spec["budget"] is not None else default_budget()
     stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth", "io_threads", "expert_lookahead") if spec.get(k) is not None})
-    return Engine(spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream)
+    return Engine(
+        spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream,
+        address_space=spec.get("address_space", "auto"),
+    )
 
 
 def phase_engine(spec: dict) -> None:
@@ -318,9 +330,13 @@ def phase_engine(spec: dict) -> None:
         pin_note=engine.pinned.note,
         fast_load_note=engine.fast_load_note,
         peak_rss_bytes=_peak_rss(),
+        peak_address_space_bytes=_peak_address_space(),
         peak_model_resident_bytes=resident.peak,
         n_ubatch=engine.n_ubatch,
         plan_note=engine.plan_note,
+        windows_bytes=engine.space.plan.total_bytes if engine.space is not None and engine.space.bounded else None,
+        slots=engine.space.n_slots if engine.space is not None and engine.space.bounded else None,
+        slot_claims=engine.space.claims if engine.space is not None and engine.space.bounded else None,
         **prefill,
         **figures,
     )
