@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,3 +96,34 @@ def stock_llama(path: Path, **kwargs):
 
     with llama_params(None, repack=False):
         return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
+
+
+# Run in a child under `ulimit -v`: the engine as the app makes it, a greedy reply, and what
+# the address space looked like (the peak the kernel saw, from /proc/self/status).
+UNDER_LIMIT = r"""
+import json, resource, sys
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+path, budget, prompt, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+engine = Engine(path, n_ctx=128, budget=budget)
+engine.load()
+engine.pin()
+tokens = [e.token_id for e in engine.complete(prompt, Sampling(temperature=0.0, max_tokens=n)) if e.token_id >= 0]
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmPeak:"))
+space = engine.space
+print(json.dumps({
+    "tokens": tokens, "bounded": space.bounded, "slots": space.n_slots, "claims": space.claims,
+    "peak": peak, "limit": resource.getrlimit(resource.RLIMIT_AS)[0], "error": engine.streamer.error,
+}))
+engine.close()
+"""
+
+
+def under_limit(path: Path, limit: int, budget: int, prompt: str, n: int) -> dict:
+    proc = subprocess.run(
+        ["bash", "-c", f'ulimit -v {limit // 1024} && exec "$0" -c "$1" "$2" "$3" "$4" "$5"',
+         sys.executable, UNDER_LIMIT, str(path), str(budget), prompt, str(n)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -4,9 +4,6 @@ the stand-in for iOS's 63 GiB ceiling."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,40 +16,11 @@ from kimitui.engine.state import EngineError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 
+from helpers import under_limit
+
 GIB = 2**30
 MIB = 2**20
 PROMPT = "The capital of France"
-
-# Run in a child under `ulimit -v`: the engine as the app makes it, a greedy reply, and what
-# the address space looked like (the peak the kernel saw, from /proc/self/status).
-UNDER_LIMIT = r"""
-import json, resource, sys
-from kimitui.engine.generation import Sampling
-from kimitui.engine.session import Engine
-path, budget, prompt, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-engine = Engine(path, n_ctx=128, budget=budget)
-engine.load()
-engine.pin()
-tokens = [e.token_id for e in engine.complete(prompt, Sampling(temperature=0.0, max_tokens=n)) if e.token_id >= 0]
-peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmPeak:"))
-space = engine.space
-print(json.dumps({
-    "tokens": tokens, "bounded": space.bounded, "slots": space.n_slots, "claims": space.claims,
-    "peak": peak, "limit": resource.getrlimit(resource.RLIMIT_AS)[0], "error": engine.streamer.error,
-}))
-engine.close()
-"""
-
-
-def under_limit(path: Path, limit: int, budget: int, prompt: str, n: int) -> dict:
-    proc = subprocess.run(
-        ["bash", "-c", f'ulimit -v {limit // 1024} && exec "$0" -c "$1" "$2" "$3" "$4" "$5"',
-         sys.executable, UNDER_LIMIT, str(path), str(budget), prompt, str(n)],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 def stock_tokens(path: Path, prompt: str, n: int) -> list[int]:
     engine = Engine(path, n_ctx=128, fast_load=False)
@@ -105,7 +73,7 @@ def test_every_tensor_byte_has_one_place_and_layers_that_share_a_slot_share_addr
         slot = windows.region + plan.fixed_bytes  # slot 0
         for t in (first, again):  # layer n reuses layer 0's slot
             assert slot <= windows.at(0, t.offset) < slot + plan.slot_bytes
-        assert windows.real_address(PHANTOM_BASE + first.offset) == windows.at(0, first.offset)
+        assert windows.real_address(PHANTOM_BASE + first.offset) == (windows.at(0, first.offset), 0)
         lo, hi = windows.spans()[0]
         for t in model.tensors:
             assert lo <= windows.at(0, t.offset) and windows.at(0, t.offset) + t.n_bytes <= hi

@@ -357,3 +357,23 @@ def test_two_slots_keep_each_conversations_kda_state(k3_model):
         assert got["a"][1][1] < len(engine.chat_prompt(conversations["a"][:3])[0])
     finally:
         engine.close()
+
+
+def test_k3_in_two_layer_slots_gives_the_stock_greedy_tokens(k3_paged):
+    """The bounded address space (addressing.py) on K3's graph: four layers in two slots, so
+    every layer takes over a slot another layer held, and the residual-attention scores (which
+    the graph reads before their layer starts) come from the fixed region."""
+    expected = stock_reply(k3_paged)
+    model = load_model_map(k3_paged)
+    engine = Engine(k3_paged, n_ctx=256, budget=minimum_budget(model) + 6 * MIB, address_space=205 * MIB)
+    engine.load()
+    engine.pin()
+    try:
+        space = engine.space
+        assert space.bounded and space.n_slots == 2 and sum(model.file_sizes) > 205 * MIB
+        assert len(space.plan.floating) == 2 * model.n_layers  # attn_res_score and ffn_res_score of each layer
+        assert reply_tokens(engine) == expected
+        assert engine.streamer.error is None and space.claims >= 16 * model.n_layers
+        assert engine.streamer.counters()["expert_misses"] > 0
+    finally:
+        engine.close()

@@ -58,14 +58,19 @@ def test_the_sparse_set_is_layer_aligned_small_on_disk_and_verifies(sparse_k3):
     assert result.problems == () and result.checked == 3 and result.tensors == len(model.tensors)
 
 
-def test_a_streamed_reply_at_real_counts_equals_stock_llama_cpp(sparse_k3):
+@pytest.fixture(scope="module")
+def reference(sparse_k3) -> list[int]:
     stock = Engine(sparse_k3[0], n_ctx=128, fast_load=False)
     stock.load()
     try:
-        reference, _ = greedy(stock)
+        tokens, _ = greedy(stock)
     finally:
         stock.close()
-    assert len(reference) == TOKENS
+    assert len(tokens) == TOKENS
+    return tokens
+
+
+def test_a_streamed_reply_at_real_counts_equals_stock_llama_cpp(sparse_k3, reference):
 
     engine = Engine(sparse_k3[0], n_ctx=128, budget=1536 * MIB)
     engine.load()
@@ -87,3 +92,15 @@ def test_a_streamed_reply_at_real_counts_equals_stock_llama_cpp(sparse_k3):
         assert all(c > 7 * 50 for c in calls)
     finally:
         engine.close()
+
+
+def test_under_ulimit_v_of_48_gib_the_90_gib_set_streams_through_two_slots_with_the_stock_tokens(sparse_k3, reference):
+    """iOS's ceiling, with `ulimit -v` standing in: the set is nearly twice the limit, each layer
+    (896 experts, 14.6 GiB of them) takes one of two slots in turn."""
+    from helpers import under_limit
+
+    got = under_limit(sparse_k3[0], 48 * GIB, 1536 * MIB, PROMPT, TOKENS)
+    assert sum(p.stat().st_size for p in sparse_k3) > 80 * GIB > got["limit"]
+    assert got["bounded"] and got["slots"] < 7 and got["error"] is None
+    assert got["tokens"] == reference
+    assert got["peak"] <= got["limit"]

@@ -47,6 +47,10 @@ PHANTOM_BASE = 1 << 48
 MAP_SHARED, MAP_FIXED = 0x01, 0x10  # the same on Linux and Darwin
 MADV_RANDOM = 1  # Linux and Darwin: no read-around, and (Linux) no fault-around
 MIN_SLOTS = 2  # one layer computing, the next one arriving
+# Layer tensors ggml may read before their layer starts: Kimi K3's residual attention scores the
+# banked stack with them (res_mix), an op whose inputs exist from the block's first layer on, so
+# the graph may order it inside an earlier layer. They get a second place, in the fixed region.
+FLOATING = ("attn_res_score", "ffn_res_score")
 
 
 def _flags_anon_noreserve() -> int:
@@ -135,9 +139,18 @@ def _placed(runs, page: int) -> tuple[list[Run], int]:
     return out, cursor
 
 
+def _floating(model: ModelMap) -> list[tuple[int, int, int, None]]:
+    return [
+        (t.file, t.offset, t.offset + t.n_bytes, None)
+        for t in sorted(model.tensors, key=lambda t: (t.file, t.offset))
+        if t.layer is not None and t.name.split(".")[2:3] and t.name.split(".")[2] in FLOATING
+    ]
+
+
 @dataclass(frozen=True)
 class WindowPlan:
     fixed: tuple[Run, ...]  # the non-layer tensors' runs, in the fixed region
+    floating: tuple[Run, ...]  # layer tensors read outside their layer (FLOATING): their second place
     layers: tuple[tuple[Run, ...], ...]  # each layer's runs, placed within a slot
     fixed_bytes: int
     slot_bytes: int
@@ -155,7 +168,9 @@ def plan_windows(model: ModelMap, bound: int, budget: int, page: int | None = No
     layer at most. EngineError if not two."""
     page = page or os.sysconf("SC_PAGE_SIZE")
     runs = _runs(model)
-    fixed, fixed_bytes = _placed([r for r in runs if r[3] is None], page)
+    fixed, fixed_bytes = _placed([r for r in runs if r[3] is None] + _floating(model), page)
+    n_fixed = sum(1 for r in runs if r[3] is None)
+    fixed, floating = fixed[:n_fixed], fixed[n_fixed:]
     layers, slot_bytes = [], 0
     for layer in range(model.n_layers):
         placed, extent = _placed([r for r in runs if r[3] == layer], page)
@@ -177,7 +192,7 @@ def plan_windows(model: ModelMap, bound: int, budget: int, page: int | None = No
             f"the model's windows need at least {format_bytes(need)} ({format_bytes(fixed_bytes)} outside the "
             f"layers, two layers of {format_bytes(slot_bytes)}) and {format_bytes(bound)} may be taken"
         )
-    return WindowPlan(tuple(fixed), tuple(layers), fixed_bytes, slot_bytes, n_slots, store_bytes)
+    return WindowPlan(tuple(fixed), tuple(floating), tuple(layers), fixed_bytes, slot_bytes, n_slots, store_bytes)
 
 
 class WholeFiles:
@@ -278,7 +293,13 @@ class Windows:
         for file in {r.file for r in runs}:
             mine = sorted((r for r in runs if r.file == file), key=lambda r: r.lo)
             self._index[file] = ([r.lo for r in mine], mine)
-        self._map_runs(plan.fixed)
+        self._floating = {(r.file, r.lo): r for r in plan.floating}
+        self._map_runs(plan.fixed + plan.floating)
+        # Slots no layer holds yet read as zeros, never fault: a weight read before its layer
+        # took its slot (a bug, stopped by ``WeightPointers``) cannot crash the process.
+        for slot in range(plan.n_slots):
+            start = self.region + plan.fixed_bytes + slot * plan.slot_bytes
+            self.calls.mmap(start, plan.slot_bytes, PROT_READ, _flags_anon_noreserve() | MAP_FIXED, -1, 0)
 
     # -- where things are --------------------------------------------------------------
 
@@ -313,11 +334,17 @@ class Windows:
         """The layer holding ``layer``'s slot now."""
         return self.owner[self.slot_of(layer)]
 
-    def real_address(self, phantom: int) -> int | None:
-        """The real place of an address in llama.cpp's phantom mapping; None if not in one."""
+    def real_address(self, phantom: int, tensor_offset: int | None = None) -> tuple[int, int | None] | None:
+        """The real place of an address in llama.cpp's phantom mapping and the layer whose slot
+        it is in (None: the fixed region); None if it is in no phantom. ``tensor_offset``: where
+        in the tensor the address is, to find a FLOATING tensor's second place."""
         for file, base in self.phantoms.items():
             if base <= phantom < base + self._phantom_length(file):
-                return self.at(file, phantom - base)
+                offset = phantom - base
+                run = self._floating.get((file, offset - (tensor_offset or 0)))
+                if run is not None:
+                    return self._base(run) + offset - run.lo, None
+                return self.at(file, offset), self.layer_of(file, offset)
         return None
 
     def _phantom_length(self, file: int) -> int:
@@ -370,7 +397,7 @@ class Windows:
         if store is not None:
             for piece in store.pieces:
                 self._store_pieces.setdefault(self.layer_of(piece[0].file, piece[0].offset), []).append(piece)
-        self._map_runs(self.plan.fixed)
+        self._map_runs(self.plan.fixed + self.plan.floating)
         if store is not None:
             self._map_store(None)
         self.owner = [None] * self.n_slots
@@ -384,9 +411,10 @@ class Windows:
 
 # -- weight pointers ----------------------------------------------------------------------
 
-# ggml_tensor's fields (ggml.h, kept for years): src[10] at 152, data at 248, name at 256.
+# ggml_tensor's fields (ggml.h, kept for years): src[10] at 152, view_src at 232, view_offs
+# at 240, data at 248, name at 256.
 # Checked against ggml's own accessors before any pointer is written (``WeightPointers.check``).
-SRC_OFFSET, N_SRC, DATA_OFFSET, NAME_OFFSET = 152, 10, 248, 256
+SRC_OFFSET, N_SRC, VIEW_SRC_OFFSET, VIEW_OFFS_OFFSET, DATA_OFFSET, NAME_OFFSET = 152, 10, 232, 240, 248, 256
 
 
 class WeightPointers:
@@ -450,13 +478,20 @@ class WeightPointers:
             data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
             value = data.value
             if value is not None and self.lo <= value < self.hi:
-                real = self.windows.real_address(value)
-                if real is None:
-                    raise EngineError(f"graph tensor {ctypes.string_at(tensor + NAME_OFFSET).decode(errors='replace')} points "
-                                      "into the model's mapping outside every tensor")
+                view_offs = ctypes.c_size_t.from_address(tensor + VIEW_OFFS_OFFSET).value
+                found = self.windows.real_address(value, view_offs if ctypes.c_void_p.from_address(tensor + VIEW_SRC_OFFSET).value else 0)
+                name = ctypes.string_at(tensor + NAME_OFFSET).decode(errors="replace")
+                if found is None:
+                    raise EngineError(f"graph tensor {name} points into the model's mapping outside every tensor")
+                real, layer = found
                 data.value = real
                 self.pointed += 1
                 self._this_token += 1
+                if not self.windows.owns(layer):
+                    raise EngineError(
+                        f"graph tensor {name} of layer {layer} is read while layer {self.windows.occupant(layer)} holds its "
+                        "slot: this model's graph reads a layer's weights outside it, which the bounded address space cannot stream"
+                    )
 
 
 def address_bound(setting: int | str, working_bytes: int, platform: str = sys.platform) -> int | None:
