@@ -369,7 +369,7 @@ class Windows:
             lo = run.lo // page * page
             address = self._base(run) - (run.lo - lo)
             length = _up(run.hi, page) - lo
-            c.mmap(address, length, PROT_READ, MAP_SHARED | MAP_FIXED, self.fds[run.file], lo)
+            self._map(address, length, MAP_SHARED | MAP_FIXED, self.fds[run.file], lo)
             c.madvise(address, length, MADV_RANDOM)
 
     def _map_store(self, layer: int | None) -> None:
@@ -379,7 +379,26 @@ class Windows:
         for r, pages, at in self._store_pieces.get(layer, ()):
             run = self._run(r.file, r.offset)
             address = self._base(run) + pages.offset - run.lo
-            self.calls.mmap(address, pages.length, PROT_READ, MAP_SHARED | MAP_FIXED, store.fd, at)
+            self._map(address, pages.length, MAP_SHARED | MAP_FIXED, store.fd, at)
+
+    def _map(self, address: int, length: int, flags: int, fd: int, offset: int) -> None:
+        """MAP_FIXED inside the region only: past it is someone else's memory."""
+        if address < self.region or address + length > self.region + self.size:
+            raise EngineError(f"bug: a window of {format_bytes(length)} would pass the model's region")
+        self.calls.mmap(address, length, PROT_READ, flags, fd, offset)
+
+    def within_runs(self, ranges: list[ByteRange]) -> list[ByteRange]:
+        """``ranges`` cut where one run ends and the next begins (each piece then has one place)."""
+        out = []
+        for r in ranges:
+            los, runs = self._index[r.file]
+            i = max(0, bisect.bisect_right(los, r.offset) - 1)
+            while i < len(runs) and runs[i].lo < r.end:
+                lo, hi = max(r.offset, runs[i].lo), min(r.end, runs[i].hi)
+                if hi > lo:
+                    out.append(ByteRange(r.file, lo, hi - lo))
+                i += 1
+        return out
 
     def claim(self, layer: int) -> None:
         """Map ``layer``'s file range and pinned pages over its slot. The caller has given back
@@ -421,16 +440,29 @@ class WeightPointers:
     """Points weights (and views of them) from llama.cpp's phantom mapping at their real place,
     from the eval callback's ask for each graph node: ggml asks about a node before it computes
     it, so no kernel ever sees a phantom address. Graphs built after a weight is pointed get
-    its real address from the start; after a whole token with nothing left to point, the check
-    stops (``active``)."""
+    its real address from the start (a view takes its source's pointer when it is made), so the
+    check stops (``active``) once every tensor of the model has been pointed, or once a whole
+    graph that ends in the output head (``graph_started``, ``graph_ended``) found nothing left
+    to point: not at the first quiet graph, as one may leave tensors out (a prefill micro-batch
+    with no output rows skips the output head)."""
 
-    def __init__(self, windows: Windows) -> None:
+    def __init__(self, windows: Windows, n_tensors: int) -> None:
         self.windows = windows
         self.lo = min(windows.phantoms.values())
         self.hi = max(base + windows._phantom_length(f) for f, base in windows.phantoms.items())
         self.active = True
         self.pointed = 0
-        self._this_token = 0
+        self._tensors: set[int] = set()  # phantom addresses of the weights pointed (views aside)
+        self._n_tensors = n_tensors
+        self._this_graph = 0
+
+    def graph_started(self) -> None:
+        self._this_graph = 0
+
+    def graph_ended(self) -> None:
+        """The output head is being asked about: this graph is a whole one."""
+        if self._this_graph == 0 and self._tensors:
+            self.active = False
 
     @staticmethod
     def check_layout(ggml) -> None:
@@ -465,11 +497,6 @@ class WeightPointers:
         if not ok:
             raise EngineError("this llama.cpp's ggml_tensor layout is not the one kimitui knows: it cannot bound the model's address space")
 
-    def token_started(self) -> None:
-        if self._this_token == 0 and self.pointed:
-            self.active = False
-        self._this_token = 0
-
     def point(self, node: int) -> None:
         srcs = (ctypes.c_void_p * N_SRC).from_address(node + SRC_OFFSET)
         for tensor in (node, *srcs):
@@ -478,15 +505,18 @@ class WeightPointers:
             data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
             value = data.value
             if value is not None and self.lo <= value < self.hi:
-                view_offs = ctypes.c_size_t.from_address(tensor + VIEW_OFFS_OFFSET).value
-                found = self.windows.real_address(value, view_offs if ctypes.c_void_p.from_address(tensor + VIEW_SRC_OFFSET).value else 0)
+                is_view = bool(ctypes.c_void_p.from_address(tensor + VIEW_SRC_OFFSET).value)
+                found = self.windows.real_address(value, ctypes.c_size_t.from_address(tensor + VIEW_OFFS_OFFSET).value if is_view else 0)
                 name = ctypes.string_at(tensor + NAME_OFFSET).decode(errors="replace")
                 if found is None:
                     raise EngineError(f"graph tensor {name} points into the model's mapping outside every tensor")
                 real, layer = found
                 data.value = real
                 self.pointed += 1
-                self._this_token += 1
+                self._this_graph += 1
+                if not is_view:
+                    self._tensors.add(value)
+                    self.active = len(self._tensors) < self._n_tensors
                 if not self.windows.owns(layer):
                     raise EngineError(
                         f"graph tensor {name} of layer {layer} is read while layer {self.windows.occupant(layer)} holds its "

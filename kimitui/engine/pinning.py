@@ -310,7 +310,7 @@ class PinnedSet:
         into its slot whenever the layer takes one. OSError if a file cannot be read."""
         from kimitui.engine.addressing import PinnedStore
 
-        store = PinnedStore(ranges, os.sysconf("SC_PAGE_SIZE"), windows.calls)
+        store = PinnedStore(windows.within_runs(ranges), os.sysconf("SC_PAGE_SIZE"), windows.calls)
         if store.size > windows.plan.store_bytes:
             store.close()
             raise StoreTooLarge(

@@ -362,7 +362,7 @@ class Engine:
         import llama_cpp.llama_cpp as C
 
         WeightPointers.check_layout(ggml_base(C._lib._name))
-        self.pointers = WeightPointers(space)
+        self.pointers = WeightPointers(space, len({(t.file, t.offset) for t in model.tensors}))
         return space
 
     def _fit_context(self) -> None:
@@ -437,7 +437,11 @@ class Engine:
             if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
                 pointers = self.pointers
                 if pointers is not None and pointers.active:
-                    self._point_weights(pointers, ggml, tensor, name)
+                    if name in LAYER_ZERO_NODES:
+                        pointers.graph_started()
+                    elif name == b"result_output":
+                        pointers.graph_ended()  # before its own weights: they were pointed in an earlier graph, or count now
+                    self._point_weights(pointers, tensor)
                 # Every node passes here: one builtin test first, the digits only for the few that match.
                 if name in LAYER_ZERO_NODES or (name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit()):
                     return True
@@ -470,10 +474,8 @@ class Engine:
         self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
         return self._callbacks
 
-    def _point_weights(self, pointers, ggml, tensor: int, name: bytes) -> None:
+    def _point_weights(self, pointers, tensor: int) -> None:
         """Before ggml computes ``tensor``: its weights out of the phantom mappings (addressing.py)."""
-        if name in LAYER_ZERO_NODES:
-            pointers.token_started()
         try:
             pointers.point(tensor)
         except EngineError as exc:  # a phantom address outside every tensor: a bug, stopped here
