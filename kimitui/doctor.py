@@ -91,10 +91,10 @@ def check_address_space(
     bound = address_bound(setting, working, platform)
     if (bound is None or total <= bound) and reserve(total):
         return Check("address space", True, f"{what} can be mapped at once ({named})")
-    if model is None:
+    if model is None or bound is None:  # no ceiling the engine knows of, yet no room: it maps whole and fails
         return Check("address space", False, f"{what} cannot be mapped at once: {address_space_fix(platform, total_bytes=total)}")
     try:
-        plan = plan_windows(model, bound if bound is not None else total, budget or 0)
+        plan = plan_windows(model, bound, budget or 0)
     except Exception as exc:  # noqa: BLE001 - EngineError: the least windows pass the bound
         return Check("address space", False, f"{what}: {exc}; {named}: {address_space_fix(platform, total_bytes=total)}")
     if not reserve(plan.total_bytes):

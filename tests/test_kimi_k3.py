@@ -372,6 +372,10 @@ def test_k3_in_two_layer_slots_gives_the_stock_greedy_tokens(k3_paged):
         space = engine.space
         assert space.bounded and space.n_slots == 2 and sum(model.file_sizes) > 205 * MIB
         assert len(space.plan.floating) == 2 * model.n_layers  # attn_res_score and ffn_res_score of each layer
+        fixed_end = space.region + space.plan.fixed_bytes
+        for run in space.plan.floating:  # their second place, which the graph's pointers get
+            real, layer = space.real_address(space.phantoms[run.file] + run.lo)
+            assert space.region <= real < fixed_end and layer is None
         assert reply_tokens(engine) == expected
         assert engine.streamer.error is None and space.claims >= 16 * model.n_layers
         assert engine.streamer.counters()["expert_misses"] > 0

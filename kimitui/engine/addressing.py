@@ -294,12 +294,20 @@ class Windows:
             mine = sorted((r for r in runs if r.file == file), key=lambda r: r.lo)
             self._index[file] = ([r.lo for r in mine], mine)
         self._floating = {(r.file, r.lo): r for r in plan.floating}
-        self._map_runs(plan.fixed + plan.floating)
-        # Slots no layer holds yet read as zeros, never fault: a weight read before its layer
-        # took its slot (a bug, stopped by ``WeightPointers``) cannot crash the process.
-        for slot in range(plan.n_slots):
-            start = self.region + plan.fixed_bytes + slot * plan.slot_bytes
-            self.calls.mmap(start, plan.slot_bytes, PROT_READ, _flags_anon_noreserve() | MAP_FIXED, -1, 0)
+        try:
+            self._map_runs(plan.fixed + plan.floating)
+            for slot in range(plan.n_slots):
+                self._clear(slot)
+        except BaseException:
+            self.calls.munmap(self.region, self.size)
+            raise
+
+    def _clear(self, slot: int) -> None:
+        """Zeros over a slot: whatever a layer left there goes, and a slot no layer holds reads
+        as zeros, never faults (a weight read before its layer took its slot, a bug that
+        ``WeightPointers`` stops, cannot crash the process)."""
+        start = self.region + self.plan.fixed_bytes + slot * self.plan.slot_bytes
+        self.calls.mmap(start, self.plan.slot_bytes, PROT_READ, _flags_anon_noreserve() | MAP_FIXED, -1, 0)
 
     # -- where things are --------------------------------------------------------------
 
@@ -402,10 +410,13 @@ class Windows:
 
     def claim(self, layer: int) -> None:
         """Map ``layer``'s file range and pinned pages over its slot. The caller has given back
-        every page placed there for the layer it held."""
+        every page placed there for the layer it held. Held by no one until it succeeds."""
+        slot = self.slot_of(layer)
+        self.owner[slot] = None
+        self._clear(slot)
         self._map_runs(self.plan.layers[layer])
         self._map_store(layer)
-        self.owner[self.slot_of(layer)] = layer
+        self.owner[slot] = layer
         self.claims += 1
 
     def set_store(self, store: PinnedStore | None) -> None:
@@ -420,6 +431,8 @@ class Windows:
         if store is not None:
             self._map_store(None)
         self.owner = [None] * self.n_slots
+        for slot in range(self.n_slots):
+            self._clear(slot)  # the old store's pages leave the slots, and with its close, memory
         if old is not None:
             old.close()
 
@@ -441,19 +454,16 @@ class WeightPointers:
     from the eval callback's ask for each graph node: ggml asks about a node before it computes
     it, so no kernel ever sees a phantom address. Graphs built after a weight is pointed get
     its real address from the start (a view takes its source's pointer when it is made), so the
-    check stops (``active``) once every tensor of the model has been pointed, or once a whole
-    graph that ends in the output head (``graph_started``, ``graph_ended``) found nothing left
-    to point: not at the first quiet graph, as one may leave tensors out (a prefill micro-batch
-    with no output rows skips the output head)."""
+    check stops (``active``) once a whole graph that ends in the output head (``graph_started``,
+    ``graph_ended``) found nothing left to point: not at the first quiet graph, as one may leave
+    tensors out (a prefill micro-batch with no output rows skips the output head)."""
 
-    def __init__(self, windows: Windows, n_tensors: int) -> None:
+    def __init__(self, windows: Windows) -> None:
         self.windows = windows
         self.lo = min(windows.phantoms.values())
         self.hi = max(base + windows._phantom_length(f) for f, base in windows.phantoms.items())
         self.active = True
         self.pointed = 0
-        self._tensors: set[int] = set()  # phantom addresses of the weights pointed (views aside)
-        self._n_tensors = n_tensors
         self._this_graph = 0
 
     def graph_started(self) -> None:
@@ -461,7 +471,7 @@ class WeightPointers:
 
     def graph_ended(self) -> None:
         """The output head is being asked about: this graph is a whole one."""
-        if self._this_graph == 0 and self._tensors:
+        if self._this_graph == 0 and self.pointed:
             self.active = False
 
     @staticmethod
@@ -499,29 +509,35 @@ class WeightPointers:
 
     def point(self, node: int) -> None:
         srcs = (ctypes.c_void_p * N_SRC).from_address(node + SRC_OFFSET)
-        for tensor in (node, *srcs):
-            if not tensor:
-                continue
-            data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
-            value = data.value
-            if value is not None and self.lo <= value < self.hi:
-                is_view = bool(ctypes.c_void_p.from_address(tensor + VIEW_SRC_OFFSET).value)
-                found = self.windows.real_address(value, ctypes.c_size_t.from_address(tensor + VIEW_OFFS_OFFSET).value if is_view else 0)
-                name = ctypes.string_at(tensor + NAME_OFFSET).decode(errors="replace")
-                if found is None:
-                    raise EngineError(f"graph tensor {name} points into the model's mapping outside every tensor")
-                real, layer = found
-                data.value = real
-                self.pointed += 1
-                self._this_graph += 1
-                if not is_view:
-                    self._tensors.add(value)
-                    self.active = len(self._tensors) < self._n_tensors
-                if not self.windows.owns(layer):
-                    raise EngineError(
-                        f"graph tensor {name} of layer {layer} is read while layer {self.windows.occupant(layer)} holds its "
-                        "slot: this model's graph reads a layer's weights outside it, which the bounded address space cannot stream"
-                    )
+        # A view node reads nothing itself (ggml may order one before its layer starts); the
+        # nodes that read a weight are where the slot must be its layer's.
+        reads = not ctypes.c_void_p.from_address(node + VIEW_SRC_OFFSET).value
+        for i, tensor in enumerate((node, *srcs)):
+            if tensor:
+                self._point(tensor, check_owner=reads and i > 0)
+
+    def _point(self, tensor: int, check_owner: bool) -> None:
+        data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
+        value = data.value
+        if value is None or not self.lo <= value < self.hi:
+            return
+        name = ctypes.string_at(tensor + NAME_OFFSET).decode(errors="replace")
+        is_view = bool(ctypes.c_void_p.from_address(tensor + VIEW_SRC_OFFSET).value)
+        try:
+            found = self.windows.real_address(value, ctypes.c_size_t.from_address(tensor + VIEW_OFFS_OFFSET).value if is_view else 0)
+        except (ValueError, KeyError):
+            found = None
+        if found is None:
+            raise EngineError(f"graph tensor {name} points into the model's mapping outside every tensor")
+        real, layer = found
+        data.value = real
+        self.pointed += 1
+        self._this_graph += 1
+        if check_owner and not self.windows.owns(layer):
+            raise EngineError(
+                f"graph tensor {name} of layer {layer} is read while layer {self.windows.occupant(layer)} holds its "
+                "slot: this model's graph reads a layer's weights outside it, which the bounded address space cannot stream"
+            )
 
 
 def address_bound(setting: int | str, working_bytes: int, platform: str = sys.platform) -> int | None:

@@ -310,6 +310,14 @@ class DarwinPlacer(PlacedParts):
     def map_file(self, file: int, offset: int, length: int, address: int | None = None) -> None:
         self._calls.map_file(self.space.at(file, offset) if address is None else address, length, self._file_fds[file], offset)
 
+    def forget_within(self, file: int, lo: int, hi: int) -> None:
+        """Drop the records of placed or unread ranges in [lo, hi) of ``file`` (the bounded
+        layout maps its slot over them)."""
+        with self._lock:
+            for table in (self._placed, self._unread):
+                for key in [key for key in table if key[0] == file and lo <= key[1] < hi]:
+                    del table[key]
+
     @property
     def placed_bytes(self) -> int:
         with self._lock:

@@ -616,6 +616,16 @@ class DirectPlacer(PlacedParts):
         ours = self._identity(file)
         return any(lo <= address < hi and identity is not None and identity == ours for lo, hi, identity, _ in mapped_areas())
 
+    def forget_within(self, file: int, lo: int, hi: int) -> None:
+        """Drop the records of placed pieces in [lo, hi) of ``file`` without touching their
+        place (the bounded layout maps its slot over them); pool buffers go back to the pool."""
+        with self._lock:
+            gone = [key for key in self._placed if key[0] == file and lo <= key[1] < hi]
+            entries = [self._placed.pop(key) for key in gone]
+        for buf, _at, _length, whole in entries:
+            if buf:
+                self._give_back(buf, whole)
+
     @property
     def placed_bytes(self) -> int:
         with self._lock:

@@ -255,7 +255,7 @@ class Engine:
             stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
 
             def make():
-                with stock, llama_params(progress if hooks is None else None, self.repack, *callbacks), templates_checked_later():
+                with stock, llama_params(progress if hooks is None else None, self.repack and not bounded, *callbacks), templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
                         n_ctx=self.slot_ctx,  # one slot's share: the others are parked (slots.py)
@@ -322,7 +322,7 @@ class Engine:
         # committed at load, touched as the context fills, so the address space it added tells
         # what RSS will tell later. The model's mappings are not part of it.
         rss_after, vms_after = process.memory_info()[:2]
-        mapped = 0 if bounded else files_bytes
+        mapped = self.space.size if bounded else files_bytes  # the windows' region, reserved whole
         held = tensor_bytes if own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
         self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
         self._formatter, self.template_error = self._make_formatter()
@@ -349,6 +349,9 @@ class Engine:
         for i, m in self.mappings.items():
             fds[i] = m.fd if m.fd >= 0 else os.open(model.files[i], os.O_RDONLY)
         self.mappings = {i: replace(m, fd=fds[i]) for i, m in self.mappings.items()}  # closed with the engine
+        import llama_cpp.llama_cpp as C
+
+        WeightPointers.check_layout(ggml_base(C._lib._name))
         budget = self.budget if self.budget is not None else self._memory_plan(model).budget
         try:
             space = Windows(plan_windows(model, bound, budget), fds, {i: m.address for i, m in self.mappings.items()})
@@ -359,10 +362,7 @@ class Engine:
                 f"cannot load {self.model_path.name}: out of address space, not a damaged file: {exc}; "
                 f"{address_space_fix(total_bytes=bound)}"
             ) from None
-        import llama_cpp.llama_cpp as C
-
-        WeightPointers.check_layout(ggml_base(C._lib._name))
-        self.pointers = WeightPointers(space, len({(t.file, t.offset) for t in model.tensors}))
+        self.pointers = WeightPointers(space)
         return space
 
     def _fit_context(self) -> None:
@@ -469,6 +469,8 @@ class Engine:
         def on_abort(_user):
             streamer = self.streamer
             flag = self.cancel_flag
+            if streamer is None and self.space is not None and self.space.bounded:
+                return True  # no streamer fills the slots (a pin that failed): nothing computes on them
             return (streamer is not None and streamer.error is not None) or (flag is not None and flag.is_set)
 
         self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
@@ -544,6 +546,8 @@ class Engine:
                 hot = hot_experts(model, counts, plan.hot_expert_bytes)
         else:  # the whole model fits: pin it all, streaming nothing
             pinned = plan_pinned(model, sum(shard.length for shard in model.shards))
+        if self.space.bounded:
+            pinned, hot = self._fit_store(pinned, hot)
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
         mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
         try:
@@ -551,6 +555,7 @@ class Engine:
                 try:
                     self.pinned.read_store(model.files, self.space, ranges, hot, on_progress, self._abort_load)
                 except StoreTooLarge as exc:
+                    self.pending.repin = True  # a lower budget or a re-pin later may fit
                     raise EngineError(str(exc)) from None
             else:
                 self.pinned.read(model.files, self.mappings, ranges, hot, on_progress, self._abort_load, drop_the_rest=streaming)
@@ -582,6 +587,31 @@ class Engine:
             self.metrics.new_streamer()
             self.streamer = streamer  # complete, experts attached, before the eval callback sees it
             self.set_tracer(self.tracer)
+
+    def _fit_store(self, pinned: list, hot: list) -> tuple[list, list]:
+        """The planned pinned set (shards in priority order, then hot experts) cut to what the
+        bounded layout's store has room for; the rest streams."""
+        room, page = self.space.plan.store_bytes, os.sysconf("SC_PAGE_SIZE")
+        kept_shards, kept_hot, used = [], [], 0
+        for shard in pinned:
+            need = -(-shard.length // page) * page + 2 * page  # whole pages, a run boundary inside
+            if used + need > room:
+                break
+            kept_shards.append(shard)
+            used += need
+        for unit in hot:
+            need = sum(-(-r.length // page) * page + 2 * page for r in unit.ranges)
+            if used + need > room:
+                break
+            kept_hot.append(unit)
+            used += need
+        if len(kept_shards) < len(pinned) or len(kept_hot) < len(hot):
+            cut = sum(s.length for s in pinned[len(kept_shards):]) + sum(u.footprint for u in hot[len(kept_hot):])
+            self.plan_note = (
+                f"pins {format_bytes(cut)} less than the budget allows: the address space leaves the pinned set "
+                f"{format_bytes(room)} (raise engine.address_space)"
+            )
+        return kept_shards, kept_hot
 
     def _memory_plan(self, model):
         from kimitui.engine.budget import plan_memory

@@ -140,9 +140,12 @@ class Dropper:
         self._open.set()
 
     def flush(self) -> None:
-        """Wait until every queued release is done."""
+        """Wait until every queued release is done, or the dropper is paused (a release failed:
+        the shield holds the rest back until the token is over)."""
         self._wake.set()
-        self._idle.wait()
+        while not self._idle.wait(0.05):
+            if not self._open.is_set():
+                return
 
     def close(self) -> None:
         self._closing = True
@@ -644,7 +647,10 @@ class Streamer:
     def _prefetch_from(self, first_layer: int) -> None:
         n = self.model.n_layers
         window = self._window()
-        for d in range(self.settings.prefetch_depth):
+        depth = self.settings.prefetch_depth
+        if self.space.bounded:  # a live change may ask for more than the slots hold
+            depth = min(depth, self.space.n_slots - 1)
+        for d in range(depth):
             layer = (first_layer + d) % n
             if not self._take_slot(layer):
                 break  # its slot holds the layer computing now
@@ -683,6 +689,14 @@ class Streamer:
             if self.experts is not None:
                 self.experts.forget_layer(held_by)
             self._dropper.flush()  # every release done: nothing placed for it is left in the slot
+            if self.error is not None:
+                raise StreamAbort(self.error)  # a release failed: the slot is not taken over
+            for run in space.plan.layers[held_by]:
+                if self.placer is not None:  # records a failed read or release left: the claim clears their pages
+                    self.placer.forget_within(run.file, run.lo, run.hi)
+                # The pages compute faulted in through the window (a run's end pages, reads that
+                # went through the page cache) leave the cache with it, as streamed ranges do.
+                self.io.uncache(self.fds[run.file], run.lo, run.hi - run.lo)
         space.claim(layer)
         return True
 
