@@ -167,6 +167,7 @@ class DarwinPlacer(PlacedParts):
         self._lock = threading.Lock()
         # (file, offset) -> length of anonymous memory there, ours until released
         self._placed: dict[tuple[int, int], int] = {}
+        self._parked: dict = {}  # none: parking is Linux's (mremap); a slot taken over gives its parts back
         # (file, offset) -> length of zeros a failed read left there, not placed (see _failed_read)
         self._unread: dict[tuple[int, int], int] = {}
         self._fds: dict[int, int] = {}

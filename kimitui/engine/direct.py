@@ -131,11 +131,27 @@ class PlacedParts:
     page: int
     _lock: threading.Lock
     _placed: dict
+    _parked: dict
     _file_fds: dict[int, int]
 
     def holds(self, file: int, offset: int) -> bool:
         with self._lock:
-            return (file, offset) in self._placed
+            return (file, offset) in self._placed or (file, offset) in self._parked
+
+    def park(self, file: int, offset: int) -> bool:
+        """Keep a part read in place while its slot is taken over (the bounded layout): False
+        where this placer cannot, and the caller gives it back instead."""
+        return False
+
+    def unpark(self, file: int, offset: int) -> bool:
+        """A parked part back at its place (its layer took its slot again); False where it is
+        not parked any more, or cannot be moved back (given back then: read it again)."""
+        return False
+
+    @property
+    def parked_bytes(self) -> int:
+        with self._lock:
+            return sum(length for _address, length in self._parked.values())
 
     def release_in_place(self, file: int, offset: int) -> None:
         """Give one part read in place back to the file (its anonymous pages are freed)."""
@@ -189,6 +205,9 @@ class DirectPlacer(PlacedParts):
         self._made = 0
         # (file, offset) -> (buffer, where in it, length, whole)
         self._placed: dict[tuple[int, int], tuple[int, int, int, bool]] = {}
+        # (file, offset) -> (address, length): parts read in place, moved out of a slot another
+        # layer has taken (the bounded layout), until theirs takes it again
+        self._parked: dict[tuple[int, int], tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
         # Held across each move into the mapping and its record, and across blank_file_backed:
@@ -572,9 +591,50 @@ class DirectPlacer(PlacedParts):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap: {os.strerror(err)}")
 
+    def park(self, file: int, offset: int) -> bool:
+        """Move the pages of a part read in place (an expert slice's own pages) to an address
+        the kernel picks; its place stays mapped (MREMAP_DONTUNMAP): no hole in the slot that
+        another mmap could be given before the slot is taken over."""
+        c = self._libc
+        with self._moves:
+            with self._lock:
+                entry = self._placed.get((file, offset))
+            if entry is None or entry[0] != 0:
+                return False
+            length = entry[2]
+            got = c.mremap(self.space.at(file, offset), length, length, MREMAP_MAYMOVE | MREMAP_DONTUNMAP, None)
+            if got in (None, MAP_FAILED):
+                return False
+            with self._lock:
+                del self._placed[(file, offset)]
+                self._parked[(file, offset)] = (got, length)
+        return True
+
+    def unpark(self, file: int, offset: int) -> bool:
+        c = self._libc
+        with self._moves:
+            with self._lock:
+                entry = self._parked.pop((file, offset), None)
+            if entry is None:
+                return False
+            address, length = entry
+            target = self.space.at(file, offset)
+            if c.mremap(address, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, target) != target:
+                err = ctypes.get_errno()
+                c.munmap(address, length)
+                self._refill(file, offset, length, err)  # the kernel may have unmapped the target first
+                return False
+            with self._lock:
+                self._placed[(file, offset)] = (0, 0, length, False)
+        return True
+
     def _unplace(self, file: int, offset: int) -> None:
         with self._lock:
-            entry = self._placed.pop((file, offset), None)
+            parked = self._parked.pop((file, offset), None)
+            entry = self._placed.pop((file, offset), None) if parked is None else None
+        if parked is not None:  # its slot holds another layer: only its own pages go
+            self._libc.munmap(*parked)
+            return
         if entry is None:
             return
         buf, at, length, whole = entry
@@ -634,7 +694,7 @@ class DirectPlacer(PlacedParts):
     def close(self) -> None:
         """Give every range back to the file, free the pool. A range that cannot be given back
         keeps its (right) bytes as anonymous memory until llama.cpp unmaps the model."""
-        for file, offset in list(self._placed):
+        for file, offset in list(self._placed) + list(self._parked):
             try:
                 self._unplace(file, offset)
             except OSError:

@@ -311,11 +311,22 @@ class ExpertCache:
         for key in list(self._resident):
             self._forget(key)
 
-    def forget_layer(self, layer: int) -> None:
-        """Forget ``layer``'s cached experts (its slot is being taken, addressing.py): each is read
-        again when next routed to. The pinned hot ones come back with the slot."""
+    def resident_of(self, layer: int) -> list[tuple[tuple[int, int], ExpertUnit]]:
+        """``layer``'s cached experts (the pinned hot ones aside), their reads landed: one read
+        ahead and still under way is waited for (a slot is about to change hands)."""
+        out = []
         for key in [key for key in self._resident if key[0] == layer]:
-            self._forget(key)
+            futures = self._inflight.pop(key, None)
+            self._settle(futures)
+            if any(f.cancelled() or f.exception() is not None for f in futures or ()):
+                self._forget(key)  # a guess that failed or never ran: nothing of it to keep
+            else:
+                out.append((key, self._resident[key]))
+        return out
+
+    def forget(self, key: tuple[int, int]) -> None:
+        """Forget one cached expert: it is read again when next routed to."""
+        self._forget(key)
 
     def _forget(self, key: tuple[int, int]) -> None:
         unit = self._resident.pop(key, None)

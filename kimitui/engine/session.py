@@ -315,7 +315,12 @@ class Engine:
 
             space = self.space = self._make_space(bound if bounded else None)
             shared = PinnedStore.NAME if space.bounded else None
-            self.metrics.model_resident_source = lambda: mapped_resident_bytes(space.spans(), shared_name=shared)
+            def model_resident() -> int | None:
+                streamer = self.streamer
+                found = mapped_resident_bytes(space.spans(), shared_name=shared)
+                return None if found is None else found + (streamer.parked_bytes if streamer is not None else 0)
+
+            self.metrics.model_resident_source = model_resident
         elif bounded:
             raise EngineError(f"cannot load {self.model_path.name}: llama.cpp mapped none of its files where kimitui can see them")
         # llama.cpp's own working memory (KV cache, recurrent state, compute buffers, vocabulary):

@@ -264,6 +264,12 @@ class Streamer:
     # -- sizes --------------------------------------------------------------------------
 
     @property
+    def parked_bytes(self) -> int:
+        """Cached experts' pages moved out of slots other layers hold (bounded layout): the
+        model's memory, outside its windows."""
+        return self.placer.parked_bytes if self.placer is not None else 0
+
+    @property
     def streamed_bytes_per_token(self) -> int:
         """Trunk bytes streamed per token (routed experts, when attached, come on demand)."""
         return sum(s.length for shards in self.layer_shards for s in shards)
@@ -687,7 +693,7 @@ class Streamer:
             for shard in self.layer_shards[held_by]:
                 self._drop(shard)
             if self.experts is not None:
-                self.experts.forget_layer(held_by)
+                self._park_experts(held_by)
             self._dropper.flush()  # every release done: nothing placed for it is left in the slot
             if self.error is not None:
                 raise StreamAbort(self.error)  # a release failed: the slot is not taken over
@@ -698,7 +704,32 @@ class Streamer:
                 # went through the page cache) leave the cache with it, as streamed ranges do.
                 self.io.uncache(self.fds[run.file], run.lo, run.hi - run.lo)
         space.claim(layer)
+        if self.experts is not None:
+            self._unpark_experts(layer)
         return True
+
+    def _own_pages(self, unit: ExpertUnit) -> list[tuple[int, int]]:
+        """(file, offset) of each slice's own whole pages: what of it is placed in the bounded
+        layout (its end pages stay the window's)."""
+        page, out = self.io.page, []
+        for r in unit.ranges:
+            lo, hi, shared = self._slice_pages(r)
+            start = lo + page if lo in shared else lo
+            if (hi - page if hi - page in shared else hi) > start:
+                out.append((r.file, start))
+        return out
+
+    def _park_experts(self, layer: int) -> None:
+        """The cached experts of a layer leaving its slot keep their pages (moved out, placer.park)
+        and stay cached; one that cannot be parked is given back and read again when routed to."""
+        for key, unit in self.experts.resident_of(layer):
+            if self.placer is None or not all([self.placer.park(*part) for part in self._own_pages(unit)]):
+                self.experts.forget(key)  # the slices parked are given back with the rest
+
+    def _unpark_experts(self, layer: int) -> None:
+        for key, unit in self.experts.resident_of(layer):
+            if self.placer is None or not all([self.placer.unpark(*part) for part in self._own_pages(unit)]):
+                self.experts.forget(key)
 
     def _check_files(self, layer: int | None) -> None:
         """Pinned bytes live in the mapping too: a file that shrank would SIGBUS there, so stop
