@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import psutil
 
 from kimitui.engine.interface import PinOutcome, TuningValues
+from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.pinning import PinnedSet, StoreTooLarge
 from kimitui.engine.tuning import PendingTuning, schedule
 from kimitui.engine.memory import cap_malloc_arenas
@@ -551,8 +552,11 @@ class Engine:
                 hot = hot_experts(model, counts, plan.hot_expert_bytes)
         else:  # the whole model fits: pin it all, streaming nothing
             pinned = plan_pinned(model, sum(shard.length for shard in model.shards))
+        unpinned = 0  # planned for pinning, left out by the bounded layout's store: the window may take it
         if self.space.bounded:
+            planned = sum(s.length for s in pinned) + sum(u.footprint for u in hot)
             pinned, hot = self._fit_store(pinned, hot)
+            unpinned = planned - sum(s.length for s in pinned) - sum(u.footprint for u in hot)
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
         mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
         try:
@@ -574,7 +578,7 @@ class Engine:
 
             streamer = Streamer(
                 model, self.space, {s.index for s in pinned}, settings, self.metrics,
-                mapping_fds=mapping_fds, window_limit=plan.window_bytes, pool_limit=plan.pool_buffers,
+                mapping_fds=mapping_fds, window_limit=plan.window_bytes + unpinned, pool_limit=plan.pool_buffers + unpinned // PIECE_BYTES,
             )
             if model.is_moe:
                 streamer.attach_experts(plan.expert_bytes - self.pinned.hot_expert_bytes, hot, counts)
