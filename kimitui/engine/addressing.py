@@ -219,14 +219,20 @@ class WholeFiles:
         return base is not None and base <= lo and hi <= base + _up(self.lengths[file], os.sysconf("SC_PAGE_SIZE"))
 
 
+class StoreTooLarge(Exception):
+    """The bounded layout's pinned set would pass the address space kept for it."""
+
+
 class PinnedStore:
     """The pinned set's memory: whole pages of the model, each range at its own offset in a
     memory object that can be mapped twice (a memfd on Linux, POSIX shared memory elsewhere).
-    Mapped once whole here (read into, locked), and into a slot whenever its layer takes one."""
+    Mapped once whole at ``home`` (its room in the windows' reservation: the address space it
+    needs was taken at load), read into and locked there, and into a slot whenever its layer
+    takes one."""
 
     NAME = "kimitui-pinned"
 
-    def __init__(self, ranges: list[ByteRange], page: int, calls: Calls) -> None:
+    def __init__(self, ranges: list[ByteRange], page: int, calls: Calls, home: int, room: int) -> None:
         self.calls = calls
         # (the range, rounded out to whole pages, where in the store those pages are)
         self.pieces: list[tuple[ByteRange, ByteRange, int]] = []
@@ -236,9 +242,16 @@ class PinnedStore:
             self.pieces.append((r, ByteRange(r.file, lo, hi - lo), at))
             at += hi - lo
         self.size = at
+        if at > room:
+            raise StoreTooLarge(
+                f"the pinned set ({format_bytes(at)}) is larger than the address space left for it "
+                f"({format_bytes(room)}): lower the budget or raise engine.address_space"
+            )
+        self.address = home
         self.fd = self._open(max(at, page))
         try:
-            self.address = calls.mmap(None, max(at, page), PROT_READ | PROT_WRITE, MAP_SHARED, self.fd, 0)
+            if at:
+                calls.mmap(home, at, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, self.fd, 0)
         except OSError:
             os.close(self.fd)
             raise
@@ -266,7 +279,10 @@ class PinnedStore:
         return None if why is None else f"cannot lock the pinned set in memory ({why}); it stays unlocked"
 
     def close(self) -> None:
-        self.calls.munmap(self.address, max(self.size, 1))
+        """Its room goes back to the reservation (no access, no memory): never a hole another
+        mmap could be given."""
+        if self.size:
+            self.calls.mmap(self.address, self.size, PROT_NONE, _flags_anon_noreserve() | MAP_FIXED, -1, 0)
         os.close(self.fd)
 
 
@@ -282,8 +298,9 @@ class Windows:
         self.calls = calls or Calls()
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.n_slots = plan.n_slots
-        self.size = plan.fixed_bytes + plan.n_slots * plan.slot_bytes
-        self.region = self.calls.reserve(self.size)
+        self.size = plan.fixed_bytes + plan.n_slots * plan.slot_bytes  # the windows; the store's room follows
+        self.region = self.calls.reserve(plan.total_bytes)
+        self.store_home = self.region + self.size
         self.owner: list[int | None] = [None] * plan.n_slots
         self.store: PinnedStore | None = None
         self._store_pieces: dict[int | None, list[tuple[ByteRange, ByteRange, int]]] = {}
@@ -299,7 +316,7 @@ class Windows:
             for slot in range(plan.n_slots):
                 self._clear(slot)
         except BaseException:
-            self.calls.munmap(self.region, self.size)
+            self.calls.munmap(self.region, self.plan.total_bytes)
             raise
 
     def _clear(self, slot: int) -> None:
@@ -438,7 +455,7 @@ class Windows:
 
     def close(self) -> None:
         self.set_store(None)
-        self.calls.munmap(self.region, self.size)
+        self.calls.munmap(self.region, self.plan.total_bytes)
 
 
 # -- weight pointers ----------------------------------------------------------------------

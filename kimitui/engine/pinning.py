@@ -251,10 +251,6 @@ def _file_areas(paths: set[str]) -> list[tuple[int, int, str]]:
     return out
 
 
-class StoreTooLarge(Exception):
-    """The bounded layout's pinned set would pass the address space kept for it."""
-
-
 class PinnedSet:
     """The bytes every token needs, held for good: read once with parallel reads into anonymous
     memory at their place in the model's mapping, as streamed shards are (a file cut short, a
@@ -310,13 +306,8 @@ class PinnedSet:
         into its slot whenever the layer takes one. OSError if a file cannot be read."""
         from kimitui.engine.addressing import PinnedStore
 
-        store = PinnedStore(windows.within_runs(ranges), os.sysconf("SC_PAGE_SIZE"), windows.calls)
-        if store.size > windows.plan.store_bytes:
-            store.close()
-            raise StoreTooLarge(
-                f"the pinned set ({store.size / 2**20:.1f} MiB) is larger than the address space left for it "
-                f"({windows.plan.store_bytes / 2**20:.1f} MiB): lower the budget or raise engine.address_space"
-            )
+        windows.set_store(None)  # the old set's room first: the new one takes the same
+        store = PinnedStore(windows.within_runs(ranges), os.sysconf("SC_PAGE_SIZE"), windows.calls, windows.store_home, windows.plan.store_bytes)
         try:
             self._fill(files, store, on_progress, cancel)
         except OSError:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import psutil
 
 from kimitui.engine.interface import PinOutcome, TuningValues
+from kimitui.engine.addressing import StoreTooLarge
 from kimitui.engine.budget import PIECE_BYTES
-from kimitui.engine.pinning import PinnedSet, StoreTooLarge
+from kimitui.engine.pinning import PinnedSet
 from kimitui.engine.tuning import PendingTuning, schedule
 from kimitui.engine.memory import cap_malloc_arenas
 from kimitui.engine.metrics import EngineMetrics
@@ -342,7 +343,11 @@ class Engine:
         from kimitui.engine.addressing import address_bound
         from kimitui.engine.budget import working_estimate
 
-        return address_bound(self.address_space, working_estimate(self.model_map(), self.n_ctx, self.n_ubatch, self.slots.count))
+        model = self.model_map()
+        # Beside the weights: llama.cpp's KV cache and buffers, and the direct-read pool's buffers.
+        beside = working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
+        beside += self._memory_plan(model).pool_buffers * PIECE_BYTES
+        return address_bound(self.address_space, beside)
 
     def _make_space(self, bound: int | None):
         """Where the weights live: each file's whole mapping, or (``bound``) the windows."""
