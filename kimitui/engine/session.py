@@ -315,7 +315,7 @@ class Engine:
 
             from kimitui.engine.addressing import PinnedStore
 
-            space = self.space = self._make_space(bound if bounded else None)
+            space = self.space = self._make_space(self._address_bound(loaded=True) if bounded else None)
             shared = PinnedStore.NAME if space.bounded else None
             def model_resident() -> int | None:
                 streamer = self.streamer
@@ -338,15 +338,18 @@ class Engine:
             progress(1.0)  # fast start: the one step there was
         self.lifecycle.move(EngineState.READY)
 
-    def _address_bound(self) -> int | None:
-        """The address space the weights may take (engine.address_space), None: unbounded."""
+    def _address_bound(self, loaded: bool = False) -> int | None:
+        """The address space the weights may take (engine.address_space), None: unbounded.
+        Before the load it counts llama.cpp's KV cache and buffers by estimate; once loaded they
+        are in the process's address space already (K3's took 3.7 GiB here, against an estimate
+        of its resident 0.4 GiB), and the windows are sized from what is really left."""
         from kimitui.engine.addressing import address_bound
         from kimitui.engine.budget import working_estimate
 
         model = self.model_map()
-        # Beside the weights: llama.cpp's KV cache and buffers, and the direct-read pool's buffers.
-        beside = working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
-        beside += self._memory_plan(model).pool_buffers * PIECE_BYTES
+        beside = self._memory_plan(model).pool_buffers * PIECE_BYTES  # the direct-read pool's buffers
+        if not loaded:
+            beside += working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
         return address_bound(self.address_space, beside)
 
     def _make_space(self, bound: int | None):
