@@ -73,6 +73,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "ui": {
         "theme": Key("str", ""),
     },
+    "history": {
+        # Disk for conversations' saved llama.cpp states (a reopened chat is not evaluated
+        # again): "auto" = a tenth of the disk holding the history, a size, or 0 for none.
+        "state_quota": Key("size_or_auto", "auto"),
+    },
     "trace": {
         "enabled": Key("bool", False),
         "path": Key("str", ""),

@@ -67,6 +67,7 @@ class FakeEngine:
         self.values = TuningValues(budget, 2, 64 * MIB, "pin-stream", "lfu", 4, False)
         self.retuned: list[dict] = []
         self.asked: list[list[dict]] = []
+        self.kept: set[str] = set()  # conversations whose state it would resume
 
     def label(self):
         return "k3-cut.gguf", 210 * MIB
@@ -89,8 +90,16 @@ class FakeEngine:
             on_progress(PinProgress(PINNED, PINNED, 0.1))
         return PinOutcome(PINNED, None, whole_model=False)
 
-    def chat(self, messages, sampling) -> FakeReply:
+    def resumes(self, key: str) -> bool:
+        return key in self.kept
+
+    def forget_state(self, key: str) -> None:
+        self.kept.discard(key)
+
+    def chat(self, messages, sampling, keep=None) -> FakeReply:
         self.asked.append(messages)
+        if keep is not None:
+            self.kept.add(keep)
         return FakeReply(self.reply_words, self.gate, self.fail_reply, self.lifecycle)
 
     def abort_load(self) -> None:

@@ -167,6 +167,7 @@ class GenerationResult:
     context_full: bool = False  # it ended at "length" because the context (the slot) was full
     error: str | None = None
     timings: list[float] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)  # what the user should know of it (a saved state refused, ...)
 
 
 class Tracer(Protocol):
@@ -204,9 +205,11 @@ class Generation:
 
     def __init__(
         self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling, slot: int | None = None,
-        progress: bool = False,
+        progress: bool = False, keep: str | None = None,
     ):
         self.engine = engine
+        self.keep = keep  # the conversation whose state is restored and saved (Engine.resume, keep_state)
+        self._holds_keep = False  # the context holds ``keep``'s tokens (its prompt was chosen for it)
         self.sampling = sampling
         self.slot_asked = slot
         self.progress = progress  # also yield PromptProgress while the prompt is evaluated
@@ -254,6 +257,10 @@ class Generation:
                     raise
                 yield from self._run()
             finally:
+                if self._holds_keep and self.result.finish_reason != "error":
+                    notice = engine.keep_state(self.keep)
+                    if notice:
+                        self.result.notices.append(notice)
                 engine.reply_ended(self)
                 engine.lifecycle.end_reply()
         finally:
@@ -307,6 +314,11 @@ class Generation:
         try:
             result.slot = engine.slots.choose(llm, prompt_tokens, self.slot_asked)
             engine.slots.activate(llm, result.slot)
+            if self.keep is not None:
+                notice = engine.resume(self.keep, prompt_tokens)
+                if notice:
+                    result.notices.append(notice)
+                self._holds_keep = True
         except EngineError as exc:
             result.finish_reason, result.error = "error", str(exc)
             metrics.request_finished()

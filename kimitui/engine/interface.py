@@ -57,7 +57,15 @@ class ChatEngine(Protocol):
 
     def pin(self, on_progress: Callable[[PinProgress], None] | None = None) -> PinOutcome: ...
 
-    def chat(self, messages: list[dict], sampling) -> Reply: ...
+    def chat(self, messages: list[dict], sampling, keep: str | None = None) -> Reply:
+        """A reply to ``messages``; ``keep`` names the conversation whose state the engine may
+        keep on disk between replies and restarts (ignored where it keeps none)."""
+
+    def resumes(self, key: str) -> bool:
+        """Whether the conversation ``key`` would resume from a saved state, its tokens not evaluated."""
+
+    def forget_state(self, key: str) -> None:
+        """The conversation ``key`` was deleted: what the engine kept of it goes."""
 
     def abort_load(self) -> None: ...
 

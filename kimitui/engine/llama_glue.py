@@ -354,6 +354,50 @@ def keep_counted(llm) -> None:
         clear_context(llm)
 
 
+def sequence_state(llm) -> bytearray:
+    """llama.cpp's state of sequence 0 (KV cells and recurrent state, no logits) for the
+    tokens the context holds, written by llama.cpp straight into the bytes returned (one copy);
+    empty when the context holds nothing or llama.cpp could not copy it."""
+    import ctypes
+
+    import llama_cpp
+
+    if not llm.n_tokens:
+        return bytearray()
+    ctx = llm._ctx.ctx
+    size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+    state = bytearray(size)
+    view = (ctypes.c_uint8 * size).from_buffer(state)
+    written = llama_cpp.llama_state_seq_get_data(ctx, view, size, 0)
+    del view
+    del state[written:]
+    return state
+
+
+def restore_sequence(llm, tokens: list[int], state: bytearray) -> bool:
+    """Put ``state`` (from sequence_state, for ``tokens``) in an emptied context; False, with
+    the context empty, when llama.cpp refuses it. The logits are not part of it: the next
+    evaluation re-evaluates at least the prompt's last token (llama-cpp-python's generate
+    does so when told ``_requires_eval``)."""
+    import ctypes
+
+    import llama_cpp
+
+    clear_context(llm)
+    if not tokens or not state:
+        return False
+    view = (ctypes.c_uint8 * len(state)).from_buffer(state)
+    restored = llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, view, len(state), 0)
+    del view
+    if not restored:
+        clear_context(llm)
+        return False
+    llm.input_ids[: len(tokens)] = tokens
+    llm.n_tokens = len(tokens)
+    llm._requires_eval = True
+    return True
+
+
 def builtin_chat_templates() -> tuple[str, ...]:
     """The names of llama.cpp's built-in chat templates (llama3, chatml, command-r, ...)."""
     import llama_cpp

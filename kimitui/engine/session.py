@@ -32,9 +32,10 @@ from kimitui.engine.generation import Generation, Sampling, Tracer
 from kimitui.engine.llama_glue import (
     FALLBACK_TEMPLATE, LAYER_ZERO_NODES, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
     ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
-    topk_ids,
+    restore_sequence, sequence_state, topk_ids,
 )
-from kimitui.engine.slots import Slots
+from kimitui.engine.saved_states import SavedStates, StateRefused, model_identity
+from kimitui.engine.slots import Slots, common_prefix
 from kimitui.engine.state import ChatTemplateError, EngineError, EngineState, Lifecycle
 
 
@@ -60,13 +61,20 @@ class Engine:
         chat_template: str | None = None,
         n_slots: int = 1,
         address_space: int | str = "auto",
+        states_dir: Path | None = None,
+        state_quota: int = 0,
     ) -> None:
+        """``states_dir``: where conversations' llama.cpp states are kept (saved_states.py), within
+        ``state_quota`` bytes; None or 0: none kept."""
         self.model_path = Path(model_path)
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
         self.lifecycle = Lifecycle()  # the engine's state; every change goes through it
         self.slots = Slots(n_slots, self.lifecycle)  # the context split between clients' prompt caches (slots.py)
+        self.states_dir = states_dir
+        self.state_quota = state_quota if states_dir is not None else 0
+        self._states: SavedStates | None = None  # for the model and context loaded now
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
         self.repack = repack
@@ -989,8 +997,71 @@ class Engine:
             return f"the context holds {self.n_ctx}"
         return f"a slot holds {self.slot_ctx} (the context of {self.n_ctx} is split into {self.slots.count} slots)"
 
-    def chat(self, messages: list[dict], sampling: Sampling) -> "Generation":
-        return Generation(self, lambda: self.fit_chat(messages, sampling.max_tokens), sampling)
+    def chat(self, messages: list[dict], sampling: Sampling, keep: str | None = None) -> "Generation":
+        """A reply to ``messages``; with ``keep``, the conversation's state is restored from disk
+        where that saves evaluating its tokens, and saved at the reply's end (saved_states.py)."""
+        return Generation(self, lambda: self.fit_chat(messages, sampling.max_tokens), sampling, keep=keep)
+
+    # -- conversation states on disk (saved_states.py) ------------------------------------
+
+    def saved_states(self) -> SavedStates | None:
+        """The store of states this model and context can take, once loaded; None where none are kept."""
+        if not self.state_quota or self._llm is None:
+            return None
+        if self._states is None or self._states.n_ctx != self.slot_ctx:
+            identity = self._states.identity if self._states is not None else model_identity(list(self.info.files or (self.model_path,)))
+            self._states = SavedStates(self.states_dir, self.state_quota, identity, self.slot_ctx, self.model_path.name)
+        return self._states
+
+    def resumes(self, key: str) -> bool:
+        """Whether the conversation ``key`` has a saved state this model can restore."""
+        states = self.saved_states()
+        return states is not None and states.resumes(key)
+
+    def forget_state(self, key: str) -> None:
+        """The conversation ``key`` is gone: its saved state goes too."""
+        if self.states_dir is not None:
+            SavedStates(self.states_dir, 0, "", 0, "").discard(key)
+
+    def resume(self, key: str, prompt: list[int]) -> str | None:
+        """In the reply's turn, before its prompt is evaluated: put ``key``'s saved state in the
+        context when it shares more of ``prompt`` than the context holds now. Returns the line
+        to show when the saved state was refused (it is removed; the tokens are evaluated)."""
+        states = self.saved_states()
+        if states is None:
+            return None
+        llm = self._llm
+        here = common_prefix(llm.input_ids[: llm.n_tokens].tolist(), prompt)
+        try:
+            tokens = states.tokens(key)
+            if tokens is None or common_prefix(tokens, prompt) <= here:
+                return None
+            saved = states.load(key)
+        except StateRefused as exc:
+            states.discard(key)
+            return f"saved state refused: {exc}; the conversation is evaluated again"
+        if saved is None:
+            return None
+        if not restore_sequence(llm, saved.tokens, saved.state):
+            states.discard(key)
+            return f"saved state refused: {states.path(key)}: llama.cpp could not restore it; the conversation is evaluated again"
+        return None
+
+    def keep_state(self, key: str) -> str | None:
+        """In the reply's turn, at its end: save the context's state as ``key``'s. Returns the
+        line to show when it could not be written (a full disk: the older file stays)."""
+        states = self.saved_states()
+        llm = self._llm
+        if states is None or not llm.n_tokens:
+            return None
+        state = sequence_state(llm)
+        if not state:
+            return None
+        try:
+            states.save(key, llm.input_ids[: llm.n_tokens].tolist(), state)
+        except OSError as exc:
+            return f"could not save the conversation's state in {states.directory}: {exc.strerror or exc}"
+        return None
 
     def complete(self, prompt: str | list[int], sampling: Sampling, slot: int | None = None, progress: bool = False) -> "Generation":
         """A reply to ``prompt``, in ``slot`` (None: the slot whose cached prompt fits it best);
@@ -1008,6 +1079,7 @@ class Engine:
 
 def engine_from_settings(settings, model_path: Path) -> Engine:
     """The engine as configured (model, budget, streaming keys): one recipe for app and server."""
+    from kimitui.config import data_dir
     from kimitui.engine.memory import default_budget
 
     budget = settings["engine.budget"]
@@ -1032,4 +1104,21 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
             expert_lookahead=settings["engine.expert_lookahead"],
         ),
         address_space=settings["engine.address_space"],
+        states_dir=data_dir() / "states",
+        state_quota=state_quota(settings["history.state_quota"], data_dir()),
     )
+
+
+def state_quota(setting: int | str, directory: Path) -> int:
+    """history.state_quota: bytes, or "auto": a tenth of the disk that holds ``directory``."""
+    if setting != "auto":
+        return int(setting)
+    import shutil
+
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).total // 10
+    except OSError:
+        return 0

@@ -10,11 +10,10 @@ fit counts (budget.working_estimate).
 
 from __future__ import annotations
 
-import ctypes
 import time
 from dataclasses import dataclass, field
 
-from kimitui.engine.llama_glue import clear_context
+from kimitui.engine.llama_glue import restore_sequence, sequence_state
 from kimitui.engine.state import EngineError, EngineState, Lifecycle
 
 
@@ -76,42 +75,19 @@ class Slots:
     def activate(self, llm, slot_id: int) -> None:
         """Put ``slot_id``'s cached prompt in the context, parking the active slot's. Called in
         the engine's turn, as a reply begins (before its prompt is evaluated)."""
-        import llama_cpp
-
         self.lifecycle.require(EngineState.GENERATING)
         self.slots[slot_id].used_at = time.monotonic()
         if slot_id == self.active:
             return
-        ctx = llm._ctx.ctx
         current = self.slots[self.active]
         current.tokens = llm.input_ids[: llm.n_tokens].tolist()
-        current.state = bytearray()
-        if current.tokens:
-            # Written by llama.cpp straight into the bytes kept: one copy of the state, no more.
-            size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-            current.state = bytearray(size)
-            view = (ctypes.c_uint8 * size).from_buffer(current.state)
-            written = llama_cpp.llama_state_seq_get_data(ctx, view, size, 0)
-            del view
-            del current.state[written:]
-            if not current.state:
-                current.tokens = []  # llama.cpp could not copy it: the slot starts afresh next time
+        current.state = sequence_state(llm)
+        if not current.state:
+            current.tokens = []  # llama.cpp could not copy it: the slot starts afresh next time
         # Cleared whole (only sequence 0 is used), so the next tokens fill the cells from the
         # first, as on a fresh context.
-        clear_context(llm)
         wanted = self.slots[slot_id]
-        if wanted.tokens and wanted.state:
-            view = (ctypes.c_uint8 * len(wanted.state)).from_buffer(wanted.state)
-            restored = llama_cpp.llama_state_seq_set_data(ctx, view, len(wanted.state), 0)
-            del view
-            if restored:
-                llm.input_ids[: len(wanted.tokens)] = wanted.tokens
-                llm.n_tokens = len(wanted.tokens)
-                # The logits are not part of a sequence's state: the next reply re-evaluates
-                # at least the prompt's last token (llama-cpp-python's generate does so).
-                llm._requires_eval = True
-            else:
-                clear_context(llm)
+        restore_sequence(llm, wanted.tokens, wanted.state)
         wanted.tokens, wanted.state = [], bytearray()
         self.active = slot_id
 

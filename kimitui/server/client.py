@@ -241,7 +241,13 @@ class RemoteEngine:
             body.update(top_k=s.top_k, min_p=s.min_p, repeat_penalty=s.repeat_penalty)
         return body
 
-    def chat(self, messages: list[dict], sampling: Sampling) -> "RemoteGeneration":
+    def resumes(self, key: str) -> bool:
+        return False  # the server keeps its own context; nothing is saved from here
+
+    def forget_state(self, key: str) -> None:
+        pass
+
+    def chat(self, messages: list[dict], sampling: Sampling, keep: str | None = None) -> "RemoteGeneration":
         body = self._body(sampling)
         body["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
         return RemoteGeneration(self, "/v1/chat/completions", body)

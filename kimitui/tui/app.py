@@ -7,6 +7,9 @@ screen owns the chat, the panels and their keys.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from typing import Callable, Iterable
 
 from textual.app import App, SystemCommand
@@ -68,6 +71,22 @@ class KimituiApp(App[int]):
         self.theme = self.settings["ui.theme"] or self.store.get_setting("theme") or DEFAULT_THEME
         self.theme_changed_signal.subscribe(self, lambda theme: self.history.post(self.store.set_setting, "theme", theme.name))
         start_up_finished()  # the imports are done and the load runs in C: the collector may run again
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._terminal_closed)
+        except (NotImplementedError, RuntimeError, ValueError):  # no SIGHUP here, or not the main thread (tests)
+            pass
+
+    def _terminal_closed(self) -> None:
+        """SIGHUP, the way an SSH drop reaches the app: what is drawn from now on goes nowhere
+        (writes to a closed terminal would fail), and the main screen ends the reply cleanly."""
+        try:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            os.close(devnull)
+        except OSError:
+            pass
+        self.main.terminal_lost()
 
     def on_unmount(self) -> None:
         self.history.close()

@@ -8,6 +8,7 @@ import asyncio
 import sqlite3
 import time
 from pathlib import Path
+from typing import Callable
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -33,9 +34,14 @@ class HistoryScreen(ModalScreen[int | None]):
         Binding("e", "export", "export .md"),
     ]
 
-    def __init__(self, history: HistoryWriter, export_dir: Path) -> None:
+    def __init__(self, history: HistoryWriter, export_dir: Path, *, resumes: Callable[[int], bool] = lambda _: False,
+                 forget: Callable[[int], None] = lambda _: None) -> None:
+        """``resumes(id)``: whether the engine would resume that conversation from its saved
+        state; ``forget(id)``: a deleted conversation's saved state goes."""
         super().__init__()
         self.history = history
+        self.resumes = resumes
+        self.forget = forget
         self.store = history.store
         self.export_dir = export_dir
         self.filled = False  # the list has been read (it is read off the event loop)
@@ -61,11 +67,16 @@ class HistoryScreen(ModalScreen[int | None]):
         conversations = await self._stored(self.store.list_conversations, what="read the saved conversations")
         if not self.is_attached or conversations is FAILED:  # closed while the list was read, or unreadable
             return
+        # Each saved state's header is read: off the event loop, as the list was.
+        resuming = await asyncio.to_thread(lambda: {conv.id for conv in conversations if self.resumes(conv.id)})
+        if not self.is_attached:
+            return
         options = self.query_one(OptionList)
         options.clear_options()
         for conv in conversations:
             when = time.strftime("%m-%d %H:%M", time.localtime(conv.updated))
-            options.add_option(Option(f"{when}  {escape(conv.title)}  [dim]({conv.n_messages} msgs)[/]", id=str(conv.id)))
+            ready = "  [b]resumes at once[/]" if conv.id in resuming else ""
+            options.add_option(Option(f"{when}  {escape(conv.title)}  [dim]({conv.n_messages} msgs)[/]{ready}", id=str(conv.id)))
         if options.option_count == 0:
             options.add_option(Option("no saved conversations yet", disabled=True))
         else:
@@ -88,6 +99,7 @@ class HistoryScreen(ModalScreen[int | None]):
         if conv_id is not None:
             if await self._stored(self.store.delete_conversation, conv_id, what="delete the conversation") is FAILED:
                 return
+            await asyncio.to_thread(self.forget, conv_id)
             self.notify("conversation deleted")
             if self.is_attached:  # the dialog may have closed while the delete ran
                 await self._fill()

@@ -38,6 +38,13 @@ from kimitui.tui.widgets.tuning import TuningPanel
 from kimitui.units import format_bytes
 
 PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history database
+DROPPED_KEY = "dropped_conversation"  # the history setting naming the chat a closed terminal left
+DROP_GRACE_S = 60.0  # after the terminal closed, how long a reply may take to stop before the app exits anyway
+
+
+def state_key(conversation_id: int) -> str:
+    """The name the engine keeps a conversation's saved state under."""
+    return f"conversation-{conversation_id}"
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Reply:
     id: int
     view: MessageView
     message_id: int
+    conversation_id: int | None = None
     generation: object = None
     text: str = ""
     detached: bool = False
@@ -135,6 +143,7 @@ class MainScreen(Screen):
         self._starting = False  # a message or a regenerate is being written and its reply started
         self._reply_ids = itertools.count(1)
         self._trace_error_shown = False
+        self.terminal_gone = False  # the terminal closed (SIGHUP): the app ends once the reply has
         self.chat_log = ChatLog(id="chat-log")
         self.trace_log = TraceLog(id="trace-log")
         self.prompt = PromptInput(id="prompt")
@@ -183,6 +192,7 @@ class MainScreen(Screen):
         self.sampler.start()
         self.prompt.focus()
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
+        self.call_later(self.reopen_dropped)
 
     def _show_label(self) -> None:
         self.model_name, model_bytes = self.engine.label()
@@ -228,7 +238,8 @@ class MainScreen(Screen):
         self.post_message(PinFinished(outcome.pinned_bytes, outcome.note, outcome.whole_model))
 
     def _generate(self, reply: Reply, messages: list[dict], sampling: Sampling) -> None:
-        generation = self.engine.chat(messages, sampling)
+        keep = state_key(reply.conversation_id) if reply.conversation_id is not None else None
+        generation = self.engine.chat(messages, sampling, keep=keep)
         reply.generation = generation
         if reply.detached:  # its chat was left before the generation existed
             generation.cancel()
@@ -371,7 +382,7 @@ class MainScreen(Screen):
             except HistoryError:
                 await view.remove()
                 raise
-        self.reply = Reply(next(self._reply_ids), view, view.message_id)
+        self.reply = Reply(next(self._reply_ids), view, view.message_id, self.conversation_id)
         self.engine_state, self.status_detail = "generating", ""
         self.run_worker(
             partial(self._generate, self.reply, messages, Sampling(**vars(self.sampling))),
@@ -414,6 +425,8 @@ class MainScreen(Screen):
         if error:
             note = f"error: {error}"
             self.notify(error, severity="error", timeout=15)
+        for notice in result.notices:
+            self.notify(notice, severity="warning", timeout=15)
         # Queued before the view is finished: the app may be closing while it awaits.
         self.history.post(self.history.store.update_message, reply.message_id, reply.text, complete=error is None, stats=stats)
         if self.trace is not None and self.trace.error and not self._trace_error_shown:
@@ -422,6 +435,8 @@ class MainScreen(Screen):
         self.engine_state, self.status_detail = "idle", ""
         if not reply.detached:
             await reply.view.finish(note)
+        if self.terminal_gone:
+            self.app.exit()
 
     # -- tuning --------------------------------------------------------------------------
 
@@ -515,7 +530,48 @@ class MainScreen(Screen):
     def action_history(self) -> None:
         from kimitui.tui.screens.history import HistoryScreen  # dialogs load when first opened: start-up is on the clock
 
-        self.app.push_screen(HistoryScreen(self.history, Path.cwd()), self._open_conversation)
+        engine = self.engine
+        dialog = HistoryScreen(
+            self.history, Path.cwd(),
+            resumes=lambda conversation_id: engine.resumes(state_key(conversation_id)),
+            forget=lambda conversation_id: engine.forget_state(state_key(conversation_id)),
+        )
+        self.app.push_screen(dialog, self._open_conversation)
+
+    # -- the terminal going away (an SSH drop) ------------------------------------------
+
+    def terminal_lost(self) -> None:
+        """The terminal closed (SIGHUP): the reply streaming stops cleanly into the history (the
+        engine saves the conversation's state as it ends), the next start reopens this chat, and
+        the app exits."""
+        if self.terminal_gone:
+            return
+        self.terminal_gone = True
+        if self.conversation_id is not None:
+            self.history.post(self.history.store.set_setting, DROPPED_KEY, str(self.conversation_id))
+        if self.reply is None:
+            self.app.exit()
+            return
+        self.reply.leave()  # cancels its generation, or the generation as soon as it exists
+        self.set_timer(DROP_GRACE_S, self.app.exit)
+
+    async def reopen_dropped(self) -> None:
+        """At start: reopen the chat a closed terminal left, once (its state resumes it)."""
+        store = self.history.store
+        try:
+            dropped = await self._history("read the chat a closed terminal left", store.get_setting, DROPPED_KEY)
+            if dropped is None:
+                return
+            await self._history("forget the chat a closed terminal left", store.set_setting, DROPPED_KEY, "")
+        except HistoryError as exc:
+            self.notify(str(exc), severity="error", timeout=15)
+            return
+        if not dropped.isdigit() or self.conversation_id is not None:
+            return
+        with self._starting_reply():
+            await self._show_conversation(int(dropped))
+        if self.conversation_id == int(dropped):
+            self.notify("reopened the chat the closed terminal left", timeout=10)
 
     async def _open_conversation(self, conversation_id: int | None) -> None:
         if self._refused_while_starting():
