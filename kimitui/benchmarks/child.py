@@ -507,6 +507,47 @@ def phase_llama_load(spec: dict) -> None:
     emit("result", ready=True)
 
 
+def phase_conversation(spec: dict) -> None:
+    """bench-resume: a conversation on the engine, started afresh in this process. With
+    ``build``, a first message of about ``conversation_tokens`` tokens and a short reply, its
+    state saved; otherwise the conversation's next message, from its saved state
+    (``use_state``) or evaluated again, timed to its first token."""
+    from pathlib import Path
+
+    from kimitui.engine.generation import Sampling
+
+    engine = _engine(spec)
+    engine.states_dir, engine.state_quota = Path(spec["states_dir"]), (1 << 40 if spec["use_state"] else 0)
+    engine.load()
+    engine.pin()
+    emit("ready")
+    key = "bench"
+    if spec["build"]:
+        text, tokens = "", 0
+        while tokens < spec["conversation_tokens"]:
+            text += PROMPT_TEXT
+            tokens = len(engine.chat_prompt([{"role": "user", "content": text + "Summarise it."}])[0])
+        messages = [{"role": "user", "content": text + "Summarise it."}]
+        generation = engine.chat(messages, Sampling(temperature=0.0, max_tokens=spec["reply_tokens"]), keep=key)
+        list(generation)
+        state = engine.saved_states().path(key)
+        messages.append({"role": "assistant", "content": generation.result.text})
+        emit("result", messages=messages, prompt_tokens=generation.result.prompt_tokens, notices=generation.result.notices,
+             state_bytes=state.stat().st_size if state.exists() else None)
+        return
+    messages = spec["messages"] + [{"role": "user", "content": "And in one word?"}]
+    read_before, engine_before = _read_bytes(), engine.model_bytes_read()
+    started = time.perf_counter()
+    generation = engine.chat(messages, Sampling(temperature=0.0, max_tokens=1), keep=key if spec["use_state"] else None)
+    first = next((event.token_id for event in generation if event.token_id >= 0), None)
+    ttft = time.perf_counter() - started
+    list(generation)
+    result = generation.result
+    emit("result", ttft_s=ttft, first_token=first, prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+         engine_read_bytes=engine.model_bytes_read() - engine_before, storage_read_bytes=_delta(read_before, _read_bytes()),
+         notices=result.notices)
+
+
 from kimitui.benchmarks.scale import phase_scale  # noqa: E402 - its own module, a phase like these
 
 PHASES = {
@@ -518,6 +559,7 @@ PHASES = {
     "app-load": phase_app_load,
     "llama-load": phase_llama_load,
     "scale": phase_scale,
+    "conversation": phase_conversation,
 }
 
 

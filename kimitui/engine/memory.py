@@ -179,6 +179,43 @@ def mapped_resident_bytes(
     return total
 
 
+# The most address range pagemap_resident_bytes reads (8 bytes a page: 32 MiB of entries at
+# 16 GiB); beyond it smaps is cheaper, since a model that large has large experts and so
+# fewer areas.
+PAGEMAP_MOST = 16 * 2**30
+_PAGEMAP_CHUNK = 1 << 20  # entries per read
+
+
+def pagemap_resident_bytes(ranges: list[tuple[int, int]], pagemap: str = "/proc/self/pagemap") -> int | None:
+    """Resident bytes of this process in the address ranges ``[(start, end), ...]``, each wholly
+    mapped by us: the pages whose page-table entry is present (Linux's pagemap, bit 63),
+    whatever backs them. Its cost is the ranges' length (a few ms for 2 GiB), not the number of
+    areas, where smaps walks and prints every area of the process: with a small-expert MoE's
+    tens of thousands of placed slices one smaps read took 0.8 s and held the mappings' lock
+    meanwhile, stalling compute's page faults. None where there is no pagemap."""
+    import numpy as np
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    present = 0
+    try:
+        fd = os.open(pagemap, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        for start, end in ranges:
+            first, last = start // page, -(-end // page)
+            for at in range(first, last, _PAGEMAP_CHUNK):
+                count = min(_PAGEMAP_CHUNK, last - at)
+                raw = os.pread(fd, count * 8, at * 8)
+                entries = np.frombuffer(raw, dtype=np.uint64)
+                present += int(np.count_nonzero(entries >> np.uint64(63)))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return present * page
+
+
 MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 

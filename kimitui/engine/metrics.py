@@ -226,6 +226,28 @@ def _model_files(model_path: Path | None) -> list[Path]:
         return [Path(model_path)]
 
 
+class DutyLimited:
+    """A costly reading (the model's resident pages: a walk of the process's page tables) taken
+    at most ``duty`` of the time: after a reading that took t seconds the next one comes t /
+    duty later at the earliest, and calls before then get the last value. The panels and the
+    bench's peak sample it often; unlimited, its cost would be the engine's stall."""
+
+    def __init__(self, read: Callable[[], int | None], duty: float = 0.05) -> None:
+        self._read = read
+        self._duty = duty
+        self._lock = threading.Lock()
+        self._due = 0.0
+        self._value: int | None = None
+
+    def __call__(self) -> int | None:
+        with self._lock:
+            now = time.perf_counter()
+            if now >= self._due:
+                self._value = self._read()
+                self._due = now + (time.perf_counter() - now) / self._duty
+            return self._value
+
+
 class Sampler:
     """Reads psutil and the engine's events into Snapshots at ``interval`` seconds.
 

@@ -221,15 +221,23 @@ def drop_outside(
         by_file.setdefault(r.file, []).append(r)
     for file, address in addresses.items():
         real = os.path.realpath(paths[file])
+        # The gaps come in address order, and so (sorted) do the areas: one sweep over both,
+        # not every area for every gap (locking splits the mapping into thousands of areas).
+        mine = sorted((lo, hi) for lo, hi, path in areas if path == real)
+        first = 0
         cursor = 0
         for r in by_file.get(file, []) + [ByteRange(file, lengths[file], 0)]:
             start = address + -(-cursor // page) * page  # whole pages between the pinned ranges only:
             end = address + r.offset // page * page  # the pinned ones at either end stay locked
-            for lo, hi, path in areas:
-                lo, hi = max(lo, start), min(hi, end)
-                if path == real and hi > lo and libc.madvise(lo, hi - lo, MADV_DONTNEED) != 0:
+            while first < len(mine) and mine[first][1] <= start:
+                first += 1
+            at = first
+            while at < len(mine) and mine[at][0] < end:
+                lo, hi = max(mine[at][0], start), min(mine[at][1], end)
+                if hi > lo and libc.madvise(lo, hi - lo, MADV_DONTNEED) != 0:
                     refused += hi - lo
                     why = os.strerror(ctypes.get_errno())
+                at += 1
             cursor = max(cursor, r.end)
     if refused:
         return f"the kernel kept {refused} bytes of the model mapped outside the pinned set ({why})"

@@ -22,7 +22,7 @@ from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.pinning import PinnedSet
 from kimitui.engine.tuning import PendingTuning, schedule
 from kimitui.engine.memory import cap_malloc_arenas
-from kimitui.engine.metrics import EngineMetrics
+from kimitui.engine.metrics import DutyLimited, EngineMetrics
 from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.engine.turns import TurnQueue
 from kimitui.errors import UserError
@@ -319,18 +319,27 @@ class Engine:
         # Read into llama.cpp's own buffers, the model no longer needs its files: nothing to check.
         self._sizes_at_load = {} if own_buffers else {Path(f): os.stat(f).st_size for f in files}
         if self.mappings:
-            from kimitui.engine.memory import mapped_resident_bytes
+            from kimitui.engine.memory import PAGEMAP_MOST, mapped_resident_bytes, pagemap_resident_bytes
 
             from kimitui.engine.addressing import PinnedStore
 
             space = self.space = self._make_space(self._address_bound(loaded=True) if bounded else None)
             shared = PinnedStore.NAME if space.bounded else None
+            mapped_data: list = []  # the whole files' spans of tensor data, once first asked for
+
             def model_resident() -> int | None:
                 streamer = self.streamer
-                found = mapped_resident_bytes(space.spans(), shared_name=shared)
+                found = None
+                if not space.bounded:
+                    if not mapped_data:
+                        mapped_data.extend(self._mapped_data_spans(space))
+                    if sum(end - start for start, end in mapped_data) <= PAGEMAP_MOST:
+                        found = pagemap_resident_bytes(mapped_data)
+                if found is None:
+                    found = mapped_resident_bytes(space.spans(), shared_name=shared)
                 return None if found is None else found + (streamer.parked_bytes if streamer is not None else 0)
 
-            self.metrics.model_resident_source = model_resident
+            self.metrics.model_resident_source = DutyLimited(model_resident)
         elif bounded:
             raise EngineError(f"cannot load {self.model_path.name}: llama.cpp mapped none of its files where kimitui can see them")
         # llama.cpp's own working memory (KV cache, recurrent state, compute buffers, vocabulary):
@@ -497,6 +506,20 @@ class Engine:
 
         self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
         return self._callbacks
+
+    def _mapped_data_spans(self, space) -> list[tuple[int, int]]:
+        """What of each whole-file mapping stays mapped after llama.cpp's load: it unmaps the
+        pages wholly before the first tensor and after the last (llama_mmap::unmap_fragment),
+        and the allocator may reuse that room, so only the pages holding tensor data are ours."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        bounds: dict[int, tuple[int, int]] = {}
+        for t in self.model_map().tensors:
+            lo, hi = bounds.get(t.file, (t.offset, t.offset + t.n_bytes))
+            bounds[t.file] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
+        return [
+            (space.at(file, lo // page * page), space.at(file, -(-hi // page) * page))
+            for file, (lo, hi) in sorted(bounds.items()) if file in space.bases
+        ]
 
     def _point_weights(self, pointers, tensor: int) -> None:
         """Before ggml computes ``tensor``: its weights out of the phantom mappings (addressing.py)."""
