@@ -13,7 +13,7 @@ from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
 from kimitui.engine.streaming import StreamSettings
 from kimitui.model import synth
-from kimitui.model.gguf_map import ByteRange, load_model_map
+from kimitui.model.gguf_map import load_model_map
 
 MIB = 2**20
 
@@ -84,29 +84,18 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
             assert engine.trace_settings()["expert_lookahead"] is True and engine.tuning().expert_lookahead
             return
         assert expert_reads <= routed  # nothing the router did not pick
-        # No byte of an unrouted expert was read, through any unit. (The trace gets an
-        # expert's three slices as one read: its ranges are what was read.)
-        spans = [
-            (r.file, r.offset, r.length) for unit, offset, length in reads
-            for r in (unit.ranges if isinstance(unit, ExpertUnit) else [ByteRange(unit.file, offset, length)])
-        ]
-        # An expert is read in whole pages (into place, see direct.py): its slices rounded out to
-        # pages, less the end pages a resident neighbour already holds.
+        # No byte of an unrouted expert was read. An expert is read in whole pages (into place,
+        # see direct.py), and neighbouring routed slices of a layer as one request: every page
+        # a request read holds bytes of a routed expert's slice.
         page = os.sysconf("SC_PAGE_SIZE")
-        for unit, _, length in reads:
-            if isinstance(unit, ExpertUnit):
-                exact = sum(r.length for r in unit.ranges)
-                rounded = sum(-(-r.end // page) * page - r.offset // page * page for r in unit.ranges)
-                assert exact - 2 * page * len(unit.ranges) <= length <= rounded
-        for file, offset, length in spans:
-            for layer in range(model.n_layers):
-                if not model.layers[layer].is_moe:
-                    continue
-                for e in range(model.layers[layer].n_expert):
-                    if (layer, e) in routed:
-                        continue
-                    for r in model.expert_ranges(layer, e):
-                        assert offset + length <= r.offset or offset >= r.end or file != r.file
+        routed_slices = sorted(
+            (r.file, r.offset, r.end) for layer, e in routed for r in model.expert_ranges(layer, e)
+        )
+        for unit, offset, length in reads:
+            if not isinstance(unit, ExpertUnit):
+                continue
+            for at in range(offset // page * page, offset + length, page):
+                assert any(f == unit.file and lo < at + page and at < hi for f, lo, hi in routed_slices), (unit, at)
         # Each test has a fresh cache dir: every routing decision was counted once, as a hit or a miss.
         assert x.hits + x.misses == sum(sum(row) for row in x.counts)
         assert x.misses >= len(expert_reads)
@@ -246,11 +235,11 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
     try:
         cache = engine.streamer.experts
         requested: list[tuple[int, int]] = []
-        real_read_unit, real_preadv = cache._read_unit, os.preadv
+        real_read_units, real_preadv = cache._read_units, os.preadv
 
-        def read_unit(unit):
-            requested.append((unit.layer, unit.expert))
-            return real_read_unit(unit)
+        def read_units(units):
+            requested.extend((unit.layer, unit.expert) for unit in units)
+            return real_read_units(units)
 
         page = os.sysconf("SC_PAGE_SIZE")
         routed = [  # pages wholly inside a routed tensor: its end pages may be a trunk shard's too
@@ -263,7 +252,7 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return real_preadv(fd, buffers, offset)
 
-        cache._read_unit = read_unit
+        cache._read_units = read_units
         monkeypatch.setattr(os, "preadv", failing_preadv)
         gen = engine.complete("Once upon a time", Sampling(temperature=0.0, max_tokens=4))
         with pytest.raises(EngineError, match=r"cannot read expert \d+ of layer \d+ from model file moe\.gguf at byte \d+: Input/output error"):
@@ -285,13 +274,14 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
 PREFILL_PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 3
 
 
-def prefill_expert_reads(engine: Engine) -> list[tuple[int, int]]:
+def prefill_expert_reads(engine: Engine) -> list[tuple[int, int, int]]:
+    """The storage requests for experts while the prompt is evaluated: (file, offset, length)."""
     reads: list = []
-    engine.streamer.on_read = lambda unit, offset, length, start, seconds: reads.append(unit)
+    engine.streamer.on_read = lambda unit, offset, length, start, seconds: reads.append((unit, offset, length))
     gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=1))  # prefill, then one sample
     list(gen)
     assert gen.result.prompt_tokens >= 40
-    return [(u.layer, u.expert) for u in reads if isinstance(u, ExpertUnit)]
+    return [(u.file, offset, length) for u, offset, length in reads if isinstance(u, ExpertUnit)]
 
 
 def test_prefill_reads_each_routed_expert_once_when_a_layer_fits(moe_model):
@@ -300,14 +290,18 @@ def test_prefill_reads_each_routed_expert_once_when_a_layer_fits(moe_model):
     engine = expert_engine(moe_model, budget_mib=150)
     try:
         assert engine.n_ubatch == engine.n_batch
-        experts = prefill_expert_reads(engine)
-        per_layer: dict[int, int] = {}
-        for layer, _ in experts:
-            per_layer[layer] = per_layer.get(layer, 0) + 1
+        requests = sorted(prefill_expert_reads(engine))
         model = load_model_map(moe_model)
-        assert max(per_layer.values()) > model.n_expert_used  # many tokens, many experts in a layer...
-        assert len(experts) == len(set(experts))  # ...and none of them twice
         cache = engine.streamer.experts  # what bench reports: prefill reads against the distinct experts
+        per_layer: dict[int, int] = {}
+        for layer, _ in cache.prefill_seen:
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+        assert max(per_layer.values()) > model.n_expert_used  # many tokens, many experts in a layer...
+        for (file, offset, length), (next_file, next_offset, _) in zip(requests, requests[1:]):
+            assert file != next_file or offset + length <= next_offset  # ...and no byte of them read twice
+        # Neighbouring slices of a layer's misses go as one request: fewer requests than slices.
+        moe_layer = next(layer for layer, _ in cache.prefill_seen)
+        assert len(requests) < len(cache.prefill_seen) * len(model.expert_ranges(moe_layer, 0))
         assert not cache.prefilling and cache.prefill_seen
         assert cache.prefill_read_bytes <= len(cache.prefill_seen) * model.bytes_per_expert
     finally:

@@ -267,11 +267,12 @@ class DarwinPlacer(PlacedParts):
     def copy_in(self, file: int, offset: int, length: int) -> int | None:
         return self._copy_in(file, offset, length)
 
-    def place_slice(self, file: int, offset: int, length: int, inner: tuple[int, int] | None, edges: list[int]) -> int | None:
-        """[offset, offset+length): the slice's own pages ``inner`` read in place, each shared
-        end page in ``edges`` copied in. The bytes read (``length`` where the file ends inside
-        the last page), short where the file ended before."""
-        pieces = sorted([(edge, self.page, True) for edge in edges] + ([(*inner, False)] if inner else []))
+    def place_slice(self, file: int, offset: int, length: int, inners: list[tuple[int, int]], edges: list[int]) -> int | None:
+        """[offset, offset+length), one slice or several that follow each other in the file:
+        each slice's own pages (``inners``) read in place, each shared end page in ``edges``
+        copied in. The bytes read (``length`` where the file ends inside the last page), short
+        where the file ended before."""
+        pieces = sorted([(edge, self.page, True) for edge in edges] + [(start, size, False) for start, size in inners])
         got, done = 0, []
         try:
             for start, size, shared in pieces:

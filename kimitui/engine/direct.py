@@ -438,40 +438,42 @@ class DirectPlacer(PlacedParts):
             return None
         return length
 
-    def place_slice(self, file: int, offset: int, length: int, inner: tuple[int, int] | None, edges: list[int]) -> int | None:
-        """One read of [offset, offset+length): the slice's own whole pages ``inner``
-        straight into fresh anonymous memory at their place (huge pages asked for; they read as
-        zeros only while this read runs, and no one computes with them before it is done), its
-        shared end pages ``edges`` into memory of their own, moved into place after the read in
-        one step each (as ``copy_in``), so a shared page never reads as zeros. One request
-        instead of three. Returns the bytes read, or None where the caller must read through
-        the page cache (no mapping to be had)."""
+    def place_slice(self, file: int, offset: int, length: int, inners: list[tuple[int, int]], edges: list[int]) -> int | None:
+        """One read of [offset, offset+length), the pieces of one expert slice or of several
+        that follow each other in the file: each slice's own whole pages (``inners``) straight
+        into fresh anonymous memory at their place (huge pages asked for; they read as zeros
+        only while this read runs, and no one computes with them before it is done), the shared
+        end pages ``edges`` into memory of their own, moved into place after the read in one
+        step each (as ``copy_in``), so a shared page never reads as zeros. One request for all
+        of them. Returns the bytes read, or None where the caller must read through the page
+        cache (no mapping to be had)."""
         c, page = self._libc, self.page
-        base = self.space.at(file, offset) - offset  # the slice lies in one run of its layer: offsets map linearly
-        if inner is not None:
-            if c.mmap(base + inner[0], inner[1], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
-                self._refill(file, *inner, ctypes.get_errno())
-                return None
-            c.madvise(base + inner[0], inner[1], MADV_HUGEPAGE)
+        base = self.space.at(file, offset) - offset  # the slices lie in one run of their layer: offsets map linearly
+        mapped: list[tuple[int, int]] = []
         buffers: dict[int, int] = {}
-        for edge in edges:
-            buf = c.mmap(None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-            if buf in (None, MAP_FAILED):
-                for b in buffers.values():
-                    c.munmap(b, page)
-                if inner is not None:
-                    self._map_file(file, *inner)
-                return None
-            buffers[edge] = buf
-        pieces = sorted([(edge, buf, page) for edge, buf in buffers.items()] + ([(inner[0], base + inner[0], inner[1])] if inner else []))
-        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
 
         def undo() -> None:
             for b in buffers.values():
                 c.munmap(b, page)
-            if inner is not None:
-                self._map_file(file, *inner)
+            for start, size in mapped:
+                self._map_file(file, start, size)
 
+        for start, size in inners:
+            if c.mmap(base + start, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) in (None, MAP_FAILED):
+                err = ctypes.get_errno()
+                undo()
+                self._refill(file, start, size, err)
+                return None
+            mapped.append((start, size))
+            c.madvise(base + start, size, MADV_HUGEPAGE)
+        for edge in edges:
+            buf = c.mmap(None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if buf in (None, MAP_FAILED):
+                undo()
+                return None
+            buffers[edge] = buf
+        pieces = sorted([(edge, buf, page) for edge, buf in buffers.items()] + [(start, base + start, size) for start, size in inners])
+        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
         try:
             got = self._read(file, views, offset)
         except OSError:
@@ -481,15 +483,15 @@ class DirectPlacer(PlacedParts):
             undo()
             return got
         with self._moves:
-            for edge, buf in buffers.items():
+            for edge, buf in list(buffers.items()):
                 if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
                     err = ctypes.get_errno()
                     c.munmap(buf, page)
                     self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
                     raise OSError(err, f"mremap: {os.strerror(err)}")
             with self._lock:
-                if inner is not None:
-                    self._placed[(file, inner[0])] = (0, 0, inner[1], False)
+                for start, size in inners:
+                    self._placed[(file, start)] = (0, 0, size, False)
                 for edge in buffers:
                     self._placed[(file, edge)] = (0, 0, page, False)
         return length

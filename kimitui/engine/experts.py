@@ -112,9 +112,11 @@ class ExpertCache:
         drop_unit: Callable[[ExpertUnit], None],
         policy: str = "lfu",
         read_ahead: Callable[[ExpertUnit], list[Future]] | None = None,
+        read_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
     ) -> None:
         """``read_ahead`` reads what look-ahead guesses, apart from the reads compute waits for
-        (default: ``read_unit``)."""
+        (default: ``read_unit``); ``read_units`` reads a layer's misses together, neighbours in
+        the file as one request (default: ``read_unit`` each)."""
         if policy not in EXPERT_POLICIES:
             raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
         self.model = model
@@ -124,6 +126,7 @@ class ExpertCache:
         self.counts = counts
         self._read_unit = read_unit
         self._read_ahead = read_ahead or read_unit
+        self._read_units = read_units or (lambda units: [read_unit(unit) for unit in units])
         self._drop_unit = drop_unit
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
         # LFU: a heap of (uses, tick, key), one entry per use; an entry is live while it matches
@@ -253,6 +256,7 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
+        missed: list[ExpertUnit] = []  # read below, together
         needed = self._in_use = {(layer, e) for e in wanted}
         if self.prefilling:
             self.prefill_seen |= needed
@@ -290,9 +294,11 @@ class ExpertCache:
             if self.prefilling:
                 self.prefill_read_bytes += unit.length
             self._make_room(unit.footprint, needed)
-            pending.append((unit, self._read_unit(unit)))
+            missed.append(unit)
             self._touch(key, unit)
             self._resident_bytes += unit.footprint
+        if missed:
+            pending += zip(missed, self._read_units(missed))
         started = time.perf_counter()
         try:
             for _unit, futures in pending:
