@@ -535,7 +535,20 @@ def phase_conversation(spec: dict) -> None:
         emit("result", messages=messages, prompt_tokens=generation.result.prompt_tokens, notices=generation.result.notices,
              state_bytes=state.stat().st_size if state.exists() else None)
         return
+    from kimitui.benchmarks.common import drop_from_page_cache
+
     messages = spec["messages"] + [{"role": "user", "content": "And in one word?"}]
+    states = engine.saved_states()
+    if states is not None and states.path(key).exists():
+        drop_from_page_cache(states.path(key))  # read from storage, as after a reboot
+    evaluated: list[int] = []  # the tokens of each llama_decode
+    real_decode = engine.llm._ctx.decode
+
+    def decode(batch):
+        evaluated.append(batch.batch.n_tokens)
+        return real_decode(batch)
+
+    engine.llm._ctx.decode = decode
     read_before, engine_before = _read_bytes(), engine.model_bytes_read()
     started = time.perf_counter()
     generation = engine.chat(messages, Sampling(temperature=0.0, max_tokens=1), keep=key if spec["use_state"] else None)
@@ -543,7 +556,7 @@ def phase_conversation(spec: dict) -> None:
     ttft = time.perf_counter() - started
     list(generation)
     result = generation.result
-    emit("result", ttft_s=ttft, first_token=first, prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+    emit("result", ttft_s=ttft, first_token=first, prompt_tokens=result.prompt_tokens, evaluated_tokens=sum(evaluated),
          engine_read_bytes=engine.model_bytes_read() - engine_before, storage_read_bytes=_delta(read_before, _read_bytes()),
          notices=result.notices)
 

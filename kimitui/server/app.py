@@ -53,6 +53,7 @@ log = logging.getLogger("kimitui.server")
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 FINGERPRINT = f"b{__version__}-kimitui"  # OpenAI's system_fingerprint; llama-server's start with "b"
 QUEUE_HEADER = "X-Queue-Position"
+PIECES_PER_ENCODE = 4096  # /tokenize with_pieces: entries JSON-encoded at a time (see Api.tokenize)
 # llama-server's fields kimitui does not offer: (name, the values that mean "off", why).
 NOT_OFFERED = (
     ("lora", ([],), "kimitui loads no LoRA adapters"),
@@ -778,16 +779,21 @@ class Api:
         if not with_pieces:
             return JSONResponse({"tokens": tokens})
 
-        def pieces() -> JSONResponse:  # a token at a time: off the event loop
-            out = []
-            for t in tokens:
-                raw = self.engine.token_bytes(t)
-                try:
-                    piece: str | list[int] = raw.decode("utf-8")
-                except UnicodeDecodeError:  # part of a multi-byte character: bytes, as llama-server does
-                    piece = list(raw)
-                out.append({"id": t, "piece": piece})
-            return JSONResponse({"tokens": out})
+        def pieces() -> Response:  # a token at a time: off the event loop
+            # Encoded a few thousand entries at a time: one json.dumps of 100k entries holds the
+            # GIL for a quarter of a second, and the event loop with it.
+            parts = []
+            for start in range(0, len(tokens), PIECES_PER_ENCODE):
+                out = []
+                for t in tokens[start : start + PIECES_PER_ENCODE]:
+                    raw = self.engine.token_bytes(t)
+                    try:
+                        piece: str | list[int] = raw.decode("utf-8")
+                    except UnicodeDecodeError:  # part of a multi-byte character: bytes, as llama-server does
+                        piece = list(raw)
+                    out.append({"id": t, "piece": piece})
+                parts.append(json.dumps(out, ensure_ascii=False, separators=(",", ":"))[1:-1])
+            return Response('{"tokens":[' + ",".join(parts) + "]}", media_type="application/json")
 
         return await run_in_threadpool(pieces)
 
