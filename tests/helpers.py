@@ -9,6 +9,20 @@ import time
 from pathlib import Path
 
 
+def count_decodes(engine) -> list[int]:
+    """The tokens of each llama_decode ``engine`` makes from now on (its prompt's evaluation
+    first): what a reply evaluated rather than took from the cache."""
+    evaluated: list[int] = []
+    real_decode = engine.llm._ctx.decode
+
+    def decode(batch):
+        evaluated.append(batch.batch.n_tokens)
+        return real_decode(batch)
+
+    engine.llm._ctx.decode = decode
+    return evaluated
+
+
 def wait_for(condition, what: str, timeout: float = 180.0) -> None:
     """Poll ``condition`` from a test thread until it holds, or fail naming ``what``."""
     deadline = time.monotonic() + timeout

@@ -156,6 +156,21 @@ def test_bench_load_times_the_app_and_the_stock_load(small_model, tmp_path):
     assert report["targets"]["share_of_baseline"] == pytest.approx(app["ready_s"] / base["ready_s"])
 
 
+def test_bench_resume_compares_a_saved_state_with_evaluating_again(model_path, tmp_path):
+    """The real engine, three fresh processes: the saved state's side evaluates only the new
+    message, the other side the whole conversation, and both give the same greedy token."""
+    out = tmp_path / "resume.json"
+    done = run_cli("bench-resume", "--model", str(model_path), "--conversation-tokens", "200", "--repeat", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(out.read_text())
+    saved, again = report["runs"]["saved state"][0], report["runs"]["evaluated again"][0]
+    assert report["same_first_token"] and report["state_bytes"] > 0
+    assert again["evaluated_tokens"] == again["prompt_tokens"] >= 200
+    assert 0 < saved["evaluated_tokens"] < 32
+    assert saved["storage_read_bytes"] is None or saved["storage_read_bytes"] >= report["state_bytes"] // 2
+    assert "request to first token" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "text"),
     [
@@ -164,6 +179,8 @@ def test_bench_load_times_the_app_and_the_stock_load(small_model, tmp_path):
         (["bench", "--cgroup-limit", "2XB"], "--cgroup-limit: unknown size unit"),
         (["bench", "--model", "/nonexistent.gguf"], "model file not found"),
         (["bench-load", "--repeat", "0"], "--repeat: at least 1"),
+        (["bench-resume", "--conversation-tokens", "4"], "--conversation-tokens: at least 16"),
+        (["bench-resume", "--cgroup-limit", "2XB"], "--cgroup-limit: unknown size unit"),
         (["bench", "--rounds", "0"], "--rounds: at least 1"),
         (["bench", "--budget", "4MiB"], "--budget: budget 4.0 MiB is below the minimum working set of SmolLM2"),
     ],

@@ -16,7 +16,7 @@ from kimitui.engine.state import EngineError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 
-from helpers import peak_while
+from helpers import count_decodes, peak_while
 
 MIB = 2**20
 PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle"
@@ -235,14 +235,7 @@ def test_the_kda_state_carries_across_chat_turns(k3_model):
     turn evaluates only what the conversation added (the recurrent state is kept, not rebuilt)."""
 
     def converse(engine: Engine) -> tuple[list[str], list[int], list[int]]:
-        evaluated: list[int] = []
-        real_decode = engine.llm._ctx.decode
-
-        def decode(batch):
-            evaluated.append(batch.batch.n_tokens)
-            return real_decode(batch)
-
-        engine.llm._ctx.decode = decode
+        evaluated = count_decodes(engine)
         messages = [{"role": "user", "content": "Tell me about foxes."}]
         texts, fresh, prompts = [], [], []
         for _ in range(3):

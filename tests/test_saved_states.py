@@ -23,7 +23,7 @@ from kimitui.engine.saved_states import MAGIC, SavedStates, StateRefused
 from kimitui.engine.session import Engine
 from kimitui.model import synth
 
-from helpers import wait_for
+from helpers import count_decodes, wait_for
 
 GREEDY = Sampling(temperature=0.0, max_tokens=8)
 FIRST = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -42,19 +42,6 @@ def engine_on(path: Path, states: Path | None, n_ctx: int = 512) -> Engine:
     engine = Engine(path, n_ctx=n_ctx, fast_load=False, states_dir=states, state_quota=1 << 30 if states else 0)
     engine.load()
     return engine
-
-
-def counting(engine: Engine) -> list[int]:
-    """The tokens of each llama_decode the engine makes from now on."""
-    evaluated: list[int] = []
-    real_decode = engine.llm._ctx.decode
-
-    def decode(batch):
-        evaluated.append(batch.batch.n_tokens)
-        return real_decode(batch)
-
-    engine.llm._ctx.decode = decode
-    return evaluated
 
 
 def turn(engine: Engine, messages: list[dict], keep: str | None = KEY):
@@ -91,7 +78,7 @@ def test_a_restart_restores_the_conversation_instead_of_evaluating_it(which, mod
     restarted = engine_on(path, states)
     try:
         assert restarted.resumes(KEY)
-        evaluated = counting(restarted)
+        evaluated = count_decodes(restarted)
         tokens, result = turn(restarted, messages)
         assert tokens == expected
         assert result.notices == []

@@ -280,8 +280,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     budget = None if args.budget == "auto" else _size(args.budget, "--budget")
-    limit = _size(args.cgroup_limit, "--cgroup-limit") if args.cgroup_limit else None
-    cgroups = MemoryCgroups.require() if limit is not None else None
+    limit, cgroups = MemoryCgroups.from_flag(args.cgroup_limit)
     path = _model_path(args.model)
     model_map = load_model_map(path)  # checks the file too: one line on a bad GGUF
     if budget is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimitui.errors import UserError
-from kimitui.units import format_bytes
+from kimitui.units import format_bytes, parse_size
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,18 @@ class MemoryCgroups:
         if isinstance(found, str):
             raise UserError(f"{flag}: {found}")
         return cls(found)
+
+    @classmethod
+    def from_flag(cls, value: str | None, flag: str = "--cgroup-limit") -> tuple[int | None, MemoryCgroups | None]:
+        """A bench's ``--cgroup-limit``: (its bytes, the cgroups each measured child runs in),
+        or (None, None) without it. UserError names the flag for a bad size or no cgroups."""
+        if not value:
+            return None, None
+        try:
+            limit = parse_size(value)
+        except ValueError as exc:
+            raise UserError(f"{flag}: {exc}") from None
+        return limit, cls.require(flag)
 
     def _parent_v2(self) -> Path:
         """A v2 cgroup whose children may have the memory controller."""

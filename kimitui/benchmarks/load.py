@@ -20,7 +20,7 @@ from pathlib import Path
 from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import cell, noise_note, ratio, run_child, table, write_json
 from kimitui.errors import UserError
-from kimitui.units import format_bytes, parse_size
+from kimitui.units import format_bytes
 
 # The fast-start targets, shown beside the figures.
 TARGET_READY_S = 3.0
@@ -86,13 +86,7 @@ def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     path = resolve_model(settings).resolve()
     model_map = load_model_map(path)
-    limit = None
-    if args.cgroup_limit:
-        try:
-            limit = parse_size(args.cgroup_limit)
-        except ValueError as exc:
-            raise UserError(f"--cgroup-limit: {exc}") from None
-    cgroups = MemoryCgroups.require() if limit is not None else None
+    limit, cgroups = MemoryCgroups.from_flag(args.cgroup_limit)
     n_ctx = settings["model.n_ctx"]
     threads = settings["model.n_threads"] or default_threads()
     app_spec = {"argv": _argv(args, path)}

@@ -19,7 +19,7 @@ from pathlib import Path
 from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import cell, ratio, run_child, table, write_json
 from kimitui.errors import UserError
-from kimitui.units import format_bytes, parse_size
+from kimitui.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,13 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--conversation-tokens: at least 16; --repeat: at least 1")
     settings = resolve_settings(args)
     path = resolve_model(settings).resolve()
-    limit = None
-    if args.cgroup_limit:
-        try:
-            limit = parse_size(args.cgroup_limit)
-        except ValueError as exc:
-            raise UserError(f"--cgroup-limit: {exc}") from None
-    cgroups = MemoryCgroups.require() if limit is not None else None
+    limit, cgroups = MemoryCgroups.from_flag(args.cgroup_limit)
     budget = settings["engine.budget"]
     n_ctx = max(settings["model.n_ctx"], args.conversation_tokens + 256)
     with tempfile.TemporaryDirectory(prefix="kimitui-resume-") as states:

@@ -195,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.errors import UserError
 
     budget = parse_size(args.budget)
-    limit = parse_size(args.cgroup_limit) if args.cgroup_limit else None
-    cgroups = MemoryCgroups.require() if limit else None
+    limit, cgroups = MemoryCgroups.from_flag(args.cgroup_limit)
     spec = {
         "model": str(args.model), "budget": budget, "tokens": args.tokens, "prompt": args.prompt, "n_ctx": args.n_ctx,
         "threads": args.threads or default_threads(), "prefetch_depth": args.prefetch_depth,
