@@ -111,14 +111,17 @@ def damage(path: Path, how: str, other_model: Path) -> str:
     if how == "another model":
         header["model"], header["model_name"] = "0" * 32, other_model.name
         expected = f"another model ({other_model.name})"
-    else:  # another context size
-        header["n_ctx"] = 1024
-        expected = "context of 1024 tokens"
+    elif how == "a string count":
+        header["n_tokens"] = str(header["n_tokens"])
+        expected = "header is damaged"
+    else:  # a size past the file's end (a flipped bit in the header)
+        header["state_bytes"] = 1 << 40
+        expected = "truncated"
     path.write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + data[head_end:])
     return expected
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated", "not ours", "header", "another model", "another context"])
+@pytest.mark.parametrize("how", ["flipped", "truncated", "not ours", "header", "another model", "a string count", "a huge size"])
 def test_a_bad_state_is_refused_in_one_line_and_the_tokens_are_evaluated(how, model_path, k3_model, tmp_path):
     states = tmp_path / "states"
     messages, _ = two_turns(model_path, states)
@@ -143,6 +146,24 @@ def test_a_bad_state_is_refused_in_one_line_and_the_tokens_are_evaluated(how, mo
         engine.close()
 
 
+def test_a_state_restores_into_another_context_that_holds_it(model_path, tmp_path):
+    """The context the next start fits may differ (memory differs): a state whose tokens fit it
+    is restored; one with more tokens than it holds is refused in one line."""
+    states = tmp_path / "states"
+    messages, _ = two_turns(model_path, states)
+    fresh = engine_on(model_path, None, n_ctx=1024)
+    try:
+        expected, _ = turn(fresh, messages, keep=None)
+    finally:
+        fresh.close()
+    engine = engine_on(model_path, states, n_ctx=1024)
+    try:
+        tokens, result = turn(engine, messages)
+        assert tokens == expected and result.notices == [] and result.cached_tokens > 0
+    finally:
+        engine.close()
+
+
 def test_old_states_go_within_the_quota(tmp_path):
     states = SavedStates(tmp_path, quota=3500, identity="m", n_ctx=256, model_name="m.gguf")
     for n, key in enumerate(["a", "b", "c"]):
@@ -156,6 +177,14 @@ def test_old_states_go_within_the_quota(tmp_path):
     assert not states.path("e").exists() and not list(tmp_path.glob(".*.tmp"))
     with pytest.raises(StateRefused, match="saved with another model"):
         SavedStates(tmp_path, 3500, "other", 256, "o.gguf").load("a")
+    with pytest.raises(StateRefused, match=r"holds 10 tokens, more than this context's 4$"):
+        SavedStates(tmp_path, 3500, "m", 4, "m.gguf").load("a")
+    # A write killed half-way (jetsam, SIGKILL) leaves its temporary file: the next save sweeps it.
+    stale = tmp_path / ".z.state.1.tmp"
+    stale.write_bytes(bytes(100))
+    os.utime(stale, (1000, 1000))
+    states.save("a", list(range(10)), bytes(900))
+    assert not stale.exists()
 
 
 def test_a_full_disk_keeps_the_old_state_and_says_so(model_path, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import threading
 import time
 
 MARKER = "@kimitui-bench "
+CONVERSATION_KEY = "bench"  # bench-resume's conversation, as the engine keeps its state
 DISK_CHUNK_BYTES = 4 * 2**20
 # An ordinary English paragraph, repeated to the requested prompt length: both runs of a
 # comparison tokenize it with the same vocabulary, so they see the same prompt tokens.
@@ -521,7 +522,7 @@ def phase_conversation(spec: dict) -> None:
     engine.load()
     engine.pin()
     emit("ready")
-    key = "bench"
+    key = CONVERSATION_KEY
     if spec["build"]:
         text, tokens = "", 0
         while tokens < spec["conversation_tokens"]:

@@ -12,11 +12,15 @@ process read (the state file's included). Greedy: both must give the same first 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
+from kimitui.benchmarks.child import CONVERSATION_KEY
+from kimitui.engine.saved_states import SavedStates
 from kimitui.benchmarks.common import cell, ratio, run_child, table, write_json
 from kimitui.errors import UserError
 from kimitui.units import format_bytes
@@ -58,8 +62,15 @@ def run(args: argparse.Namespace) -> int:
 
         built = child(build=True, use_state=True)
         runs: dict[str, list[dict]] = {"saved state": [], "evaluated again": []}
-        for _ in range(args.repeat):
-            runs["saved state"].append(child(build=False, use_state=True, messages=built["messages"]))
+        for n in range(args.repeat):
+            # Each restart from a copy of the built state: a measured run saves its own at its end.
+            copy = Path(states) / f"run-{n}"
+            copy.mkdir()
+            saved = SavedStates(Path(states), 0, "", 0, "").path(CONVERSATION_KEY)
+            shutil.copyfile(saved, copy / saved.name)
+            with open(copy / saved.name, "rb+") as written:  # on the disk, so the child can drop it from the cache
+                os.fsync(written.fileno())
+            runs["saved state"].append(child(build=False, use_state=True, messages=built["messages"], states_dir=str(copy)))
             runs["evaluated again"].append(child(build=False, use_state=False, messages=built["messages"]))
     median = {
         name: {key: statistics.median(r[key] for r in rs if r[key] is not None) if any(r[key] is not None for r in rs) else None

@@ -257,12 +257,14 @@ class Generation:
                     raise
                 yield from self._run()
             finally:
-                if self._holds_keep and self.result.finish_reason != "error":
-                    notice = engine.keep_state(self.keep)
-                    if notice:
-                        self.result.notices.append(notice)
-                engine.reply_ended(self)
-                engine.lifecycle.end_reply()
+                try:
+                    if self._holds_keep and self.result.finish_reason != "error":
+                        notice = engine.keep_state(self.keep)
+                        if notice:
+                            self.result.notices.append(notice)
+                finally:
+                    engine.reply_ended(self)
+                    engine.lifecycle.end_reply()
         finally:
             engine.turns.release(self.ticket)
 

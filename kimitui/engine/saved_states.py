@@ -26,12 +26,18 @@ from pathlib import Path
 
 MAGIC = b"kimitui-state 1\n"
 HEADER_LIMIT = 1 << 16  # a header line longer than this is not one of ours
+STALE_TEMP_S = 3600.0  # a temporary file this old is a write that was killed (jetsam, SIGKILL)
 IDENTITY_READ = 1 << 20  # bytes of each model file hashed into its identity (the GGUF header and tensor index)
 CHUNK = 8 << 20
 
 
 class StateRefused(Exception):
-    """A saved state that cannot be used; the message is the one line the user sees."""
+    """A saved state that cannot be used; the message is the one line the user sees.
+    ``damaged``: the file is no good to anyone (not one made for another model or context)."""
+
+    def __init__(self, message: str, damaged: bool = True) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 @dataclass(frozen=True)
@@ -84,13 +90,20 @@ class SavedStates:
         line = f.readline(HEADER_LIMIT)
         try:
             header = json.loads(line)
-            int(header["n_tokens"]), int(header["state_bytes"]), int(header["crc32"]), str(header["model"]), int(header["n_ctx"])
+            numbers = [header[k] for k in ("n_tokens", "state_bytes", "crc32", "n_ctx")]
+            if not isinstance(header["model"], str) or not all(type(n) is int and n >= 0 for n in numbers):
+                raise TypeError
         except (ValueError, KeyError, TypeError):
             raise StateRefused(f"{path}: its header is damaged") from None
+        size = os.fstat(f.fileno()).st_size
+        if header["state_bytes"] + 4 * header["n_tokens"] > size:
+            raise StateRefused(f"{path}: truncated ({size} bytes, its header says more)")
         if header["model"] != self.identity:
-            raise StateRefused(f"{path}: saved with another model ({header.get('model_name', '?')}), not {self.model_name}")
-        if header["n_ctx"] != self.n_ctx:
-            raise StateRefused(f"{path}: saved with a context of {header['n_ctx']} tokens, this one holds {self.n_ctx}")
+            raise StateRefused(f"{path}: saved with another model ({header.get('model_name', '?')}), not {self.model_name}", damaged=False)
+        if header["n_tokens"] > self.n_ctx:
+            raise StateRefused(
+                f"{path}: holds {header['n_tokens']} tokens, more than this context's {self.n_ctx}", damaged=False,
+            )
         return header
 
     def resumes(self, key: str) -> bool:
@@ -190,6 +203,12 @@ class SavedStates:
         return size
 
     def _within_quota(self, keep: Path) -> None:
+        for tmp in self.directory.glob(".*.tmp"):
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
+                    tmp.unlink()
+            except OSError:
+                pass
         files = []
         for path in self.directory.glob("*.state"):
             try:

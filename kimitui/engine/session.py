@@ -1050,7 +1050,10 @@ class Engine:
         """In the reply's turn, before its prompt is evaluated: put ``key``'s saved state in the
         context when it shares more of ``prompt`` than the context holds now. Returns the line
         to show when the saved state was refused (it is removed; the tokens are evaluated)."""
-        states = self.saved_states()
+        try:
+            states = self.saved_states()
+        except OSError as exc:  # a model file gone since the load: its identity cannot be read
+            return f"saved states unavailable: {exc.strerror or exc}"
         if states is None:
             return None
         llm = self._llm
@@ -1061,8 +1064,11 @@ class Engine:
                 return None
             saved = states.load(key)
         except StateRefused as exc:
-            states.discard(key)
+            if exc.damaged:
+                states.discard(key)
             return f"saved state refused: {exc}; the conversation is evaluated again"
+        except (OSError, MemoryError) as exc:
+            return f"saved state unreadable: {states.path(key)}: {exc}; the conversation is evaluated again"
         if saved is None:
             return None
         if not restore_sequence(llm, saved.tokens, saved.state):
@@ -1073,17 +1079,18 @@ class Engine:
     def keep_state(self, key: str) -> str | None:
         """In the reply's turn, at its end: save the context's state as ``key``'s. Returns the
         line to show when it could not be written (a full disk: the older file stays)."""
-        states = self.saved_states()
-        llm = self._llm
-        if states is None or not llm.n_tokens:
-            return None
-        state = sequence_state(llm)
-        if not state:
-            return None
         try:
+            states = self.saved_states()
+            llm = self._llm
+            if states is None or not llm.n_tokens:
+                return None
+            state = sequence_state(llm)
+            if not state:
+                return None
             states.save(key, llm.input_ids[: llm.n_tokens].tolist(), state)
-        except OSError as exc:
-            return f"could not save the conversation's state in {states.directory}: {exc.strerror or exc}"
+        except (OSError, MemoryError) as exc:  # a full disk, no memory for the copy: the older file stays
+            where = self.states_dir if self.states_dir is not None else "the states directory"
+            return f"could not save the conversation's state in {where}: {getattr(exc, 'strerror', None) or exc}"
         return None
 
     def complete(self, prompt: str | list[int], sampling: Sampling, slot: int | None = None, progress: bool = False) -> "Generation":
