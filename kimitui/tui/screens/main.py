@@ -383,6 +383,8 @@ class MainScreen(Screen):
                 await view.remove()
                 raise
         self.reply = Reply(next(self._reply_ids), view, view.message_id, self.conversation_id)
+        if self.terminal_gone:
+            self.reply.leave()  # the terminal closed while its rows were written: it stops at once
         self.engine_state, self.status_detail = "generating", ""
         self.run_worker(
             partial(self._generate, self.reply, messages, Sampling(**vars(self.sampling))),
@@ -549,10 +551,12 @@ class MainScreen(Screen):
         self.terminal_gone = True
         if self.conversation_id is not None:
             self.history.post(self.history.store.set_setting, DROPPED_KEY, str(self.conversation_id))
-        if self.reply is None:
+        if self.reply is None and not self._starting:
             self.app.exit()
             return
-        self.reply.leave()  # cancels its generation, or the generation as soon as it exists
+        if self.reply is not None:
+            self.reply.leave()  # cancels its generation, or the generation as soon as it exists
+        # (A reply still being started is left as soon as it exists: see _start_reply.)
         self.set_timer(DROP_GRACE_S, self.app.exit)
 
     async def reopen_dropped(self) -> None:
