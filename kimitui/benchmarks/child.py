@@ -542,22 +542,17 @@ def phase_conversation(spec: dict) -> None:
     states = engine.saved_states()
     if states is not None and states.path(key).exists():
         drop_from_page_cache(states.path(key))  # read from storage, as after a reboot
-    evaluated: list[int] = []  # the tokens of each llama_decode
-    real_decode = engine.llm._ctx.decode
-
-    def decode(batch):
-        evaluated.append(batch.batch.n_tokens)
-        return real_decode(batch)
-
-    engine.llm._ctx.decode = decode
     read_before, engine_before = _read_bytes(), engine.model_bytes_read()
     started = time.perf_counter()
     generation = engine.chat(messages, Sampling(temperature=0.0, max_tokens=1), keep=key if spec["use_state"] else None)
-    first = next((event.token_id for event in generation if event.token_id >= 0), None)
+    events = iter(generation)  # one reply: each iteration of a Generation is a reply of its own
+    first = next((event.token_id for event in events if event.token_id >= 0), None)
     ttft = time.perf_counter() - started
-    list(generation)
+    for _ in events:
+        pass
     result = generation.result
-    emit("result", ttft_s=ttft, first_token=first, prompt_tokens=result.prompt_tokens, evaluated_tokens=sum(evaluated),
+    emit("result", ttft_s=ttft, first_token=first, prompt_tokens=result.prompt_tokens,
+         evaluated_tokens=result.prompt_tokens - result.cached_tokens,
          engine_read_bytes=engine.model_bytes_read() - engine_before, storage_read_bytes=_delta(read_before, _read_bytes()),
          notices=result.notices)
 
