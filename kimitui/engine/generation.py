@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from kimitui.engine.session import Engine
 
 
+# The bias of a banned token. Finite: with a grammar that allows only banned tokens, -inf
+# everywhere would leave llama.cpp's grammar sampler nothing to accept (it aborts the process).
+BANNED = -1e30
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.7
@@ -37,6 +42,18 @@ class Sampling:
     post_sampling: bool = False  # n_probs from what the sampler chain left, not the raw logits
     cache_prompt: bool = True  # False: evaluate the whole prompt afresh (same numerics every time)
     special: bool = False  # special tokens in the reply's text (a tool-call section's markers)
+    typical_p: float = 1.0  # locally typical sampling (1: off)
+    mirostat: int = 0  # 0 off, 1 or 2: Mirostat v1 / v2 in place of top-k, top-p, min-p and temperature
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    ignore_eos: bool = False  # the end-of-generation tokens are banned (llama-server's logit bias on each)
+    n_keep: int = 0  # a context shift keeps the context's first n_keep tokens (-1: the whole prompt)
+    n_discard: int = 0  # and drops this many after them (0: half of the rest)
+
+    def bias(self, end_of_generation: Sequence[int]) -> dict[int, float]:
+        """The logit bias the reply is sampled with: the request's, and with ``ignore_eos`` each
+        end-of-generation token banned."""
+        return {**self.logit_bias, **dict.fromkeys(end_of_generation, BANNED)} if self.ignore_eos else self.logit_bias
 
 
 @dataclass(frozen=True)
@@ -352,7 +369,8 @@ class Generation:
 
             post = s.post_sampling and s.n_probs > 0
             raw_probs = 0 if post else s.n_probs  # log-probabilities of the logits, before the sampler chain
-            logits = LogitsHook(s.logit_bias, raw_probs) if s.logit_bias or raw_probs else None
+            bias = s.bias(engine.end_of_generation) if s.ignore_eos else s.logit_bias
+            logits = LogitsHook(bias, raw_probs) if bias or raw_probs else None
             if post:
                 sampled_from = SampledFrom(s.n_probs, greedy=s.temperature <= 0)
                 sampled_from.install(llm)
@@ -369,7 +387,11 @@ class Generation:
                 top_k=s.top_k,
                 top_p=s.top_p,
                 min_p=s.min_p,
+                typical_p=s.typical_p,
                 temp=s.temperature,
+                mirostat_mode=s.mirostat,
+                mirostat_tau=s.mirostat_tau,
+                mirostat_eta=s.mirostat_eta,
                 repeat_penalty=s.repeat_penalty,
                 presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty,

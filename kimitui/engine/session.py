@@ -7,6 +7,7 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -936,6 +937,15 @@ class Engine:
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         return self.llm.detokenize(list(tokens), special=special).decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def end_of_generation(self) -> tuple[int, ...]:
+        """The vocabulary's end-of-generation tokens (end of text, end of turn, ...): what
+        ``ignore_eos`` bans. The model's path is the engine's for good, so once is enough."""
+        import llama_cpp
+
+        vocab = self.llm._model.vocab
+        return tuple(t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
 
     def token_bytes(self, token: int) -> bytes:
         """One token's bytes (a piece of a multi-byte character is not text on its own)."""

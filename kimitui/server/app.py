@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse
@@ -35,15 +35,15 @@ from starlette.routing import Route
 from kimitui import __version__
 from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
-from kimitui.engine.generation import Generation, GenerationResult, PromptProgress, Sampling, TokenEvent
+from kimitui.engine.generation import BANNED, Generation, GenerationResult, PromptProgress, Sampling, TokenEvent
 from kimitui.engine.session import Engine
 from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
-from kimitui.server import prom
+from kimitui.server import anthropic, prom, responses
 from kimitui.server import tools as tool_calls
 from kimitui.server.runner import is_loopback
 from kimitui.server.params import (
-    ApiError, Fields, Limits, chat_messages, check_prefill, check_request_size, choices_of, grammar_of, parse_body, prompts_of, sampling_from,
-    token_ids,
+    ApiError, Fields, Limits, chat_messages, check_prefill, check_request_size, choices_of, grammar_of, parse_body, prompts_of,
+    refuse_not_offered, sampling_from, token_ids,
 )
 
 log = logging.getLogger("kimitui.server")
@@ -54,11 +54,6 @@ OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 FINGERPRINT = f"b{__version__}-kimitui"  # OpenAI's system_fingerprint; llama-server's start with "b"
 QUEUE_HEADER = "X-Queue-Position"
 PIECES_PER_ENCODE = 4096  # /tokenize with_pieces: entries JSON-encoded at a time (see Api.tokenize)
-# llama-server's fields kimitui does not offer: (name, the values that mean "off", why).
-NOT_OFFERED = (
-    ("lora", ([],), "kimitui loads no LoRA adapters"),
-    ("mirostat", (0,), "mirostat sampling is not offered"),
-)
 
 
 TOO_LARGE = "request body too large"
@@ -107,7 +102,10 @@ def _content_length(scope) -> int:
         return 0
 
 
-def error_response(status: int, kind: str, message: str, headers: dict | None = None, **extra) -> JSONResponse:
+def error_response(status: int, kind: str, message: str, headers: dict | None = None, path: str = "", **extra) -> JSONResponse:
+    """An error as JSON: llama-server's (OpenAI's) shape, or Anthropic's on its routes."""
+    if anthropic.is_anthropic(path):
+        return JSONResponse(anthropic.error_body(status, message), status, headers=headers)
     return JSONResponse({"error": {"code": status, "type": kind, "message": message, **extra}}, status, headers=headers)
 
 
@@ -326,7 +324,7 @@ class _Origin:
         if not host_allowed(host, self.bind_host, self.allowed_hosts):
             response = error_response(
                 403, "invalid_request_error",
-                f"Host {_host_name(host)!r} is not this server's name: add it to server.allowed_hosts to allow it",
+                f"Host {_host_name(host)!r} is not this server's name: add it to server.allowed_hosts to allow it", path=scope["path"],
             )
         elif origin is not None and not origin_allowed(origin, self.cors_origins):
             if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
@@ -334,7 +332,7 @@ class _Origin:
             else:
                 response = error_response(
                     403, "invalid_request_error",
-                    f"cross-origin requests from {origin} are refused: add it to server.cors_origins to allow it",
+                    f"cross-origin requests from {origin} are refused: add it to server.cors_origins to allow it", path=scope["path"],
                 )
         else:
             await self.app(scope, receive, send)
@@ -408,16 +406,41 @@ class _Guard:
         elif self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             response = error_response(
                 401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY, or X-Api-Key: KEY)",
-                headers={"WWW-Authenticate": "Bearer"},
+                headers={"WWW-Authenticate": "Bearer"}, path=scope["path"],
             )
             await response(scope, receive, send)
         elif not self._json_body(scope):
             given = Headers(scope=scope).get("content-type") or "none"
-            await error_response(415, "invalid_request_error", f"Content-Type must be application/json (got {given})")(scope, receive, send)
+            await error_response(415, "invalid_request_error", f"Content-Type must be application/json (got {given})", path=scope["path"])(
+                scope, receive, send,
+            )
         elif _content_length(scope) > self.max_body:  # refused before the upload is read
-            await error_response(413, "invalid_request_error", TOO_LARGE)(scope, receive, send)
+            await error_response(413, "invalid_request_error", TOO_LARGE, path=scope["path"])(scope, receive, send)
         else:
             await self.app(scope, self._limited(receive), send)
+
+
+@dataclass
+class ChatCall:
+    """A chat request ready to decode (Api.prepare_chat)."""
+
+    tokens: list[int]
+    sampling: Sampling
+    calling: str | None  # the template's tool-call format, when the reply may call tools
+    n: int  # choices
+
+
+@dataclass
+class ChatEvent:
+    """What Api.chat_events yields: "progress", "text" (a delta), "end" or "error"."""
+
+    kind: str
+    text: str = ""
+    progress: PromptProgress | None = None
+    result: GenerationResult | None = None
+    calls: list[dict] = field(default_factory=list)  # at the end: the tool calls, OpenAI's shape
+    finish: str = ""  # at the end: OpenAI's finish_reason
+    stop_word: str = ""  # at the end: the stop string that ended it, if one did
 
 
 class Api:
@@ -446,6 +469,7 @@ class Api:
         # a burst of requests reaching an idle engine must not all be told "position 0". Weak,
         # so a reply whose stream never began leaves no count behind.
         self._arriving: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self.kept_responses = responses.Responses()  # for previous_response_id
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -519,13 +543,6 @@ class Api:
             if error is not None:
                 raise ApiError(f"{grammar_of(fields)[1]}: llama.cpp refused the grammar: {error}")
         return sampling
-
-    @staticmethod
-    def refuse(fields: Fields) -> None:
-        """What is deliberately not offered: a 400 naming the field, never silently ignored
-        (the README lists them)."""
-        for name, off, why in NOT_OFFERED:
-            fields.unsupported(name, *off, why=why)
 
     def read_slot_and_progress(self, request: Request, fields: Fields) -> None:
         """The request's ``id_slot`` (-1: the slot whose cached prompt fits best) and
@@ -651,16 +668,31 @@ class Api:
             "top_k": s.top_k,
             "top_p": s.top_p,
             "min_p": s.min_p,
+            "typical_p": s.typical_p,
+            "repeat_last_n": 64,
             "repeat_penalty": s.repeat_penalty,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "mirostat": s.mirostat,
+            "mirostat_tau": s.mirostat_tau,
+            "mirostat_eta": s.mirostat_eta,
+            "n_keep": s.n_keep,
+            "n_discard": s.n_discard,
+            "ignore_eos": s.ignore_eos,
             "seed": -1 if s.seed is None else s.seed,
             "stop": list(s.stop),
+            # As llama-server shows it, ignore_eos's bans included; a ban is null (JSON has no -inf).
+            "logit_bias": [
+                {"token": t, "bias": None if b <= BANNED else b}
+                for t, b in s.bias(self.engine.end_of_generation if s.ignore_eos else ()).items()
+            ],
         }
 
     async def completion(self, request: Request) -> Response:
         """llama-server's /completion (and /completions): one reply per prompt, in order."""
         self.require_ready()
         fields = await self.body(request)
-        self.refuse(fields)
+        refuse_not_offered(fields)
         self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=False)
         stream = fields.boolean("stream", False)
@@ -757,6 +789,10 @@ class Api:
         in tokens, without a reply."""
         self.require_ready()
         fields = await self.body(request)
+        return JSONResponse({"input_tokens": await self.prompt_length(fields)})
+
+    async def prompt_length(self, fields: Fields) -> int:
+        """The tokens of the prompt a chat request gives the model, tools included."""
         messages = chat_messages(fields.body.get("messages"))
         check_prefill(fields, messages)
         tools, _, calling = self.offered_tools(fields)
@@ -764,7 +800,7 @@ class Api:
             tokens, _ = await run_in_threadpool(self.engine.chat_prompt, messages, tools if calling else None)
         except ChatTemplateError as exc:
             raise ApiError(f"messages: {exc}") from None
-        return JSONResponse({"input_tokens": len(tokens)})
+        return len(tokens)
 
     async def tokenize(self, request: Request) -> Response:
         self.require_ready()
@@ -880,7 +916,7 @@ class Api:
     async def openai_completions(self, request: Request) -> Response:
         self.require_ready()
         fields = await self.body(request)
-        self.refuse(fields)
+        refuse_not_offered(fields)
         self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=True)
         fields.unsupported("echo", False)
@@ -897,7 +933,18 @@ class Api:
     async def chat_completions(self, request: Request) -> Response:
         self.require_ready()
         fields = await self.body(request)
-        self.refuse(fields)
+        call = await self.prepare_chat(request, fields)
+        if call.calling and fields.boolean("stream", False):
+            # Such a reply is sent once whole (see _whole_as_stream): what comes per token cannot be.
+            for name in ("logprobs", "timings_per_token", "return_progress"):
+                if fields.body.get(name):
+                    raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
+        return await self._openai_reply(request, fields, call.sampling, [call.tokens] * call.n, chat=True, calling=call.calling, per_prompt=call.n)
+
+    async def prepare_chat(self, request: Request, fields: Fields) -> ChatCall:
+        """A chat request's prompt tokens and sampling, checked: what /v1/chat/completions takes,
+        and what the Anthropic and Responses requests are turned into."""
+        refuse_not_offered(fields)
         self.read_slot_and_progress(request, fields)
         sampling = await self.sampling(fields, openai=True)
         n = choices_of(fields)
@@ -918,12 +965,138 @@ class Api:
             sampling.special = True  # the section's markers are special tokens in Kimi's vocabulary
         tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens, tools if calling else None)
         sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
-        if calling and fields.boolean("stream", False):
-            # Such a reply is sent once whole (see _whole_as_stream): what comes per token cannot be.
-            for name in ("logprobs", "timings_per_token", "return_progress"):
-                if fields.body.get(name):
-                    raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
-        return await self._openai_reply(request, fields, sampling, [tokens] * n, chat=True, calling=form if calling else None, per_prompt=n)
+        return ChatCall(tokens, sampling, form, n)
+
+    @staticmethod
+    def read_reply(r: GenerationResult, calling: str | None) -> tuple[str, list[dict], str]:
+        """A chat reply's text, its tool calls (OpenAI's shape) and OpenAI's finish_reason."""
+        if calling:
+            content, calls = tool_calls.read_calls(r.text, calling)
+            if calls:
+                return content, calls, "length" if r.finish_reason == "length" else "tool_calls"
+            return content, [], openai_finish(r)
+        return r.text, [], openai_finish(r)
+
+    async def chat_whole(self, request: Request, call: ChatCall) -> tuple[str, ChatEvent] | None:
+        """One chat reply decoded whole: its text (tool calls read out) and its end event; None
+        when the client left first."""
+        done = await self.decode_each(request, [call.tokens], lambda _: call.sampling)
+        if done is None:
+            return None
+        (generation, events), = done[0]
+        request.state.headers = done[1]
+        content, calls, finish = self.read_reply(generation.result, call.calling)
+        return content, self._chat_end(generation, events, calls, finish)
+
+    async def chat_events(self, request: Request, call: ChatCall) -> AsyncIterator[ChatEvent] | None:
+        """One chat reply as events, for the APIs that stream in their own shape (Anthropic's,
+        Responses'): PromptProgress, text deltas, then the end (or an error). A reply that may call
+        tools is decoded whole first (its calls are known only at its end): None if the client
+        left meanwhile. ``request.state.headers`` holds the reply's headers once it returns."""
+        if call.calling:
+            whole = await self.chat_whole(request, call)
+            if whole is None:
+                return None
+
+            async def at_once() -> AsyncIterator[ChatEvent]:
+                content, end = whole
+                if content:
+                    yield ChatEvent("text", content, result=end.result)
+                yield end
+
+            return at_once()
+        generation, request.state.headers = self.start(request, call.tokens, call.sampling)
+
+        async def streamed() -> AsyncIterator[ChatEvent]:
+            events = []
+            try:
+                async for event in run_generation(generation):
+                    if isinstance(event, PromptProgress):
+                        yield ChatEvent("progress", progress=event, result=generation.result)
+                        continue
+                    events.append(event)
+                    if event.text:
+                        yield ChatEvent("text", event.text, result=generation.result)
+            except EngineError as exc:
+                yield ChatEvent("error", str(exc))
+                return
+            finally:
+                self.account(request, generation.result)
+            yield self._chat_end(generation, events, [], openai_finish(generation.result))
+
+        return streamed()
+
+    def _chat_end(self, generation: Generation, events: list[TokenEvent], calls: list[dict], finish: str) -> ChatEvent:
+        ids = [e.token_id for e in events if e.token_id >= 0]
+        _, word = self.stop_type(generation.result, generation.sampling.stop, ids)
+        return ChatEvent("end", result=generation.result, calls=calls, finish=finish, stop_word=word)
+
+    # -- Anthropic routes (anthropic.py) ----------------------------------------------------
+
+    async def anthropic_messages(self, request: Request) -> Response:
+        self.require_ready()
+        chat = anthropic.chat_request((await self.body(request)).body)
+        fields = Fields(chat)
+        call = await self.prepare_chat(request, fields)
+        asked = tuple(chat.get("stop", ()))
+        ident = anthropic.new_id()
+        if not fields.boolean("stream", False):
+            whole = await self.chat_whole(request, call)
+            if whole is None:
+                return Response(status_code=499)
+            text, end = whole
+            return JSONResponse(anthropic.message(ident, self.model_id, text, end, asked), headers=request.state.headers)
+        replies = await self.chat_events(request, call)
+        if replies is None:
+            return Response(status_code=499)
+        stream = anthropic.events(ident, self.model_id, len(call.tokens), replies, asked)
+        return EventSourceResponse(stream, headers=request.state.headers, sep="\n", ping=0)
+
+    async def anthropic_count_tokens(self, request: Request) -> Response:
+        """The prompt a Messages request would give the model, in tokens (tools included)."""
+        self.require_ready()
+        fields = Fields(anthropic.chat_request((await self.body(request)).body))
+        return JSONResponse({"input_tokens": await self.prompt_length(fields)})
+
+    # -- OpenAI's Responses route (responses.py) --------------------------------------------
+
+    async def openai_responses(self, request: Request) -> Response:
+        self.require_ready()
+        body = (await self.body(request)).body
+        chat, conversation = self.kept_responses.chat_request(body)
+        fields = Fields(chat)
+        if fields.body.get("n") not in (None, 1):
+            raise ApiError("n: a response has one reply")
+        call = await self.prepare_chat(request, fields)
+        shape = responses.Shape(responses.new_id(), self.model_id, body, body.get("previous_response_id"))
+        store = Fields(body).boolean("store", True)
+
+        def keep(text: str, end: ChatEvent) -> None:
+            if store:
+                self.kept_responses.keep(shape.ident, conversation, text, end.calls)
+
+        if not fields.boolean("stream", False):
+            whole = await self.chat_whole(request, call)
+            if whole is None:
+                return Response(status_code=499)
+            text, end = whole
+            keep(text, end)
+            return JSONResponse(shape.whole(text, end)[0], headers=request.state.headers)
+        replies = await self.chat_events(request, call)
+        if replies is None:
+            return Response(status_code=499)
+        per_token = fields.boolean("timings_per_token", False)
+
+        def extra(event: ChatEvent) -> dict:
+            """llama-server's own fields on the Responses stream: prompt progress, timings."""
+            if event.kind == "progress":
+                return {"prompt_progress": asdict(event.progress)}
+            if event.result is not None and (per_token or event.kind == "end"):
+                return {"timings": timings(event.result)}
+            return {}
+
+        stream = responses.events(shape, replies, extra, keep)
+        return EventSourceResponse(stream, headers=request.state.headers, sep="\n", ping=0)
 
     async def _whole_as_stream(self, request, asked, sampling_for, envelope, message_of, include_usage: bool, per_prompt: int, debug) -> Response:
         """A streamed reply that may call tools: each choice is decoded whole (its calls are
@@ -994,13 +1167,10 @@ class Api:
             return chat_logprobs(self.engine, events, n_top) if chat else text_logprobs(self.engine, events, n_top)
 
         def message_of(r: GenerationResult) -> tuple[dict, str]:
-            if calling:
-                content, calls = tool_calls.read_calls(r.text, calling)
-                if calls:
-                    finish = "length" if r.finish_reason == "length" else "tool_calls"
-                    return {"role": "assistant", "content": content or None, "tool_calls": calls}, finish
-                return {"role": "assistant", "content": content}, openai_finish(r)
-            return {"role": "assistant", "content": r.text}, openai_finish(r)
+            content, calls, finish = self.read_reply(r, calling)
+            if calls:
+                return {"role": "assistant", "content": content or None, "tool_calls": calls}, finish
+            return {"role": "assistant", "content": content}, finish
 
         def debug(index: int, generation: Generation, events: list[TokenEvent]) -> dict:
             """llama-server's __verbose, when asked for: its own result, the prompt as the model saw it."""
@@ -1079,7 +1249,7 @@ class Api:
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return error_response(exc.status, exc.kind, exc.message, **exc.extra)
+    return error_response(exc.status, exc.kind, exc.message, path=request.url.path, **exc.extra)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -1090,12 +1260,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     }
     return error_response(
         exc.status_code, kinds.get(exc.status_code, "invalid_request_error"),
-        messages.get(exc.status_code, exc.detail), headers=exc.headers,
+        messages.get(exc.status_code, exc.detail), headers=exc.headers, path=request.url.path,
     )
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, "server_error", f"internal error: {type(exc).__name__}")
+    return error_response(500, "server_error", f"internal error: {type(exc).__name__}", path=request.url.path)
 
 
 def create_app(
@@ -1135,6 +1305,10 @@ def create_app(
         Route("/completions", api.completion, methods=post),  # llama-server's own, as there
         Route("/chat/completions", api.chat_completions, methods=post),
         Route("/v1/health", api.health, methods=get),
+        Route("/v1/messages", api.anthropic_messages, methods=post),
+        Route("/v1/responses", api.openai_responses, methods=post),
+        Route("/responses", api.openai_responses, methods=post),
+        Route("/v1/messages/count_tokens", api.anthropic_count_tokens, methods=post),
     ]
     return Starlette(
         routes=routes,

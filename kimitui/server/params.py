@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kimitui.engine.generation import Sampling
+from kimitui.engine.generation import BANNED, Sampling
 
 # Sampling bounds. temperature matches the [sampling] config key; the others keep llama.cpp's
 # samplers out of undefined territory (repeat_penalty divides logits, so it may not be 0).
@@ -22,10 +22,28 @@ SEED = (-1, 0xFFFFFFFF)
 MAX_STOPS = 16
 PENALTY = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
 BIAS = (-100.0, 100.0)  # OpenAI's logit_bias range (llama-server: false bans a token)
-BANNED = -1e30  # the bias of a banned token
 N_PROBS = (0, 100)  # llama-server's n_probs; each is an entry per token in the reply
 TOP_LOGPROBS = (0, 20)  # OpenAI's limit
 MAX_N = 8  # choices per request; each is a whole reply, one after the other
+MIROSTAT_TAU = (0.0, 100.0)
+MIROSTAT_ETA = (0.0, 1.0)
+N_KEEP = (-1, 1 << 24)
+# llama-server's fields kimitui does not offer: (name, the values that mean "off", why). Each is
+# a 400 naming it when a request turns it on, never silently ignored; the README lists them.
+NOT_OFFERED = (
+    ("lora", ([],), "kimitui loads no LoRA adapters"),
+    ("dry_multiplier", (0, 0.0), "llama-cpp-python's sampler chain has no DRY sampler"),
+    ("xtc_probability", (0, 0.0), "llama-cpp-python's sampler chain has no XTC sampler"),
+    ("dynatemp_range", (0, 0.0), "llama-cpp-python's sampler chain has no dynamic temperature"),
+    ("top_n_sigma", (-1, -1.0), "llama-cpp-python's sampler chain has no top-n-sigma sampler"),
+    ("adaptive_target", (-1, -1.0), "llama-cpp-python's sampler chain has no adaptive-p sampler"),
+    ("samplers", (), "llama-cpp-python builds its sampler chain in one fixed order"),
+    ("repeat_last_n", (64,), "llama-cpp-python's penalties look back a fixed 64 tokens"),
+    ("min_keep", (0, 1), "llama-cpp-python's samplers keep at least one candidate, fixed"),
+    ("n_indent", (0,), "not offered"),
+    ("t_max_predict_ms", (0,), "not offered: give n_predict"),
+    ("n_cache_reuse", (0,), "kimitui reuses only a prompt's common prefix"),
+)
 
 
 class ApiError(Exception):
@@ -43,7 +61,7 @@ def _fmt(value: float) -> str:
     return f"{value:g}"
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -80,7 +98,7 @@ class Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ApiError(f"{name}: expected a number between {_fmt(low)} and {_fmt(high)}, got {_shown(value)}")
+            raise ApiError(f"{name}: expected a number between {_fmt(low)} and {_fmt(high)}, got {shown(value)}")
         return float(value)
 
     def integer(self, name: str, default: int, low: int, high: int) -> int:
@@ -91,7 +109,7 @@ class Fields:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ApiError(f"{name}: expected an integer between {low} and {high}, got {_shown(value)}")
+            raise ApiError(f"{name}: expected an integer between {low} and {high}, got {shown(value)}")
         return value
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -99,7 +117,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise ApiError(f"{name}: expected true or false, got {_shown(value)}")
+            raise ApiError(f"{name}: expected true or false, got {shown(value)}")
         return value
 
     def string(self, name: str, default: str | None = None) -> str | None:
@@ -107,7 +125,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, str):
-            raise ApiError(f"{name}: expected a string, got {_shown(value)}")
+            raise ApiError(f"{name}: expected a string, got {shown(value)}")
         return value
 
     def obj(self, name: str) -> dict:
@@ -115,7 +133,7 @@ class Fields:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise ApiError(f"{name}: expected an object, got {_shown(value)}")
+            raise ApiError(f"{name}: expected an object, got {shown(value)}")
         return value
 
     def stops(self, name: str = "stop") -> tuple[str, ...]:
@@ -124,7 +142,7 @@ class Fields:
             return ()
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise ApiError(f"{name}: expected a string or a list of strings, got {_shown(value)}")
+            raise ApiError(f"{name}: expected a string or a list of strings, got {shown(value)}")
         if len(items) > MAX_STOPS:
             raise ApiError(f"{name}: at most {MAX_STOPS} stop strings, got {len(items)}")
         # An empty stop string would end every reply before its first character; nobody means that.
@@ -145,19 +163,17 @@ def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float
         return {}
     pairs = list(value.items()) if isinstance(value, dict) else value
     if not isinstance(pairs, list):
-        raise ApiError(f"{name}: expected an object of token id -> bias, or a list of [token, bias] pairs, got {_shown(value)}")
+        raise ApiError(f"{name}: expected an object of token id -> bias, or a list of [token, bias] pairs, got {shown(value)}")
     bias: dict[int, float] = {}
     for i, pair in enumerate(pairs):
         where = f"{name}[{i}]" if not isinstance(value, dict) else f"{name}.{pair[0]}"
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ApiError(f"{where}: expected [token, bias], got {_shown(pair)}")
+            raise ApiError(f"{where}: expected [token, bias], got {shown(pair)}")
         key, amount = pair
         if amount is False:
-            # Finite: with a grammar that allows only banned tokens, -inf everywhere would leave
-            # llama.cpp's grammar sampler nothing to accept (it aborts the process).
             amount = BANNED
         elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or not BIAS[0] <= amount <= BIAS[1]:
-            raise ApiError(f"{where}: expected a bias between -100 and 100 or false, got {_shown(amount)}")
+            raise ApiError(f"{where}: expected a bias between -100 and 100 or false, got {shown(amount)}")
         if isinstance(value, dict) and key.isascii() and key.lstrip("-").isdecimal():
             if len(key) > 12:  # no vocabulary is that large (and int() refuses past 4,300 digits)
                 raise ApiError(f"{name}: token id {key[:20]}... is outside the vocabulary (0 to {n_vocab - 1})")
@@ -167,7 +183,7 @@ def logit_bias(value: Any, name: str, n_vocab: int, tokenize) -> dict[int, float
         elif isinstance(key, int) and not isinstance(key, bool):
             ids = [key]
         else:
-            raise ApiError(f"{where}: expected a token id or text, got {_shown(key)}")
+            raise ApiError(f"{where}: expected a token id or text, got {shown(key)}")
         for t in ids:
             if not 0 <= t < n_vocab:
                 raise ApiError(f"{where}: token id {t} is outside the vocabulary (0 to {n_vocab - 1})")
@@ -208,9 +224,9 @@ def grammar_of(fields: Fields) -> tuple[str | None, str | None]:
             schema = inner.get("schema", inner)
             name = "response_format.json_schema.schema"
         else:
-            raise ApiError(f"response_format.type: expected text, json_object or json_schema, got {_shown(kind)}")
+            raise ApiError(f"response_format.type: expected text, json_object or json_schema, got {shown(kind)}")
     if not isinstance(schema, dict):
-        raise ApiError(f"{name}: expected a JSON schema object, got {_shown(schema)}")
+        raise ApiError(f"{name}: expected a JSON schema object, got {shown(schema)}")
     try:
         return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)._grammar, name
     except Exception as exc:  # noqa: BLE001 - the converter raises what it meets
@@ -279,7 +295,20 @@ def sampling_from(fields: Fields, limits: Limits, *, openai: bool, n_vocab: int,
         n_probs=_n_probs(fields, openai),
         post_sampling=fields.boolean("post_sampling_probs", False),
         cache_prompt=fields.boolean("cache_prompt", True),
+        typical_p=fields.number("typical_p", 1.0, *PROBABILITY),
+        mirostat=fields.integer("mirostat", 0, 0, 2),
+        mirostat_tau=fields.number("mirostat_tau", 5.0, *MIROSTAT_TAU),
+        mirostat_eta=fields.number("mirostat_eta", 0.1, *MIROSTAT_ETA),
+        ignore_eos=fields.boolean("ignore_eos", False),
+        n_keep=fields.integer("n_keep", 0, *N_KEEP),
+        n_discard=fields.integer("n_discard", 0, 0, N_KEEP[1]),
     )
+
+
+def refuse_not_offered(fields: Fields) -> None:
+    """What is deliberately not offered (NOT_OFFERED): a 400 naming the field when turned on."""
+    for name, off, why in NOT_OFFERED:
+        fields.unsupported(name, *off, why=why)
 
 
 def _n_probs(fields: Fields, openai: bool) -> int:
@@ -303,10 +332,10 @@ def choices_of(fields: Fields) -> int:
 def token_ids(value: Any, name: str, n_vocab: int) -> list[int]:
     """A list of token ids, each checked against the vocabulary (llama.cpp does not check)."""
     if not isinstance(value, list):
-        raise ApiError(f"{name}: expected a list of token ids, got {_shown(value)}")
+        raise ApiError(f"{name}: expected a list of token ids, got {shown(value)}")
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
-            raise ApiError(f"{name}[{i}]: expected a token id between 0 and {n_vocab - 1}, got {_shown(t)}")
+            raise ApiError(f"{name}[{i}]: expected a token id between 0 and {n_vocab - 1}, got {shown(t)}")
     return list(value)
 
 
@@ -331,17 +360,17 @@ def _one_prompt(value: Any, name: str, n_vocab: int) -> str | list[int]:
     if isinstance(value, dict):
         text = value.get("prompt_string")
         if not isinstance(text, str):
-            raise ApiError(f"{name}: expected {{\"prompt_string\": text}}, got {_shown(value)}")
+            raise ApiError(f"{name}: expected {{\"prompt_string\": text}}, got {shown(value)}")
         if value.get("multimodal_data"):
             raise ApiError(f"{name}.multimodal_data: kimitui serves text models only")
         return text
     if isinstance(value, list) and any(isinstance(v, str) for v in value):
         if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-            raise ApiError(f"{name}: expected text and token ids, got {_shown(value)}")
+            raise ApiError(f"{name}: expected text and token ids, got {shown(value)}")
         return value  # mixed: the caller tokenizes the text parts
     if isinstance(value, list):
         return token_ids(value, name, n_vocab)
-    raise ApiError(f"{name}: expected a string or a list of token ids, got {_shown(value)}")
+    raise ApiError(f"{name}: expected a string or a list of token ids, got {shown(value)}")
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -352,15 +381,15 @@ def chat_messages(value: Any) -> list[dict]:
     if value is None:
         raise ApiError("messages: required")
     if not isinstance(value, list) or not value:
-        raise ApiError(f"messages: expected a non-empty list of messages, got {_shown(value)}")
+        raise ApiError(f"messages: expected a non-empty list of messages, got {shown(value)}")
     out = []
     for i, msg in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
-            raise ApiError(f"{where}: expected an object with role and content, got {_shown(msg)}")
+            raise ApiError(f"{where}: expected an object with role and content, got {shown(msg)}")
         role = msg.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise ApiError(f"{where}.role: expected one of {', '.join(ROLES)}, got {_shown(role)}")
+            raise ApiError(f"{where}.role: expected one of {', '.join(ROLES)}, got {shown(role)}")
         content = msg.get("content")
         if isinstance(content, list):
             parts = []
@@ -374,7 +403,7 @@ def chat_messages(value: Any) -> list[dict]:
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):
-            raise ApiError(f"{where}.content: expected a string or a list of text parts, got {_shown(content)}")
+            raise ApiError(f"{where}.content: expected a string or a list of text parts, got {shown(content)}")
         message = {"role": ROLES[role], "content": content}
         # What a template renders of tool use: the calls an assistant turn made, and which call a
         # tool's answer belongs to.

@@ -1,0 +1,240 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) over the chat
+machinery: a request is turned into the chat-completions request it means, decoded the same
+way, and the reply is written in Anthropic's shape (a message of content blocks, or its event
+stream). As llama-server does it, with two differences a client notices: a tool result comes
+before the text of the same user turn (a chat template wants the answer right after the call),
+and ``tool_choice: {"type": "tool", "name": ...}`` makes that tool's call, not any call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from kimitui.server.params import ApiError, Fields, shown
+
+# Anthropic's error types, by HTTP status (its SDK raises the matching exception class).
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
+    499: "invalid_request_error", 501: "invalid_request_error", 503: "overloaded_error",
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def _text_of(value: Any, where: str) -> str:
+    """A string, or a list of text blocks (joined by newlines, as chat text parts are)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ApiError(f"{where}: expected a string or a list of text blocks, got {shown(value)}")
+    parts = []
+    for i, block in enumerate(value):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise ApiError(f"{where}[{i}]: expected a text block ({{\"type\": \"text\", \"text\": ...}}), got {shown(block)}")
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def _message(msg: Any, where: str) -> list[dict]:
+    """One Anthropic message as chat messages: a user turn's tool results become tool messages
+    (before its text), an assistant turn's tool_use blocks its tool_calls."""
+    if not isinstance(msg, dict):
+        raise ApiError(f"{where}: expected an object with role and content, got {shown(msg)}")
+    role = msg.get("role")
+    if role not in ("user", "assistant"):
+        raise ApiError(f"{where}.role: expected user or assistant, got {shown(role)}")
+    content = msg.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise ApiError(f"{where}.content: expected a string or a list of content blocks, got {shown(content)}")
+    texts, calls, results = [], [], []
+    for i, block in enumerate(content):
+        at = f"{where}.content[{i}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append({"type": "text", "text": block["text"]})
+        elif kind == "tool_use" and role == "assistant":
+            name, ident, given = block.get("name"), block.get("id"), block.get("input", {})
+            if not isinstance(name, str) or not isinstance(ident, str) or not isinstance(given, dict):
+                raise ApiError(f'{at}: expected {{"type": "tool_use", "id": ..., "name": ..., "input": {{...}}}}')
+            calls.append({"id": ident, "type": "function", "function": {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            ident = block.get("tool_use_id")
+            if not isinstance(ident, str):
+                raise ApiError(f"{at}.tool_use_id: required for a tool result, a string")
+            answer = _text_of(block.get("content", ""), f"{at}.content")
+            # Anthropic's flag has no place in a chat template; the model is told in words.
+            if block.get("is_error") is True:
+                answer = f"Error: {answer}"
+            results.append({"role": "tool", "tool_call_id": ident, "content": answer})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # an earlier turn's reasoning: the template renders replies without it
+        elif kind in ("image", "document"):
+            raise ApiError(f"{at}: {kind} blocks are not supported (kimitui serves text models only)")
+        else:
+            raise ApiError(f"{at}.type: expected text, tool_use (assistant) or tool_result (user), got {shown(kind)}")
+    out = list(results)
+    if texts or calls or not results:
+        message: dict = {"role": role, "content": texts}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def _tools(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise ApiError(f"tools: expected a list of tools, got {shown(value)}")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise ApiError(f'tools[{i}]: expected {{"name": ..., "description": ..., "input_schema": {{...}}}}')
+        if tool.get("type") not in (None, "custom"):
+            raise ApiError(f"tools[{i}].type: {tool['type']} is one of Anthropic's server tools, which kimitui does not run")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(value: Any) -> tuple[Any, bool]:
+    """OpenAI's tool_choice for Anthropic's, and whether several calls may be made."""
+    if not isinstance(value, dict):
+        raise ApiError(f"tool_choice: expected an object with a type, got {shown(value)}")
+    kind = value.get("type")
+    several = value.get("disable_parallel_tool_use") is not True
+    if kind == "auto":
+        return "auto", several
+    if kind == "any":
+        return "required", several
+    if kind == "none":
+        return "none", several
+    if kind == "tool":
+        if not isinstance(value.get("name"), str):
+            raise ApiError("tool_choice.name: required with type tool")
+        return {"type": "function", "function": {"name": value["name"]}}, several
+    raise ApiError(f"tool_choice.type: expected auto, any, tool or none, got {shown(kind)}")
+
+
+def chat_request(body: dict) -> dict:
+    """The chat-completions request an Anthropic Messages request means. Fields are checked
+    here under Anthropic's names; sampling fields it shares keep their names."""
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError("messages: required")
+    if not isinstance(messages, list):
+        raise ApiError(f"messages: expected a list of messages, got {shown(messages)}")
+    chat: list[dict] = []
+    if body.get("system") is not None:
+        chat.append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, msg in enumerate(messages):
+        chat += _message(msg, f"messages[{i}]")
+    if not chat:
+        chat.append({"role": "user", "content": ""})  # llama-server answers an empty conversation too
+    out: dict = {"messages": chat}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "stream"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    if body.get("stop_sequences") is not None:
+        out["stop"] = list(Fields(body).stops("stop_sequences"))
+    if body.get("tools"):
+        out["tools"] = _tools(body["tools"])
+        if body.get("tool_choice") is not None:
+            out["tool_choice"], out["parallel_tool_calls"] = _tool_choice(body["tool_choice"])
+    elif body.get("tool_choice") is not None and _tool_choice(body["tool_choice"])[0] not in ("auto", "none"):
+        raise ApiError("tool_choice: asks for a tool call, but no tools are given")
+    return out
+
+
+def _usage(result, output: bool = True) -> dict:
+    cached = result.cached_tokens if result is not None else 0
+    usage = {
+        "input_tokens": max(0, (result.prompt_tokens if result is not None else 0) - cached),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+    if output:
+        usage["output_tokens"] = result.completion_tokens if result is not None else 0
+    return usage
+
+
+def _stop(finish: str, stop_word: str, asked: tuple[str, ...]) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence: a stop sequence the request gave is named;
+    the chat template's own end of turn is end_turn."""
+    if finish == "stop" and stop_word and stop_word in asked:
+        return "stop_sequence", stop_word
+    return STOP_REASONS.get(finish, "end_turn"), None
+
+
+def _tool_use(call: dict) -> dict:
+    try:
+        given = json.loads(call["function"]["arguments"] or "{}")
+    except ValueError:
+        given = {}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": given if isinstance(given, dict) else {}}
+
+
+def message(ident: str, model: str, text: str, end, asked: tuple[str, ...]) -> dict:
+    """The whole reply: ``end`` is the chat reply's end event (Api.chat_events)."""
+    reason, sequence = _stop(end.finish, end.stop_word, asked)
+    content = [{"type": "text", "text": text}] if text or not end.calls else []
+    content += [_tool_use(call) for call in end.calls]
+    return {
+        "id": ident, "type": "message", "role": "assistant", "model": model, "content": content,
+        "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(end.result),
+    }
+
+
+def new_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def _event(name: str, payload: dict) -> dict:
+    return {"event": name, "data": json.dumps({"type": name, **payload}, ensure_ascii=False, separators=(",", ":"))}
+
+
+async def events(ident: str, model: str, n_prompt: int, replies: AsyncIterator, asked: tuple[str, ...]) -> AsyncIterator[dict]:
+    """Anthropic's event stream for one reply: message_start, a text block's start, deltas and
+    stop, one block per tool call, message_delta (stop reason, usage), message_stop."""
+    head = {"id": ident, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": n_prompt, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}}
+    yield _event("message_start", {"message": head})
+    index, text_open = 0, False
+    async for event in replies:
+        if event.kind == "text":
+            if not text_open:
+                yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                text_open = True
+            yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": event.text}})
+        elif event.kind == "error":
+            yield _event("error", {"error": {"type": "api_error", "message": event.text}})
+            return
+        elif event.kind == "end":
+            if not text_open and not event.calls:  # a reply of no text still has its (empty) text block
+                yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                text_open = True
+            if text_open:
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+            for call in event.calls:
+                block = _tool_use(call)
+                given = json.dumps(block.pop("input"), ensure_ascii=False)
+                yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": given}})
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+            reason, sequence = _stop(event.finish, event.stop_word, asked)
+            yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(event.result)})
+            yield _event("message_stop", {})
