@@ -46,6 +46,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         # One of llama.cpp's built-in template names (llama3, chatml, command-r, ...) or a
         # Jinja template's text; chat_template_file wins where both are set.
         "chat_template": Key("str", ""),
+        # A reply that fills the context goes on: the older half after n_keep tokens leaves it
+        # (llama-server's --context-shift); models whose memory cannot shift (Kimi K3) stop instead.
+        "context_shift": Key("bool", False),
     },
     "sampling": {
         "temperature": Key("float", 0.7, 0.0, 5.0),
@@ -98,6 +101,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "verbose": Key("bool", False),  # every reply carries llama-server's __verbose object
         "slots": Key("int", 1, 1, 64),  # the context split into this many prompt caches (engine/slots.py)
         "slots_endpoint": Key("bool", True),  # GET /slots answers (else 501, as llama-server --no-slots)
+        # Where POST /slots/{id}?action=save|restore keeps slots' files ("": the actions answer 501).
+        "slot_save_path": Key("str", ""),
     },
 }
 

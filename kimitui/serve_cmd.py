@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parallel", help="slots: the context split into this many prompt caches, kept apart between clients (server.slots)",
     )
     parser.add_argument("--no-slots", action="store_true", help="GET /slots answers 501")
+    parser.add_argument("--slot-save-path", help="directory for POST /slots/{id}?action=save|restore (server.slot_save_path)")
+    shift = parser.add_mutually_exclusive_group()
+    shift.add_argument(
+        "--context-shift", dest="context_shift", action="store_true", default=None,
+        help="a reply that fills the context drops its older half and goes on (model.context_shift)",
+    )
+    shift.add_argument("--no-context-shift", dest="context_shift", action="store_false", help="a reply stops when the context is full (default)")
     parser.add_argument("--tags", help="labels listed with the model in /v1/models, comma-separated")
     parser.add_argument("--verbose", action="store_true", help="add llama-server's __verbose object (the prompt as tokenized, ...) to every reply")
     parser.add_argument(
@@ -66,12 +73,15 @@ def resolve(args: argparse.Namespace):
         ("model.chat_template", "--chat-template", args.chat_template),
         ("model.n_batch", "--batch-size", args.batch_size),
         ("server.slots", "--parallel", args.parallel),
+        ("server.slot_save_path", "--slot-save-path", args.slot_save_path),
         ("sampling.seed", "--seed", args.seed),
     )
     if args.tags is not None:
         settings["server.tags"] = [t.strip() for t in args.tags.split(",") if t.strip()]
     if args.no_slots:
         apply_override(settings, "server.slots_endpoint", False, "--no-slots")
+    if args.context_shift is not None:
+        apply_override(settings, "model.context_shift", args.context_shift, "--context-shift" if args.context_shift else "--no-context-shift")
     if args.verbose:
         apply_override(settings, "server.verbose", True, "--verbose")
     if args.cors_origins is not None:

@@ -102,7 +102,7 @@ def damage(path: Path, how: str, other_model: Path) -> str:
         return "truncated"
     if how == "not ours":
         path.write_bytes(b"GGUF" + bytes(64))
-        return "not a kimitui conversation state"
+        return "not a kimitui state file"
     if how == "header":
         path.write_bytes(MAGIC + b"{not json\n" + bytes(data[len(MAGIC) + 200 :]))
         return "header is damaged"

@@ -181,7 +181,8 @@ class GenerationResult:
     decode_s: float = 0.0
     queued_s: float = 0.0
     slot: int = 0  # the slot it ran in (Engine.slots)
-    context_full: bool = False  # it ended at "length" because the context (the slot) was full
+    context_full: bool = False  # the context (the slot) filled: it ended at "length", or shifted (llama-server's truncated)
+    shifted: int = 0  # tokens the context shifts dropped from the context while it ran
     error: str | None = None
     timings: list[float] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # what the user should know of it (a saved state refused, ...)
@@ -232,7 +233,7 @@ class Generation:
         self.progress = progress  # also yield PromptProgress while the prompt is evaluated
         self.result = GenerationResult()
         self.id = f"req-{next(_request_ids)}"
-        self._build = build
+        self.build = build  # () -> (prompt tokens, stop strings), in the reply's turn
         self._cancel = threading.Event()
         self.ticket: int | None = None
 
@@ -312,6 +313,42 @@ class Generation:
             yield progress()
         return True
 
+    def _sampled(self, llm, prompt: list[int], shift: bool, **sampler) -> Iterator[int]:
+        """llama-cpp-python's generate(), and with ``shift`` a context shift whenever the context
+        is full, as llama-server does it: the sequence's cells after the first n_keep lose
+        n_discard of them (half of the rest unless asked) and the later ones move back. The
+        reply then goes on in a fresh generate() over the shifted context with the very same
+        sampler chain (its grammar state, penalties and random state kept)."""
+        import llama_cpp
+
+        tokens = llm.generate(prompt, **sampler)
+        token = next(tokens, None)
+        while token is not None:
+            yield token
+            if not shift or llm.n_tokens + 1 < self.engine.slot_ctx:
+                token = next(tokens, None)
+                continue
+            tokens.close()
+            s, n_past = self.sampling, llm.n_tokens
+            n_keep = (len(prompt) if s.n_keep < 0 else s.n_keep) + int(llama_cpp.llama_vocab_get_add_bos(llm._model.vocab))
+            n_keep = min(n_keep, self.engine.slot_ctx - 4)
+            n_discard = min(s.n_discard or (n_past - n_keep) // 2, n_past - n_keep - 1)
+            llm._ctx.kv_cache_seq_rm(0, n_keep, n_keep + n_discard)
+            llm._ctx.kv_cache_seq_shift(0, n_keep + n_discard, n_past, -n_discard)
+            llm.input_ids[n_keep : n_past - n_discard] = llm.input_ids[n_keep + n_discard : n_past]
+            llm.n_tokens = n_past - n_discard
+            self.result.shifted += n_discard
+            chain, own = llm._sampler, llm.__dict__.get("_init_sampler")
+            llm._init_sampler = lambda *_, **__: chain  # generate() builds a new chain first thing
+            tokens = llm.generate(llm.input_ids[: llm.n_tokens].tolist() + [token], **sampler)
+            try:
+                token = next(tokens, None)
+            finally:
+                if own is None:
+                    del llm._init_sampler
+                else:
+                    llm._init_sampler = own
+
     def _run(self) -> Iterator[TokenEvent | PromptProgress]:
         engine, s, result = self.engine, self.sampling, self.result
         llm = engine.llm
@@ -323,7 +360,7 @@ class Generation:
         try:
             if engine.streamer is None:
                 engine.check_files()
-            prompt_tokens, template_stops = self._build()
+            prompt_tokens, template_stops = self.build()
         except EngineError as exc:
             result.finish_reason, result.error = "error", str(exc)
             metrics.request_finished()
@@ -342,7 +379,8 @@ class Generation:
             result.finish_reason, result.error = "error", str(exc)
             metrics.request_finished()
             raise
-        budget = max(0, min(s.max_tokens, engine.slot_ctx - len(prompt_tokens)))
+        shift = engine.context_shift
+        budget = max(0, s.max_tokens if shift else min(s.max_tokens, engine.slot_ctx - len(prompt_tokens)))
         llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         import llama_cpp
@@ -382,8 +420,8 @@ class Generation:
                 grammar = LlamaGrammar.from_string(s.grammar, verbose=False)
             if not s.cache_prompt:
                 llm.reset()  # the whole prompt in one evaluation, as on a fresh context
-            tokens = llm.generate(
-                prompt_tokens,
+            tokens = self._sampled(
+                llm, prompt_tokens, shift,
                 top_k=s.top_k,
                 top_p=s.top_p,
                 min_p=s.min_p,
@@ -490,7 +528,13 @@ class Generation:
                 sampled_from.uninstall(llm)
             result.text = text
             result.finish_reason = finish
-            result.context_full = finish == "length" and result.completion_tokens >= engine.slot_ctx - len(prompt_tokens)
+            result.context_full = result.shifted > 0 or (finish == "length" and result.completion_tokens >= engine.slot_ctx - len(prompt_tokens))
+            if result.context_full and not result.shifted:
+                result.notices.append(
+                    f"the context is full ({engine.slot_ctx} tokens): the reply stops here"
+                    + ("" if engine.can_shift else f"; {engine.model_path.name}'s recurrent state cannot shift")
+                    + "; the next message drops the oldest turns to make room",
+                )
             result.decode_s = max(0.0, last - started - result.prompt_s)
             metrics.request_finished()
             engine.save_heatmap()

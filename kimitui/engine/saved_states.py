@@ -70,9 +70,9 @@ def _crc(*parts: bytes | bytearray | memoryview) -> int:
 
 class SavedStates:
     """The directory of conversation states, ``<key>.state`` each, within ``quota`` bytes
-    (0: none kept)."""
+    (0: none kept; None: no limit, and ``key`` is the file's whole name, as a saved slot's is)."""
 
-    def __init__(self, directory: Path, quota: int, identity: str, n_ctx: int, model_name: str) -> None:
+    def __init__(self, directory: Path, quota: int | None, identity: str, n_ctx: int, model_name: str) -> None:
         self.directory = Path(directory)
         self.quota = quota
         self.identity = identity
@@ -80,13 +80,13 @@ class SavedStates:
         self.model_name = model_name
 
     def path(self, key: str) -> Path:
-        return self.directory / f"{key}.state"
+        return self.directory / (key if self.quota is None else f"{key}.state")
 
     # -- reading -----------------------------------------------------------------------
 
     def _header(self, f, path: Path) -> dict:
         if f.read(len(MAGIC)) != MAGIC:
-            raise StateRefused(f"{path}: not a kimitui conversation state")
+            raise StateRefused(f"{path}: not a kimitui state file")
         line = f.readline(HEADER_LIMIT)
         try:
             header = json.loads(line)
@@ -180,7 +180,7 @@ class SavedStates:
         }
         head = MAGIC + json.dumps(header).encode() + b"\n"
         size = len(head) + len(body) + len(state)
-        if size > self.quota:
+        if self.quota is not None and size > self.quota:
             raise OSError(f"the state ({size} bytes) is larger than the state quota ({self.quota} bytes)")
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
@@ -199,7 +199,8 @@ class SavedStates:
             except OSError:
                 pass
             raise
-        self._within_quota(keep=path)
+        if self.quota is not None:
+            self._within_quota(keep=path)
         return size
 
     def _within_quota(self, keep: Path) -> None:

@@ -64,10 +64,13 @@ class Engine:
         address_space: int | str = "auto",
         states_dir: Path | None = None,
         state_quota: int = 0,
+        context_shift: bool = False,
     ) -> None:
         """``states_dir``: where conversations' llama.cpp states are kept (saved_states.py), within
-        ``state_quota`` bytes; None or 0: none kept."""
+        ``state_quota`` bytes; None or 0: none kept. ``context_shift``: a reply that fills the
+        context goes on, its older half dropped (where the model's memory can shift)."""
         self.model_path = Path(model_path)
+        self.context_shift_asked = context_shift
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
@@ -551,7 +554,16 @@ class Engine:
         return info.name, info.file_bytes
 
     def notices(self) -> list[str]:
-        return [note for note in (self.fast_load_note, self.fit_note, self.template_error) if note]
+        return [note for note in (self.fast_load_note, self.fit_note, self.template_error, self.shift_note) if note]
+
+    @property
+    def shift_note(self) -> str | None:
+        if self.context_shift_asked and self._llm is not None and not self.can_shift:
+            return (
+                f"context shift is off for {self.model_path.name}: its recurrent state (Kimi K3's KDA) cannot shift, so a reply "
+                "stops when the context is full; the next message drops the oldest turns instead"
+            )
+        return None
 
     def tuning(self) -> TuningValues:
         s = self.stream_settings
@@ -938,6 +950,18 @@ class Engine:
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         return self.llm.detokenize(list(tokens), special=special).decode("utf-8", errors="replace")
 
+    @property
+    def context_shift(self) -> bool:
+        """Whether a reply that fills the context goes on (asked for, and the model's memory can
+        shift: a recurrent or hybrid one, Kimi K3's KDA, cannot)."""
+        return self.context_shift_asked and self.can_shift
+
+    @property
+    def can_shift(self) -> bool:
+        import llama_cpp
+
+        return self._llm is not None and bool(llama_cpp.llama_memory_can_shift(llama_cpp.llama_get_memory(self._llm._ctx.ctx)))
+
     @functools.cached_property
     def end_of_generation(self) -> tuple[int, ...]:
         """The vocabulary's end-of-generation tokens (end of text, end of turn, ...): what
@@ -1004,14 +1028,15 @@ class Engine:
         stops = tuple(s for s in ([stop] if isinstance(stop, str) else (stop or [])) if s)
         return tokens, stops
 
-    def fit_chat(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...]]:
-        """Drop the oldest turns (never the system prompt or the last message) until it fits."""
+    def fit_chat(self, messages: list[dict], max_tokens: int) -> tuple[list[int], tuple[str, ...], int]:
+        """Drop the oldest turns (never the system prompt or the last message) until it fits.
+        Returns the prompt's tokens, its stop strings and how many messages were dropped."""
         msgs = list(messages)
         while True:
             tokens, stops = self.chat_prompt(msgs)
             room = self.slot_ctx - len(tokens)
             if room >= min(max_tokens, 16):
-                return tokens, stops
+                return tokens, stops, len(messages) - len(msgs)
             first = 1 if msgs and msgs[0].get("role") == "system" else 0
             if len(msgs) - first <= 1:
                 raise EngineError(f"the prompt is {len(tokens)} tokens; {self.context_words}")
@@ -1033,7 +1058,19 @@ class Engine:
     def chat(self, messages: list[dict], sampling: Sampling, keep: str | None = None) -> "Generation":
         """A reply to ``messages``; with ``keep``, the conversation's state is restored from disk
         where that saves evaluating its tokens, and saved at the reply's end (saved_states.py)."""
-        return Generation(self, lambda: self.fit_chat(messages, sampling.max_tokens), sampling, keep=keep)
+        generation = Generation(self, lambda: ([], ()), sampling, keep=keep)
+
+        def build() -> tuple[list[int], tuple[str, ...]]:
+            tokens, stops, dropped = self.fit_chat(messages, sampling.max_tokens)
+            if dropped:
+                generation.result.notices.append(
+                    f"{dropped} earlier message{'s' if dropped != 1 else ''} left the model's context ({self.context_words} tokens); "
+                    "the history keeps them",
+                )
+            return tokens, stops
+
+        generation.build = build
+        return generation
 
     # -- conversation states on disk (saved_states.py) ------------------------------------
 
@@ -1042,9 +1079,14 @@ class Engine:
         if not self.state_quota or self._llm is None:
             return None
         if self._states is None or self._states.n_ctx != self.slot_ctx:
-            identity = self._states.identity if self._states is not None else model_identity(list(self.info.files or (self.model_path,)))
-            self._states = SavedStates(self.states_dir, self.state_quota, identity, self.slot_ctx, self.model_path.name)
+            self._states = SavedStates(self.states_dir, self.state_quota, self.state_identity, self.slot_ctx, self.model_path.name)
         return self._states
+
+    @functools.cached_property
+    def state_identity(self) -> str:
+        """What a saved state belongs to (saved_states.model_identity): read once, as the files
+        cannot change under a loaded model without the engine noticing (check_files)."""
+        return model_identity(list(self.info.files or (self.model_path,)))
 
     def resumes(self, key: str) -> bool:
         """Whether the conversation ``key`` has a saved state this model can restore."""
@@ -1103,6 +1145,25 @@ class Engine:
             return f"could not save the conversation's state in {where}: {getattr(exc, 'strerror', None) or exc}"
         return None
 
+    def slot_file(self, action: str, slot_id: int, directory: Path, name: str = "") -> tuple[int, int]:
+        """llama-server's slot actions, in the engine's turn: "save" ``slot_id``'s cached prompt
+        as ``directory``/``name``, "restore" it from there (checked as a saved conversation is:
+        model, context, checksum), or "erase" it. Returns (tokens, bytes written or read; 0 for
+        erase). EngineError or StateRefused say why not, in one line."""
+        with self.turns.turn() as served:
+            if not served:
+                raise EngineError("the engine is closing")
+            self.lifecycle.begin_reply()
+            try:
+                if action == "erase":
+                    return self.slots.erase(self.llm, slot_id), 0
+                store = SavedStates(directory, None, self.state_identity, self.slot_ctx, self.model_path.name)
+                if action == "save":
+                    return self.slots.save(self.llm, slot_id, store, name)
+                return self.slots.restore(self.llm, slot_id, store, name)
+            finally:
+                self.lifecycle.end_reply()
+
     def complete(self, prompt: str | list[int], sampling: Sampling, slot: int | None = None, progress: bool = False) -> "Generation":
         """A reply to ``prompt``, in ``slot`` (None: the slot whose cached prompt fits it best);
         with ``progress``, PromptProgress events come before its tokens."""
@@ -1136,6 +1197,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
         shard_size=settings["engine.shard_size"],
         chat_template=chat_template_file(settings["model.chat_template_file"]) or settings["model.chat_template"] or None,
         n_slots=settings["server.slots"],
+        context_shift=settings["model.context_shift"],
         stream_settings=StreamSettings(
             prefetch_depth=settings["engine.prefetch_depth"],
             policy=settings["engine.policy"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kimitui.engine.llama_glue import restore_sequence, sequence_state
+from kimitui.engine.llama_glue import clear_context, restore_sequence, sequence_state
 from kimitui.engine.state import EngineError, EngineState, Lifecycle
 
 
@@ -90,6 +90,54 @@ class Slots:
         restore_sequence(llm, wanted.tokens, wanted.state)
         wanted.tokens, wanted.state = [], bytearray()
         self.active = slot_id
+
+    # -- saved slots (llama-server's POST /slots/{id}?action=save|restore|erase) ----------
+
+    def save(self, llm, slot_id: int, store, name: str) -> tuple[int, int]:
+        """Write ``slot_id``'s cached prompt and its state to ``store`` as ``name`` (the file
+        format of saved conversations). Returns (tokens, bytes written)."""
+        self.lifecycle.require(EngineState.GENERATING)
+        slot = self._slot(slot_id)
+        if slot.id == self.active:
+            tokens, state = llm.input_ids[: llm.n_tokens].tolist(), sequence_state(llm)
+        else:
+            tokens, state = slot.tokens, slot.state
+        if not tokens or not state:
+            raise EngineError(f"id_slot: slot {slot_id} holds no prompt to save")
+        return len(tokens), store.save(name, tokens, state)
+
+    def restore(self, llm, slot_id: int, store, name: str) -> tuple[int, int]:
+        """Put the saved ``name`` (checked whole: StateRefused says why not) in ``slot_id``.
+        Returns (tokens, bytes read)."""
+        self.lifecycle.require(EngineState.GENERATING)
+        slot = self._slot(slot_id)
+        saved = store.load(name)
+        if saved is None:
+            raise FileNotFoundError(store.path(name))
+        if slot.id == self.active:
+            if not restore_sequence(llm, saved.tokens, saved.state):
+                raise EngineError(f"{store.path(name)}: llama.cpp could not restore it (the slot is empty now)")
+        else:
+            slot.tokens, slot.state = saved.tokens, saved.state
+        slot.used_at = time.monotonic()
+        return len(saved.tokens), store.path(name).stat().st_size
+
+    def erase(self, llm, slot_id: int) -> int:
+        """Empty ``slot_id``'s cached prompt. Returns the tokens it held."""
+        self.lifecycle.require(EngineState.GENERATING)
+        slot = self._slot(slot_id)
+        if slot.id == self.active:
+            held = llm.n_tokens
+            clear_context(llm)
+        else:
+            held = len(slot.tokens)
+            slot.tokens, slot.state = [], bytearray()
+        return held
+
+    def _slot(self, slot_id: int) -> Slot:
+        if not 0 <= slot_id < self.count:
+            raise EngineError(f"id_slot: {slot_id} is not a slot (there are {self.count}: 0 to {self.count - 1})")
+        return self.slots[slot_id]
 
     def forget(self) -> None:
         """Drop every parked prompt (the model is closed: its states mean nothing to another)."""

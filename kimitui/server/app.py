@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 import weakref
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
@@ -37,13 +38,14 @@ from kimitui.config import Settings
 from kimitui.engine.metrics import Sampler
 from kimitui.engine.generation import BANNED, Generation, GenerationResult, PromptProgress, Sampling, TokenEvent
 from kimitui.engine.session import Engine
+from kimitui.engine.saved_states import StateRefused
 from kimitui.engine.state import ChatTemplateError, EngineError, EngineState
 from kimitui.server import anthropic, prom, responses
 from kimitui.server import tools as tool_calls
 from kimitui.server.runner import is_loopback
 from kimitui.server.params import (
     ApiError, Fields, Limits, chat_messages, check_prefill, check_request_size, choices_of, grammar_of, parse_body, prompts_of,
-    refuse_not_offered, sampling_from, token_ids,
+    refuse_not_offered, sampling_from, shown, slot_filename, token_ids,
 )
 
 log = logging.getLogger("kimitui.server")
@@ -464,6 +466,7 @@ class Api:
         self.model_id = self.aliases[0] if self.aliases else engine.model_path.name
         self.verbose = settings["server.verbose"]
         self.slots_endpoint = settings["server.slots_endpoint"]
+        self.slot_save_path = settings["server.slot_save_path"]
         self.created = int(time.time())
         # Replies this API started that have not taken their turn yet (their thread is starting):
         # a burst of requests reaching an idle engine must not all be told "position 0". Weak,
@@ -858,6 +861,38 @@ class Api:
             }
             for slot in engine.slots.slots
         ])
+
+    async def slot_action(self, request: Request) -> Response:
+        """llama-server's POST /slots/{id}?action=save|restore|erase, with --slot-save-path."""
+        if not self.slot_save_path:
+            raise ApiError("slot actions are off: start with --slot-save-path DIR (server.slot_save_path)", 501, "not_supported_error")
+        self.require_ready()
+        raw = request.path_params["id_slot"]
+        if not raw.isdecimal() or not 0 <= int(raw) < self.engine.slots.count:
+            raise ApiError(f"id_slot: {raw!r} is not a slot (there are {self.engine.slots.count}: 0 to {self.engine.slots.count - 1})")
+        slot, action = int(raw), request.query_params.get("action")
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(f"action: expected save, restore or erase, got {shown(action)}")
+        name = ""
+        if action != "erase":
+            name = slot_filename((await self.body(request)).body.get("filename"))
+        started = time.perf_counter()
+        try:
+            tokens, size = await run_in_threadpool(self.engine.slot_file, action, slot, Path(self.slot_save_path), name)
+        except StateRefused as exc:
+            raise ApiError(f"filename: {exc}") from None
+        except FileNotFoundError:
+            raise ApiError(f"filename: {Path(self.slot_save_path) / name}: no such saved slot", 404, "not_found_error") from None
+        except OSError as exc:
+            raise ApiError(f"filename: could not write {Path(self.slot_save_path) / name}: {exc.strerror or exc}", 500, "server_error") from None
+        except EngineError as exc:
+            raise ApiError(str(exc)) from None
+        ms = (time.perf_counter() - started) * 1000.0
+        if action == "erase":
+            return JSONResponse({"id_slot": slot, "n_erased": tokens})
+        if action == "save":
+            return JSONResponse({"id_slot": slot, "filename": name, "n_saved": tokens, "n_written": size, "timings": {"save_ms": ms}})
+        return JSONResponse({"id_slot": slot, "filename": name, "n_restored": tokens, "n_read": size, "timings": {"restore_ms": ms}})
 
     async def props(self, request: Request) -> Response:
         self.require_ready()
@@ -1294,6 +1329,7 @@ def create_app(
         Route("/apply-template", api.apply_template, methods=post),
         Route("/props", api.props, methods=get),
         Route("/slots", api.slots, methods=get),
+        Route("/slots/{id_slot}", api.slot_action, methods=post),
         Route("/metrics", api.metrics, methods=get),
         Route("/v1/models", api.models, methods=get),
         Route("/v1/completions", api.openai_completions, methods=post),

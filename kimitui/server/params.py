@@ -444,3 +444,27 @@ def check_prefill(fields: "Fields", messages: list[dict]) -> None:
         raise ApiError("continue_final_message: the last message must be the assistant's, to continue it")
     if not add and not cont:
         raise ApiError("add_generation_prompt: false is taken only with continue_final_message true (a reply always fills a turn)")
+
+
+FILENAME_REFUSED = set(':*?"<>|/\\')
+
+
+def slot_filename(value: Any) -> str:
+    """A saved slot's file name, as llama-server checks it: a plain name inside the slot
+    directory (no path, no '..', no control or reserved characters, no leading or trailing
+    space, no trailing dot)."""
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"filename: required, a file name, got {shown(value)}")
+    bad = next((c for c in value if c in FILENAME_REFUSED or ord(c) < 32 or 127 <= ord(c) < 160 or c in "\ufeff\ufffd\u2215\u2216\uff0e"
+                or 0xD800 <= ord(c) < 0xE000), None)
+    why = (
+        f"the character {bad!r} is refused" if bad is not None
+        else "longer than 255 bytes" if len(value.encode("utf-8")) > 255
+        else "'..' is refused" if ".." in value or value == "."
+        else "a leading or trailing space is refused" if value != value.strip(" ")
+        else "a trailing dot is refused" if value.endswith(".")
+        else None
+    )
+    if why is not None:
+        raise ApiError(f"filename: {shown(value)} is not a plain file name ({why})")
+    return value
