@@ -176,3 +176,75 @@ def fake_app(engine: FakeEngine | None = None, snapshots: list[Snapshot] | None 
     engine = engine or FakeEngine()
     sampler = RecordedSampler(recorded_snapshots() if snapshots is None else snapshots)
     return KimituiApp(settings, engine, sampler, HistoryStore(data_dir() / "history.sqlite3"))
+
+
+class FakeLlamaServer:
+    """A stand-in for a stock llama-server, as `kimitui --remote` meets one: its /health,
+    /v1/models, /props and /slots, a /metrics that reports only some of llama-server's own
+    metrics (no memory, reads or streaming, and its predicted_tokens_seconds gauge at 0, as
+    llama-server's reads between replies), and streamed chat replies of fixed words with the
+    timings llama-server sends. ``start()`` serves it on loopback; ``url``; ``stop()``."""
+
+    WORDS = ["Hello", " from", " a", " stock", " llama", "-server", "."]
+
+    def __init__(self, delay_s: float = 0.02) -> None:
+        self.delay_s = delay_s
+        self.requests: list[str] = []
+        self.server = None
+
+    def app(self):
+        import asyncio
+        import json
+
+        from sse_starlette import EventSourceResponse
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        async def health(request):
+            return JSONResponse({"status": "ok"})
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "stock.gguf", "object": "model", "owned_by": "llamacpp",
+                                                            "meta": {"n_ctx_train": 2048, "size": 1 << 30}}]})
+
+        async def props(request):
+            return JSONResponse({"default_generation_settings": {"n_ctx": 2048, "params": {}}, "total_slots": 1,
+                                 "model_path": "/models/stock.gguf", "build_info": "b6000-stock"})
+
+        async def metrics(request):
+            return Response("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+                            "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 12\n"
+                            "llamacpp:tokens_predicted_total 7\nllamacpp:predicted_tokens_seconds 0\n"
+                            "llamacpp:requests_processing 0\n", media_type="text/plain")
+
+        async def chat(request):
+            self.requests.append((await request.body()).decode())
+
+            async def sse():
+                for word in self.WORDS:
+                    await asyncio.sleep(self.delay_s)
+                    yield json.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]})
+                timings = {"prompt_n": 12, "prompt_ms": 30.0, "predicted_n": len(self.WORDS), "predicted_ms": 7 * self.delay_s * 1000}
+                yield json.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "timings": timings})
+                yield "[DONE]"
+
+            return EventSourceResponse(sse(), ping=0)
+
+        return Starlette(routes=[
+            Route("/health", health), Route("/v1/models", models), Route("/props", props), Route("/metrics", metrics),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ])
+
+    def start(self) -> "FakeLlamaServer":
+        from kimitui.server.runner import ServerThread, bind_socket
+
+        self.server = ServerThread(self.app(), bind_socket("127.0.0.1", 0)).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()

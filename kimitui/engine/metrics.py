@@ -182,6 +182,9 @@ class Snapshot:
     # Who counted process_read_bytes: "process" (the OS's per-process counters), "engine" (the
     # engine's own reads, where the OS keeps no such counters), or None (neither).
     read_counted_by: str | None = "process"
+    # None: this process's own engine. Else the server the figures come from (remote mode):
+    # what it does not report is None above, and the panels say so.
+    reported_by: str | None = None
 
     @property
     def cache_hit_rate(self) -> float | None:

@@ -168,7 +168,7 @@ class SavedStates:
     def save(self, key: str, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
         """Write ``key``'s state atomically, then keep the directory within the quota (this file
         last to go). Returns the bytes written; OSError (a full disk, say) leaves the old file."""
-        if self.quota <= 0:
+        if self.quota is not None and self.quota <= 0:
             return 0
         raw = array.array("i", tokens)
         if sys.byteorder != "little":

@@ -958,9 +958,17 @@ class Engine:
 
     @property
     def can_shift(self) -> bool:
+        """llama.cpp says a recurrent state shifts "trivially" (it has no positions), but a shift
+        drops tokens from the middle of the context, which a recurrent state (Kimi K3's KDA)
+        cannot give back: only an attention cache that can move its cells shifts here."""
         import llama_cpp
 
-        return self._llm is not None and bool(llama_cpp.llama_memory_can_shift(llama_cpp.llama_get_memory(self._llm._ctx.ctx)))
+        if self._llm is None:
+            return False
+        model = self._llm._model.model
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            return False
+        return bool(llama_cpp.llama_memory_can_shift(llama_cpp.llama_get_memory(self._llm._ctx.ctx)))
 
     @functools.cached_property
     def end_of_generation(self) -> tuple[int, ...]:

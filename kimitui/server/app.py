@@ -377,6 +377,9 @@ class _Guard:
     def _json_body(scope) -> bool:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return True
+        headers = Headers(scope=scope)
+        if "content-type" not in headers and headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers:
+            return True  # no body at all (llama-server's POST /slots/{id}?action=erase)
         media = Headers(scope=scope).get("content-type", "").split(";", 1)[0].strip().lower()
         return media == "application/json"
 

@@ -307,7 +307,7 @@ class RemoteEngine:
                    for name, field in STREAMING_METRICS.items()}
             )
         p50, p95, ttft = num("kimitui_token_latency_p50_seconds"), num("kimitui_token_latency_p95_seconds"), num("kimitui_ttft_seconds")
-        decode = num("llamacpp:predicted_tokens_seconds")
+        kimitui = any(name.startswith("kimitui_") for name in remote)
         return Snapshot(
             time=now,
             rss_bytes=rss,
@@ -322,13 +322,17 @@ class RemoteEngine:
             p50_s=p50 if p50 is not None else percentile(latencies, 50),
             p95_s=p95 if p95 is not None else percentile(latencies, 95),
             ttft_s=ttft if ttft is not None else view["ttft_s"],
-            decode_tok_s=decode if decode is not None else view["decode_tok_s"],
+            # From the tokens that arrived: llama-server's predicted_tokens_seconds is a rate since
+            # its last scrape, 0 between replies.
+            decode_tok_s=view["decode_tok_s"],
             tokens_total=count("llamacpp:tokens_predicted_total", view["tokens_total"]),
             requests_total=count("kimitui_requests_total", view["requests_total"]),
             prompt_tokens_total=count("llamacpp:prompt_tokens_total", view["prompt_tokens_total"]),
             streaming=streaming,
             rss_history=list(self._rss_history),
             read_rate_history=list(self._rate_history),
+            read_counted_by="process" if read_bytes is not None else None,
+            reported_by="kimitui" if kimitui else "llama-server" if self.llama_like else "an OpenAI-compatible server",
         )
 
 

@@ -21,7 +21,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState
 
 from kimitui.engine.interface import ChatEngine
@@ -427,8 +427,6 @@ class MainScreen(Screen):
         if error:
             note = f"error: {error}"
             self.notify(error, severity="error", timeout=15)
-        for notice in result.notices:
-            self.notify(notice, severity="warning", timeout=15)
         # Queued before the view is finished: the app may be closing while it awaits.
         self.history.post(self.history.store.update_message, reply.message_id, reply.text, complete=error is None, stats=stats)
         if self.trace is not None and self.trace.error and not self._trace_error_shown:
@@ -437,6 +435,13 @@ class MainScreen(Screen):
         self.engine_state, self.status_detail = "idle", ""
         if not reply.detached:
             await reply.view.finish(note)
+            # What the user should know of this reply (old turns left the context, the context
+            # filled, a saved state refused) stays in the chat under it; the history keeps the messages.
+            for notice in result.notices:
+                await self.chat_log.add(Static(notice, classes="chat-notice", markup=False))
+        else:
+            for notice in result.notices:
+                self.notify(notice, severity="warning", timeout=15)
         if self.terminal_gone:
             self.app.exit()
 

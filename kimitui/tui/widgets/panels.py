@@ -15,6 +15,7 @@ from kimitui.units import format_bytes, format_ms, format_rate
 
 # Why the streaming panels show "—"; the app sets it once it knows what was pinned.
 NOT_STREAMING = "no streaming counters yet"
+NOT_REPORTED = "not reported by this server"
 
 
 def _level(fraction: float | None) -> str:
@@ -64,6 +65,10 @@ class Panel(Vertical, can_focus=True):
         self.note.update(text)
         self.note.set_class(not text, "-empty")
 
+    def missing(self, snap: Snapshot) -> str:
+        """Why a figure is missing: a remote server does not report it, or the local reason."""
+        return NOT_REPORTED if snap.reported_by is not None else self.idle_note
+
     def set_level(self, level: str) -> None:
         for name in ("success", "warning", "error"):
             self.set_class(name == level, f"-{name}")
@@ -77,7 +82,7 @@ class CachePanel(Panel):
         s = snap.streaming
         if s is None:
             self.body.update("hits — miss —\nhit rate —")
-            self.show_note(self.idle_note)
+            self.show_note(self.missing(snap))
             return
         rate = snap.cache_hit_rate
         experts = ""
@@ -98,7 +103,7 @@ class PrefetchPanel(Panel):
         s = snap.streaming
         if s is None:
             self.body.update("queue —\nstall —\nused —\nwasted —")
-            self.show_note(self.idle_note)
+            self.show_note(self.missing(snap))
             return
         self.body.update(
             f"queue {s.prefetch_queue_depth}, {format_bytes(s.prefetch_inflight_bytes)}\n"
@@ -125,6 +130,7 @@ class DiskPanel(Panel):
             f"read{counted} {format_rate(snap.process_read_rate)}\n"
             f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
         )
+        self.show_note(NOT_REPORTED if snap.reported_by is not None and snap.process_read_bytes is None else "")
         self.show_spark(snap.read_rate_history)
 
 
@@ -136,6 +142,12 @@ class MemoryPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         # The budget is the model's: its pages are measured against it, the rest of the process
         # (interpreter, UI, llama.cpp's KV cache and buffers) is shown beside it.
+        if snap.reported_by is not None and snap.rss_bytes is None:
+            self.summary = "RSS —"
+            self.body.update("RSS —\npeak —\nbudget —")
+            self.show_note(NOT_REPORTED)
+            self.set_level("")
+            return
         budget = snap.budget_bytes
         model = snap.model_rss_bytes
         held = model if model is not None else snap.rss_bytes
@@ -152,6 +164,7 @@ class MemoryPanel(Panel):
         # Rich's bar takes the width it is given at render time, whatever the layout.
         bar = ProgressBar(total=1.0, completed=min(1.0, fraction)) if fraction is not None else Text("—")
         self.body.update(Group(text, bar))
+        self.show_note("")
         self.set_level(_level(fraction))
 
 
@@ -166,6 +179,8 @@ class LatencyPanel(Panel):
             f"p50 {format_ms(snap.p50_s)}\np95 {format_ms(snap.p95_s)}\n"
             f"TTFT {format_ms(snap.ttft_s)}\n{tok_s} tok/s"
         )
+        # A server's replies are timed here, as their tokens arrive: the network is in them.
+        self.show_note("timed here, network included" if snap.reported_by is not None else "")
         self.show_spark([x * 1000 for x in snap.latencies])
 
 
@@ -182,8 +197,9 @@ class ResidencyPanel(Panel):
 
     def render_snapshot(self, snap: Snapshot) -> None:
         if snap.residency is None:
-            self.body.update("every layer pinned" if snap.streaming is None else "—")
-            self.show_note(self.idle_note if snap.streaming is None else "")
+            local = snap.reported_by is None and snap.streaming is None
+            self.body.update("every layer pinned" if local else "—")
+            self.show_note(self.missing(snap) if snap.streaming is None else "")
             return
         width = max(8, self.body.size.width - 8)
         per_cell = max(1, -(-len(snap.residency) // width))  # K3's 93 layers fit 50 columns in pairs
@@ -221,7 +237,7 @@ class ExpertPanel(Panel):
     def render_snapshot(self, snap: Snapshot) -> None:
         if snap.experts is None:
             self.body.update("—")
-            self.show_note("no routed experts stream (dense model, or it fits)")
+            self.show_note(NOT_REPORTED if snap.reported_by is not None else "no routed experts stream (dense model, or it fits)")
             return
         counts, rates = snap.experts
         width = max(8, self.body.size.width - 10)
