@@ -458,3 +458,56 @@ async def test_trace_flag_shows_the_live_trace_and_writes_the_file(tmp_path):
     assert {"request", "token", "read", "end"} <= kinds
     end = [r for r in records if r["type"] == "end"][-1]
     assert len([r for r in records if r["type"] == "token"]) == end["completion_tokens"] > 0
+
+
+async def test_a_conversation_longer_than_the_context_goes_on_and_the_history_keeps_it(tmp_path, monkeypatch):
+    """At a context of 256 tokens a few exchanges fill it: the next message still gets a reply
+    (the oldest turns leave the context, the system prompt stays), the chat says so under the
+    reply, and the history keeps every message."""
+    config = tmp_path / "small.toml"
+    config.write_text("[model]\nn_ctx = 256\n[sampling]\ntemperature = 0.0\nmax_tokens = 40\n")
+    monkeypatch.setenv("KIMITUI_CONFIG", str(config))
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        asked = ["Tell me about the sea.", "Tell me about mountains.", "Tell me about rivers.", "Tell me about forests.",
+                 "Tell me about deserts.", "Tell me about cities."]
+        for text in asked:
+            await ask(pilot, app, text)
+            if app.query(".chat-notice"):
+                break
+        notices = [str(n.render()) for n in app.query(".chat-notice")]
+        assert notices and "left the model's context" in notices[0] and "the history keeps them" in notices[0]
+        replies = [v for v in app.query(MessageView) if v.role == "assistant"]
+        assert replies[-1].text and "error" not in str(replies[-1].border_subtitle)
+        kept = app.main.history.store.messages(app.main.conversation_id)
+        sent = asked[: len(replies)]
+        assert [m.content for m in kept if m.role == "user"] == sent and len(kept) == 2 * len(sent)
+        # The system prompt stays in the context: the prompt the engine was given begins with it.
+        assert app.main.engine.llm.detokenize(app.main.engine.llm.input_ids[:12].tolist()).decode().find("helpful assistant") != -1
+
+
+async def test_remote_panels_show_only_what_a_stock_llama_server_reports():
+    """Against a llama-server that reports neither memory, reads nor streaming, and whose
+    predicted_tokens_seconds gauge reads 0 between replies: those panels say "not reported by
+    this server", the residency panel claims nothing, and tok/s is the tokens that arrived."""
+    from fakes import FakeLlamaServer
+    from kimitui.tui.widgets.panels import NOT_REPORTED, CachePanel, DiskPanel, ExpertPanel, PrefetchPanel, ResidencyPanel
+
+    fake = FakeLlamaServer(delay_s=0.03).start()
+    try:
+        settings = resolve_settings(build_parser().parse_args([]))
+        app = cli.make_app(settings, remote=(fake.url, None))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await ask(pilot, app, "Hi")
+            assert app.query(MessageView).last().text == "".join(FakeLlamaServer.WORDS)
+            latency = app.query_one(LatencyPanel)
+            await until(pilot, lambda: "p50 —" not in str(latency.body.render()))
+            shown = str(latency.body.render())
+            rate = float(shown.split("\n")[3].split()[0])
+            assert 5.0 < rate < 1000.0  # 7 tokens 30 ms apart, not the server's 0.0
+            for panel in (CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, ResidencyPanel, ExpertPanel):
+                assert str(app.query_one(panel).note.render()) == NOT_REPORTED, panel.__name__
+            assert "pinned" not in str(app.query_one(ResidencyPanel).body.render())
+            assert "timed here" in str(latency.note.render())
+    finally:
+        fake.stop()
