@@ -15,8 +15,9 @@ VALUE_FLAGS = {
     "--alias": "--alias", "--cors-origins": "--cors-origins", "--chat-template-file": "--chat-template-file",
     "--seed": "--seed", "-s": "--seed", "--chat-template": "--chat-template", "--batch-size": "--batch-size",
     "-b": "--batch-size", "--tags": "--tags", "--parallel": "--parallel", "-np": "--parallel",
+    "--slot-save-path": "--slot-save-path",
 }
-SWITCHES = {"--verbose", "--no-slots"}
+SWITCHES = {"--verbose", "--no-slots", "--context-shift", "--no-context-shift"}
 
 
 def translate(args: list[str]) -> list[str]:

@@ -58,7 +58,7 @@ def _message(msg: Any, where: str) -> list[dict]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise ApiError(f"{where}.content: expected a string or a list of content blocks, got {shown(content)}")
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for i, block in enumerate(content):
         at = f"{where}.content[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -78,17 +78,21 @@ def _message(msg: Any, where: str) -> list[dict]:
             if block.get("is_error") is True:
                 answer = f"Error: {answer}"
             results.append({"role": "tool", "tool_call_id": ident, "content": answer})
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # an earlier turn's reasoning: the template renders replies without it
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            thoughts.append(block["thinking"])  # an earlier turn's reasoning, for templates that render it
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # encrypted reasoning: nothing a local template can render
         elif kind in ("image", "document"):
             raise ApiError(f"{at}: {kind} blocks are not supported (kimitui serves text models only)")
         else:
             raise ApiError(f"{at}.type: expected text, tool_use (assistant) or tool_result (user), got {shown(kind)}")
     out = list(results)
-    if texts or calls or not results:
+    if texts or calls or thoughts or not results:
         message: dict = {"role": role, "content": texts}
         if calls:
             message["tool_calls"] = calls
+        if thoughts:
+            message["reasoning_content"] = "".join(thoughts)
         out.append(message)
     return out
 

@@ -764,8 +764,9 @@ class Api:
         fields = await self.body(request)
         messages = chat_messages(fields.body.get("messages"))
         check_prefill(fields, messages)
+        tools = tool_calls.tools_of(fields.body.get("tools")) or None
         try:
-            rendered = await run_in_threadpool(self.engine.render_chat, messages)
+            rendered = await run_in_threadpool(self.engine.render_chat, messages, tools)
         except ChatTemplateError as exc:
             raise ApiError(f"messages: {exc}") from None
         return JSONResponse({"prompt": rendered.prompt})

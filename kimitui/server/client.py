@@ -183,8 +183,9 @@ class RemoteEngine:
                 n_ctx = body.get("n_ctx") or settings.get("n_ctx") or n_ctx
             except (ValueError, KeyError, TypeError, AttributeError):
                 pass  # some other server's /props: not llama-server's
+        # llama-server names a model by the path it loaded: the file's name is what says which.
         return RemoteModelInfo(
-            name=str(meta.get("name") or model_id),
+            name=str(meta.get("name") or model_id).rsplit("/", 1)[-1],
             model_id=model_id,
             url=self.url,
             file_bytes=meta.get("size"),

@@ -416,6 +416,9 @@ def chat_messages(value: Any) -> list[dict]:
             message["tool_call_id"] = call_id
         if isinstance(msg.get("name"), str):
             message["name"] = msg["name"]
+        # An earlier reply's reasoning, for the templates that render it (Qwen3's, Kimi's think part).
+        if role == "assistant" and isinstance(msg.get("reasoning_content"), str):
+            message["reasoning_content"] = msg["reasoning_content"]
         out.append(message)
     return out
 

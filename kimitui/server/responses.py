@@ -125,6 +125,8 @@ class Responses:
     def chat_request(self, body: dict) -> tuple[dict, list[dict]]:
         """The chat-completions request a Responses request means, and its conversation (what a
         later response continues)."""
+        if body.get("background") not in (None, False):
+            raise ApiError("background: not supported by kimitui (a response is answered while the request waits)")
         chat: list[dict] = []
         previous = body.get("previous_response_id")
         if previous is not None:
@@ -284,4 +286,6 @@ async def events(shape: Shape, replies: AsyncIterator, extra: Callable[[Any], di
                 output.append(item)
                 index += 1
             on_end(text, reply)
-            yield event(f"response.{status}", response=shape.response(status, output, reply), **extra(reply))
+            # response.completed whatever the status, as llama-server ends it: the openai SDK's
+            # stream helper waits for that event; a reply cut short says "incomplete" inside it.
+            yield event("response.completed", response=shape.response(status, output, reply), **extra(reply))
