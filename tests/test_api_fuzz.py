@@ -32,6 +32,13 @@ ROUTES = {
     "/detokenize": ["tokens"],
     "/apply-template": ["messages"],
     "/v1/chat/completions/input_tokens": ["messages", "tools"],
+    "/v1/messages": ["messages", "system", "max_tokens", "stop_sequences", "stream", "tools", "tool_choice", "temperature", "top_k",
+                     "thinking", "metadata"],
+    "/v1/messages/count_tokens": ["messages", "system", "tools"],
+    "/v1/responses": ["input", "instructions", "max_output_tokens", "previous_response_id", "store", "text", "tools", "tool_choice",
+                      "stream", "temperature", "background", "n"],
+    "/slots/0?action=save": ["filename"],
+    "/slots/0?action=restore": ["filename"],
 }
 
 scalars = (
@@ -61,6 +68,8 @@ def bodies(draw) -> tuple[str, bytes]:
     body.update(draw(st.dictionaries(st.sampled_from(fields), json_values | plausible, max_size=4)))
     if "messages" in fields and draw(st.booleans()):
         body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
+    if "input" in fields and draw(st.booleans()):
+        body["input"] = draw(st.text(max_size=60) | st.lists(message | json_values, min_size=1, max_size=3))
     if "prompt" in fields and draw(st.booleans()):
         body["prompt"] = draw(st.text(max_size=80) | st.lists(st.integers(-5, 60000), max_size=8))
     return path, json.dumps(body, allow_nan=True).encode()
@@ -75,14 +84,20 @@ VALID = {
     "/detokenize": {"tokens": [1, 2, 3]},
     "/apply-template": {"messages": HELLO},
     "/v1/chat/completions/input_tokens": {"messages": HELLO},
+    "/v1/messages": {"messages": HELLO, "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": HELLO},
+    "/v1/responses": {"input": "Hello", "max_output_tokens": 4},
+    "/slots/0?action=save": {"filename": "fuzz.bin"},
+    "/slots/0?action=restore": {"filename": "fuzz.bin"},
 }
 plausible = st.integers(-2, 40) | st.floats(0, 2) | st.booleans() | st.sampled_from([[], {}, ["a"], {"type": "json_object"}])
 
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    config = tmp_path_factory.mktemp("fuzz") / "config.toml"
-    config.write_text("[model]\nn_ctx = 512\n[server]\nmax_n_predict = 8\n")
+    home = tmp_path_factory.mktemp("fuzz")
+    config = home / "config.toml"
+    config.write_text(f'[model]\nn_ctx = 512\n[server]\nmax_n_predict = 8\nslot_save_path = "{home}"\n')
     engine = Engine(model_path, n_ctx=512)
     engine.load()
     running = ServerThread(create_app(engine, load_settings(config, explicit=True)), bind_socket("127.0.0.1", 0)).start()
@@ -101,7 +116,7 @@ def test_no_body_gets_a_5xx_or_hangs(server, request_body):
     event(f"{path} {response.status_code}")  # pytest --hypothesis-show-statistics: how deep the bodies reach
     assert response.status_code < 500, f"{path} {raw[:200]!r}: {response.status_code} {text[:300]}"
     if response.status_code >= 400:
-        error = json.loads(text)["error"]
+        error = json.loads(text)["error"]  # llama-server's shape, and Anthropic's on its routes
         assert error["message"] and "\n" not in error["message"]
     else:
         assert "server_error" not in text, f"{path} {raw[:200]!r}: {text[:300]}"
