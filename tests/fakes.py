@@ -225,7 +225,7 @@ class FakeLlamaServer:
                 for word in self.WORDS:
                     await asyncio.sleep(self.delay_s)
                     yield json.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]})
-                timings = {"prompt_n": 12, "prompt_ms": 30.0, "predicted_n": len(self.WORDS), "predicted_ms": 7 * self.delay_s * 1000}
+                timings = {"prompt_n": 12, "prompt_ms": 30.0, "predicted_n": len(self.WORDS), "predicted_ms": len(self.WORDS) * self.delay_s * 1000}
                 yield json.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "timings": timings})
                 yield "[DONE]"
 
