@@ -180,7 +180,7 @@ def fake_app(engine: FakeEngine | None = None, snapshots: list[Snapshot] | None 
 
 class FakeLlamaServer:
     """A stand-in for a stock llama-server, as `kimitui --remote` meets one: its /health,
-    /v1/models, /props and /slots, a /metrics that reports only some of llama-server's own
+    /v1/models and /props, a /metrics that reports only some of llama-server's own
     metrics (no memory, reads or streaming, and its predicted_tokens_seconds gauge at 0, as
     llama-server's reads between replies), and streamed chat replies of fixed words with the
     timings llama-server sends. ``start()`` serves it on loopback; ``url``; ``stop()``."""

@@ -393,3 +393,73 @@ def test_kimi_k3_cannot_shift_and_says_so(tmp_path):
         assert any("cannot shift" in n for n in result.notices)
     finally:
         engine.close()
+
+
+def test_errors_at_the_door_come_in_the_routes_shape(tmp_path):
+    engine, thread = serve(tmp_path, config='api_key = "sesame"\n')
+    try:
+        url, key = thread.url, {"Authorization": "Bearer sesame"}
+        cases = [
+            (httpx.post(url + "/v1/messages", json={"max_tokens": 4, "messages": []}, timeout=TIMEOUT), 401, "authentication_error"),
+            (httpx.get(url + "/v1/messages", headers=key, timeout=TIMEOUT), 405, "invalid_request_error"),
+            (httpx.post(url + "/v1/messages", content=b"x", headers={**key, "Content-Type": "text/plain"}, timeout=TIMEOUT), 415,
+             "invalid_request_error"),
+            (httpx.post(url + "/v1/messages/nope", json={}, headers=key, timeout=TIMEOUT), 404, "not_found_error"),
+        ]
+        for response, status, kind in cases:
+            body = response.json()
+            assert response.status_code == status and body["type"] == "error" and body["error"]["type"] == kind, body
+        other = httpx.post(url + "/v1/chat/completions", json={}, timeout=TIMEOUT).json()
+        assert other["error"]["code"] == 401 and "type" not in other  # llama-server's shape elsewhere
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(model="m", max_tokens=4, messages=[])
+    finally:
+        thread.stop()
+        engine.close()
+
+
+def test_a_slot_restored_into_a_parked_slot_is_checked_and_goes_on(tmp_path):
+    """Two slots: slot 0 saved, slot 1 then takes the context (slot 0 is parked), and the file
+    is restored into slot 0: llama.cpp takes it at once, and slot 0's next reply is the same as
+    without the save and restore."""
+    prompt = [1] + list(range(400, 430))
+    more = prompt + list(range(500, 510))
+    greedy = Sampling(temperature=0, max_tokens=8)
+
+    def reply(engine, tokens, slot) -> tuple[list[int], int]:
+        generation = engine.complete(tokens, greedy, slot=slot)
+        ids = [e.token_id for e in generation if e.token_id >= 0]
+        return ids, generation.result.cached_tokens
+
+    engine = Engine(default_model_path(), n_ctx=512, n_threads=1, n_slots=2)
+    engine.load()
+    try:
+        reply(engine, prompt, 0)
+        tokens, size = engine.slot_file("save", 0, tmp_path, "zero.bin")
+        assert tokens > len(prompt) and size > 0
+        expected = reply(engine, more, 0)
+        reply(engine, [1, 7, 8, 9], 1)  # slot 1 active, slot 0 parked
+        assert engine.slot_file("erase", 0, tmp_path) == (len(more) + 7, 0)  # what slot 0 held: its prompt and 7 of 8 tokens
+        assert engine.slot_file("restore", 0, tmp_path, "zero.bin") == (tokens, size)
+        assert engine.slots.active == 0
+        assert reply(engine, more, 0) == expected
+    finally:
+        engine.close()
+
+
+def test_context_shift_drops_what_the_request_asks(tmp_path):
+    engine = Engine(default_model_path(), n_ctx=128, n_threads=1, context_shift=True)
+    engine.load()
+    try:
+        shifted = []
+        for n_keep, n_discard in ((0, 0), (-1, 20)):
+            generation = engine.complete("Once upon a time", Sampling(temperature=0, max_tokens=300, ignore_eos=True, n_keep=n_keep,
+                                                                      n_discard=n_discard, cache_prompt=False))
+            list(generation)
+            assert generation.result.completion_tokens == 300 and generation.result.context_full
+            shifted.append(generation.result.shifted)
+        half, twenty = shifted
+        assert half > 0 and half % 63 == 0  # half of the 126 tokens after BOS, each time the 128 filled
+        assert twenty > 0 and twenty % 20 == 0
+    finally:
+        engine.close()

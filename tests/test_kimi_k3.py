@@ -90,9 +90,22 @@ def test_full_scale_dry_run_prints_the_real_figures(capsys):
 
     assert main(["synth", "/tmp/never-written.gguf", "--like", "kimi-k3", "--scale", "1", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "93 layers (69 KDA, 24 MLA" in out and "896 experts (16 used, 1 shared)" in out
+    assert "93 layers (69 KDA, 24 MLA" in out and "896 experts (16 used, 2 shared)" in out and "96 heads" in out
     assert "17,547,264 B" in out  # one MXFP4 expert at latent 3584, n_ff 3072
     assert "1.4 TiB" in out  # ~1.56 TB
+
+
+def test_full_scale_k3_has_the_public_byte_totals():
+    """The real K3's trunk (every layer tensor but the routed experts, BF16) is about 108.8 GB
+    and its 82,432 routed experts 17,547,264 B each (the public config; kimi-k3-in-c, colibri)."""
+    spec = synth.plan_like("kimi-k3", None, 1.0, None, synth.default_tokenizer())
+    sizes = {t.name: t.n_bytes for t in spec.tensors}
+    experts = sum(n for name, n in sizes.items() if "_exps." in name)
+    trunk = sum(n for name, n in sizes.items() if name.startswith("blk.")) - experts
+    assert experts == 92 * 896 * 17_547_264
+    assert abs(trunk / 108.8e9 - 1) < 0.02, trunk
+    shared = [t for t in spec.tensors if t.name == "blk.1.ffn_up_shexp.weight"][0]
+    assert shared.shape == (7168, 2 * 3072)  # two shared experts, fused as llama.cpp loads them
 
 
 def test_a_real_width_slice_keeps_the_expert_size(tmp_path):
@@ -309,13 +322,24 @@ def test_two_slots_keep_each_conversations_kda_state(k3_model):
     (its KDA state was parked while the other conversation ran, then put back)."""
     openers = {"a": "Tell me about foxes.", "b": "Name three rivers."}
 
-    def turn(engine: Engine, messages: list[dict], slot: int | None, evaluated: list[int]) -> tuple[str, int]:
+    def turn(engine: Engine, messages: list[dict], slot: int | None, evaluated: list[int], held: list[int]) -> tuple[str, int]:
+        """One turn; ``held``: what the conversation's context holds (its last prompt and reply),
+        kept as it is and followed by the rest of the rendered prompt, so a turn can reuse it
+        whatever the reply's text re-tokenizes to (the chat path's Engine.continuing)."""
         evaluated.clear()
         tokens, stops = engine.chat_prompt(messages)
+        if held:
+            said = engine.llm.detokenize(held, special=True)
+            text = engine.llm.detokenize(tokens, special=True)
+            assert text.startswith(said)
+            tokens = held + engine.llm.tokenize(text[len(said):], add_bos=False, special=True)
         gen = engine.complete(tokens, Sampling(temperature=0.0, max_tokens=6, stop=stops), slot=slot)
-        list(gen)
+        ids = [e.token_id for e in gen if e.token_id >= 0]
+        # The context holds the prompt and every reply token but the last one sampled (an end of
+        # generation token, or the one the token limit stopped after).
+        held[:] = tokens + (ids[:-1] if gen.result.finish_reason == "length" else ids)
         messages += [{"role": "assistant", "content": gen.result.text}, {"role": "user", "content": "And then?"}]
-        return gen.result.text, evaluated[0] if evaluated else 0  # the prompt's decode: its new tokens
+        return gen.result.text, evaluated[0] if evaluated else 0, len(tokens)  # the prompt's decode: its new tokens
 
     def counting(engine: Engine) -> list[int]:
         evaluated: list[int] = []
@@ -329,8 +353,8 @@ def test_two_slots_keep_each_conversations_kda_state(k3_model):
         evaluated = counting(stock)
         expected = {}
         for name, opener in openers.items():  # each conversation alone, both turns
-            messages = [{"role": "user", "content": opener}]
-            expected[name] = [turn(stock, messages, None, evaluated) for _ in range(2)]
+            messages, held = [{"role": "user", "content": opener}], []
+            expected[name] = [turn(stock, messages, None, evaluated, held) for _ in range(2)]
     finally:
         stock.close()
     model = load_model_map(k3_model)
@@ -340,14 +364,15 @@ def test_two_slots_keep_each_conversations_kda_state(k3_model):
     try:
         evaluated = counting(engine)
         conversations = {name: [{"role": "user", "content": opener}] for name, opener in openers.items()}
-        got: dict[str, list[tuple[str, int]]] = {name: [] for name in openers}
+        helds: dict[str, list[int]] = {name: [] for name in openers}
+        got: dict[str, list[tuple[str, int, int]]] = {name: [] for name in openers}
         for _ in range(2):
             for slot, name in enumerate(openers):
-                got[name].append(turn(engine, conversations[name], slot, evaluated))
+                before = len(helds[name])
+                got[name].append(turn(engine, conversations[name], slot, evaluated, helds[name]))
+                if before:  # the second turn evaluates only what it added: its KDA state came back
+                    assert got[name][-1][1] == got[name][-1][2] - before
         assert got == expected
-        # Conversation a's reply re-tokenizes to its own tokens, so its state is reused; b's does
-        # not (stock re-evaluates it whole too, as compared above).
-        assert got["a"][1][1] < len(engine.chat_prompt(conversations["a"][:3])[0])
     finally:
         engine.close()
 

@@ -223,9 +223,10 @@ class Generation:
 
     def __init__(
         self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling, slot: int | None = None,
-        progress: bool = False, keep: str | None = None,
+        progress: bool = False, keep: str | None = None, chat: bool = False,
     ):
         self.engine = engine
+        self.chat = chat  # a chat turn: its prompt re-renders the context's last reply (Engine.continuing)
         self.keep = keep  # the conversation whose state is restored and saved (Engine.resume, keep_state)
         self._holds_keep = False  # the context holds ``keep``'s tokens (its prompt was chosen for it)
         self.sampling = sampling
@@ -375,6 +376,9 @@ class Generation:
                 if notice:
                     result.notices.append(notice)
                 self._holds_keep = True
+            if self.chat:
+                prompt_tokens = engine.continuing(prompt_tokens)
+                result.prompt_tokens = len(prompt_tokens)
         except EngineError as exc:
             result.finish_reason, result.error = "error", str(exc)
             metrics.request_finished()

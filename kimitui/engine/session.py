@@ -963,12 +963,39 @@ class Engine:
         cannot give back: only an attention cache that can move its cells shifts here."""
         import llama_cpp
 
-        if self._llm is None:
-            return False
-        model = self._llm._model.model
-        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        if self._llm is None or self.recurrent:
             return False
         return bool(llama_cpp.llama_memory_can_shift(llama_cpp.llama_get_memory(self._llm._ctx.ctx)))
+
+    @property
+    def recurrent(self) -> bool:
+        """The model keeps a recurrent state (Kimi K3's KDA): the context cannot be taken back
+        a few tokens, only cleared."""
+        import llama_cpp
+
+        model = self.llm._model.model
+        return bool(llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+
+    def continuing(self, prompt: list[int]) -> list[int]:
+        """A chat prompt that goes on from the context. The prompt re-renders the last reply as
+        text, and text may tokenize otherwise than the tokens the reply was made of (" magic" +
+        "alter" against " magical" + "ter"). An attention cache takes the few tokens back; a
+        recurrent state cannot, and the whole conversation would be evaluated again (terabytes
+        for K3 on the phone). There the context's own tokens are kept and only the text after
+        them is tokenized: the same text, the state reused."""
+        llm = self.llm
+        if not self.recurrent or not llm.n_tokens:
+            return prompt
+        held = llm.input_ids[: llm.n_tokens].tolist()
+        shared = common_prefix(held, prompt)
+        if shared in (0, len(held)):
+            return prompt
+        said = llm.detokenize(held[shared:], special=True)
+        asked = llm.detokenize(prompt[shared:], special=True)
+        if len(asked) <= len(said) or not asked.startswith(said):
+            return prompt
+        spliced = held + llm.tokenize(asked[len(said):], add_bos=False, special=True)
+        return spliced if len(spliced) < self.slot_ctx else prompt
 
     @functools.cached_property
     def end_of_generation(self) -> tuple[int, ...]:
@@ -1066,7 +1093,7 @@ class Engine:
     def chat(self, messages: list[dict], sampling: Sampling, keep: str | None = None) -> "Generation":
         """A reply to ``messages``; with ``keep``, the conversation's state is restored from disk
         where that saves evaluating its tokens, and saved at the reply's end (saved_states.py)."""
-        generation = Generation(self, lambda: ([], ()), sampling, keep=keep)
+        generation = Generation(self, lambda: ([], ()), sampling, keep=keep, chat=True)
 
         def build() -> tuple[list[int], tuple[str, ...]]:
             tokens, stops, dropped = self.fit_chat(messages, sampling.max_tokens)

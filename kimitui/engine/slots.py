@@ -110,16 +110,14 @@ class Slots:
         """Put the saved ``name`` (checked whole: StateRefused says why not) in ``slot_id``.
         Returns (tokens, bytes read)."""
         self.lifecycle.require(EngineState.GENERATING)
-        slot = self._slot(slot_id)
+        self._slot(slot_id)
         saved = store.load(name)
         if saved is None:
             raise FileNotFoundError(store.path(name))
-        if slot.id == self.active:
-            if not restore_sequence(llm, saved.tokens, saved.state):
-                raise EngineError(f"{store.path(name)}: llama.cpp could not restore it (the slot is empty now)")
-        else:
-            slot.tokens, slot.state = saved.tokens, saved.state
-        slot.used_at = time.monotonic()
+        # Into the context, so llama.cpp checks it now (a parked slot's bytes are taken on trust).
+        self.activate(llm, slot_id)
+        if not restore_sequence(llm, saved.tokens, saved.state):
+            raise EngineError(f"{store.path(name)}: llama.cpp could not restore it (the slot is empty now)")
         return len(saved.tokens), store.path(name).stat().st_size
 
     def erase(self, llm, slot_id: int) -> int:

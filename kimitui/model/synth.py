@@ -349,8 +349,8 @@ def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileTyp
     """Kimi K3 as llama.cpp's kimi-k3 loader reads it (src/models/kimi-k3.cpp of the pinned
     llama.cpp): KDA and gated-MLA layers told apart by a per-layer head_count_kv of 0 or 1,
     cross-layer residual attention scores, LatentMoE (router on n_embd, routed experts in
-    MXFP4 at the latent width between ffn_routed_down and ffn_routed_up), a shared expert at
-    n_embd, and the situ activation. The trunk is `qtype`."""
+    MXFP4 at the latent width between ffn_routed_down and ffn_routed_up), the shared experts
+    fused into one FFN at n_embd, and the situ activation. The trunk is `qtype`."""
     a, v = "kimi-k3", tok.n_vocab
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kv = [
@@ -474,13 +474,15 @@ KIMI_K2 = dict(
     n_embd=7168, n_layer=61, n_head=64, q_lora=1536, kv_lora=512, n_ff=18432, n_ff_exp=2048,
     n_expert=384, n_expert_used=8, n_expert_shared=1, n_dense_lead=1, expert_weights_scale=2.827,
 )
-# Kimi K3 (the public record, checked against llama.cpp's kimi-k3 loader): 93 layers, 69 KDA
-# and 24 gated MLA, LatentMoE with 896 routed experts (16 used, one shared) at latent 3584 and
-# n_ff 3072 in MXFP4 (17,547,264 bytes an expert). The trunk in BF16 lands the whole on the
-# release's ~1.56 TB; the rest of the shape follows K2.
+# Kimi K3 (the public config, checked against llama.cpp's kimi-k3 loader): 93 layers, 69 KDA
+# and 24 gated MLA, 96 heads in both (KDA 96 x 128; MLA q_lora 1536, kv_lora 512, nope 128 +
+# 64, v 128), LatentMoE with 896 routed experts (16 used) at latent 3584 and n_ff 3072 in MXFP4
+# (17,547,264 bytes an expert), and two shared experts at n_embd, which the loader fuses into
+# one FFN of 2 x 3072 = 6144. At full size in BF16 the trunk (every layer tensor but the routed
+# experts) is 109.4 GB against the public ~108.8 GB, the experts 1,446.5 GB against ~1.45 TB.
 KIMI_K3 = dict(
-    n_embd=7168, n_layer=93, n_head=64, q_lora=1536, kv_lora=512, n_ff=18432, n_ff_exp=3072,
-    n_latent=3584, n_expert=896, n_expert_used=16, n_expert_shared=1, n_dense_lead=1,
+    n_embd=7168, n_layer=93, n_head=96, q_lora=1536, kv_lora=512, n_ff=18432, n_ff_exp=3072,
+    n_latent=3584, n_expert=896, n_expert_used=16, n_expert_shared=2, n_dense_lead=1,
     expert_weights_scale=2.827,
 )
 K3_TRUNK_QUANT = "bf16"

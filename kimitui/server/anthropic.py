@@ -18,9 +18,15 @@ from kimitui.server.params import ApiError, Fields, shown
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
-    499: "invalid_request_error", 501: "invalid_request_error", 503: "overloaded_error",
+    503: "overloaded_error",
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# A Messages request's fields that are not chat-completions fields: translated below, or taken as
+# said (one model; no reasoning budget; metadata is the client's own).
+OWN_FIELDS = frozenset({
+    "messages", "system", "stop_sequences", "tools", "tool_choice", "model", "metadata", "thinking", "service_tier",
+    "container", "mcp_servers", "output_config", "anthropic_version",
+})
 
 
 def is_anthropic(path: str) -> bool:
@@ -147,10 +153,10 @@ def chat_request(body: dict) -> dict:
         chat += _message(msg, f"messages[{i}]")
     if not chat:
         chat.append({"role": "user", "content": ""})  # llama-server answers an empty conversation too
-    out: dict = {"messages": chat}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "stream"):
-        if body.get(name) is not None:
-            out[name] = body[name]
+    # Anthropic's own fields are translated; the rest (temperature, top_k, seed, cache_prompt,
+    # llama-server's sampling fields) pass on as they are, refused there by name where not offered.
+    out: dict = {k: v for k, v in body.items() if k not in OWN_FIELDS}
+    out["messages"] = chat
     if body.get("stop_sequences") is not None:
         out["stop"] = list(Fields(body).stops("stop_sequences"))
     if body.get("tools"):
@@ -162,16 +168,13 @@ def chat_request(body: dict) -> dict:
     return out
 
 
-def _usage(result, output: bool = True) -> dict:
-    cached = result.cached_tokens if result is not None else 0
-    usage = {
-        "input_tokens": max(0, (result.prompt_tokens if result is not None else 0) - cached),
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
+def _usage(result) -> dict:
+    """Anthropic's usage: input_tokens are the prompt's evaluated tokens, the rest were read
+    from the context's cache."""
+    return {
+        "input_tokens": max(0, result.prompt_tokens - result.cached_tokens), "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": result.cached_tokens, "output_tokens": result.completion_tokens,
     }
-    if output:
-        usage["output_tokens"] = result.completion_tokens if result is not None else 0
-    return usage
 
 
 def _stop(finish: str, stop_word: str, asked: tuple[str, ...]) -> tuple[str, str | None]:
@@ -212,11 +215,17 @@ def _event(name: str, payload: dict) -> dict:
 async def events(ident: str, model: str, n_prompt: int, replies: AsyncIterator, asked: tuple[str, ...]) -> AsyncIterator[dict]:
     """Anthropic's event stream for one reply: message_start, a text block's start, deltas and
     stop, one block per tool call, message_delta (stop reason, usage), message_stop."""
-    head = {"id": ident, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": n_prompt, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}}
-    yield _event("message_start", {"message": head})
+    head = {"id": ident, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None, "stop_sequence": None}
+    started = False
     index, text_open = 0, False
     async for event in replies:
+        if event.kind == "progress":
+            continue
+        if not started:  # once the prompt is evaluated: what of it the cache held is known then
+            usage = {**_usage(event.result), "output_tokens": 0} if event.result is not None else {
+                "input_tokens": n_prompt, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}
+            yield _event("message_start", {"message": {**head, "usage": usage}})
+            started = True
         if event.kind == "text":
             if not text_open:
                 yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})

@@ -380,7 +380,7 @@ class _Guard:
         headers = Headers(scope=scope)
         if "content-type" not in headers and headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers:
             return True  # no body at all (llama-server's POST /slots/{id}?action=erase)
-        media = Headers(scope=scope).get("content-type", "").split(";", 1)[0].strip().lower()
+        media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         return media == "application/json"
 
     def _limited(self, receive):
@@ -888,8 +888,11 @@ class Api:
         except FileNotFoundError:
             raise ApiError(f"filename: {Path(self.slot_save_path) / name}: no such saved slot", 404, "not_found_error") from None
         except OSError as exc:
-            raise ApiError(f"filename: could not write {Path(self.slot_save_path) / name}: {exc.strerror or exc}", 500, "server_error") from None
+            verb = "write" if action == "save" else "read"
+            raise ApiError(f"filename: could not {verb} {Path(self.slot_save_path) / name}: {exc.strerror or exc}", 500, "server_error") from None
         except EngineError as exc:
+            if self.engine.lifecycle.refusal() is not None:  # the engine failed or closed meanwhile
+                raise ApiError(str(exc), 503, "unavailable_error") from None
             raise ApiError(str(exc)) from None
         ms = (time.perf_counter() - started) * 1000.0
         if action == "erase":
@@ -973,11 +976,6 @@ class Api:
         self.require_ready()
         fields = await self.body(request)
         call = await self.prepare_chat(request, fields)
-        if call.calling and fields.boolean("stream", False):
-            # Such a reply is sent once whole (see _whole_as_stream): what comes per token cannot be.
-            for name in ("logprobs", "timings_per_token", "return_progress"):
-                if fields.body.get(name):
-                    raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
         return await self._openai_reply(request, fields, call.sampling, [call.tokens] * call.n, chat=True, calling=call.calling, per_prompt=call.n)
 
     async def prepare_chat(self, request: Request, fields: Fields) -> ChatCall:
@@ -1002,6 +1000,11 @@ class Api:
                 if error is not None:
                     raise ApiError(f"tools: llama.cpp refused the grammar made from their parameters: {error}")
             sampling.special = True  # the section's markers are special tokens in Kimi's vocabulary
+        if calling and fields.boolean("stream", False):
+            # Such a reply is sent once whole (its calls are known only at its end): what comes per token cannot be.
+            for name in ("logprobs", "timings_per_token", "return_progress"):
+                if fields.body.get(name):
+                    raise ApiError(f"{name}: not offered on a streamed reply that may call tools (it is sent once whole)")
         tokens, template_stops = await self.chat_tokens(messages, sampling.max_tokens, tools if calling else None)
         sampling.stop = tuple(dict.fromkeys(sampling.stop + template_stops))
         return ChatCall(tokens, sampling, form, n)
@@ -1066,7 +1069,7 @@ class Api:
         return streamed()
 
     def _chat_end(self, generation: Generation, events: list[TokenEvent], calls: list[dict], finish: str) -> ChatEvent:
-        ids = [e.token_id for e in events if e.token_id >= 0]
+        ids = [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0]
         _, word = self.stop_type(generation.result, generation.sampling.stop, ids)
         return ChatEvent("end", result=generation.result, calls=calls, finish=finish, stop_word=word)
 
@@ -1120,7 +1123,7 @@ class Api:
                 return Response(status_code=499)
             text, end = whole
             keep(text, end)
-            return JSONResponse(shape.whole(text, end)[0], headers=request.state.headers)
+            return JSONResponse(shape.whole(text, end), headers=request.state.headers)
         replies = await self.chat_events(request, call)
         if replies is None:
             return Response(status_code=499)
@@ -1361,7 +1364,8 @@ def create_app(
             Middleware(
                 CORSMiddleware, allow_origins=sorted(origins - {"localhost"}),
                 allow_origin_regex=LOOPBACK_ORIGINS if "localhost" in origins else None, allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"], expose_headers=[QUEUE_HEADER], max_age=600,
+                allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version", "Anthropic-Beta",
+                               "Anthropic-Dangerous-Direct-Browser-Access"], expose_headers=[QUEUE_HEADER], max_age=600,
             ),
             Middleware(_Guard, api_key=key or None, max_body=settings["server.max_body"]),
         ],

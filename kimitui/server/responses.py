@@ -7,6 +7,7 @@ in memory (the last RESPONSES_KEPT, not across a restart); llama-server refuses 
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -123,8 +124,8 @@ class Responses:
         self.kept: OrderedDict[str, list[dict]] = OrderedDict()
 
     def chat_request(self, body: dict) -> tuple[dict, list[dict]]:
-        """The chat-completions request a Responses request means, and its conversation (what a
-        later response continues)."""
+        """The chat-completions request a Responses request means, and its conversation without
+        the instructions (what a later response continues)."""
         if body.get("background") not in (None, False):
             raise ApiError("background: not supported by kimitui (a response is answered while the request waits)")
         chat: list[dict] = []
@@ -136,7 +137,7 @@ class Responses:
                     f"{RESPONSES_KEPT} made with store, in memory)", 404, "not_found_error",
                 )
             self.kept.move_to_end(previous)
-            chat = [m for m in self.kept[previous] if m["role"] != "system"]  # instructions are not carried over, as OpenAI's
+            chat = copy.deepcopy(self.kept[previous])  # a function_call item may join its last turn: the kept one stays
         given = body.get("input")
         if given is None:
             raise ApiError("input: required")
@@ -147,12 +148,11 @@ class Responses:
         else:
             raise ApiError(f"input: expected text or a list of items, got {shown(given)}")
         instructions = body.get("instructions")
-        if instructions is not None:
-            if not isinstance(instructions, str):
-                raise ApiError(f"instructions: expected a string, got {shown(instructions)}")
-            chat.insert(0, {"role": "system", "content": instructions})
+        if instructions is not None and not isinstance(instructions, str):
+            raise ApiError(f"instructions: expected a string, got {shown(instructions)}")
         out = {k: v for k, v in body.items() if k not in OWN_FIELDS}
-        out["messages"] = chat
+        # The instructions lead this response only: a continued one is given its own, as OpenAI's.
+        out["messages"] = ([{"role": "system", "content": instructions}] if instructions is not None else []) + chat
         if body.get("max_output_tokens") is not None:
             out["max_tokens"] = body["max_output_tokens"]
         if body.get("tools"):
@@ -167,7 +167,7 @@ class Responses:
     def keep(self, ident: str, chat: list[dict], text: str, calls: list[dict]) -> None:
         reply: dict = {"role": "assistant", "content": text}
         if calls:
-            reply["tool_calls"] = calls
+            reply["tool_calls"] = copy.deepcopy(calls)
         self.kept[ident] = chat + [reply]
         while len(self.kept) > RESPONSES_KEPT:
             self.kept.popitem(last=False)
@@ -218,12 +218,12 @@ class Shape:
             "usage": _usage(end.result) if end is not None else None, **self.settings,
         }
 
-    def whole(self, text: str, end) -> tuple[dict, str]:
-        """The response of a finished reply, and its status."""
+    def whole(self, text: str, end) -> dict:
+        """The response of a finished reply."""
         status = "incomplete" if end.finish == "length" else "completed"
         output = [_message_item(f"msg_{uuid.uuid4().hex}", text, status)] if text or not end.calls else []
         output += [_call_item(call, "completed") for call in end.calls]
-        return self.response(status, output, end), status
+        return self.response(status, output, end)
 
 
 async def events(shape: Shape, replies: AsyncIterator, extra: Callable[[Any], dict], on_end: Callable[[str, Any], None]) -> AsyncIterator[dict]:

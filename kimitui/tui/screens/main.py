@@ -514,6 +514,7 @@ class MainScreen(Screen):
             if last is not None:
                 if last.message_id is not None:
                     self.history.post(self.history.store.delete_message, last.message_id)
+                await self.chat_log.query(".chat-notice").remove()  # the old reply's notices go with it
                 await last.remove()
             try:
                 await self._start_reply()

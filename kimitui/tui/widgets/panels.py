@@ -66,8 +66,11 @@ class Panel(Vertical, can_focus=True):
         self.note.set_class(not text, "-empty")
 
     def missing(self, snap: Snapshot) -> str:
-        """Why a figure is missing: a remote server does not report it, or the local reason."""
-        return NOT_REPORTED if snap.reported_by is not None else self.idle_note
+        """Why a streaming figure is missing: the local reason; a kimitui server reports streaming
+        whenever it streams; any other server does not report it."""
+        if snap.reported_by is None:
+            return self.idle_note
+        return "nothing streams on the server" if snap.reported_by == "kimitui" else NOT_REPORTED
 
     def set_level(self, level: str) -> None:
         for name in ("success", "warning", "error"):
@@ -197,8 +200,8 @@ class ResidencyPanel(Panel):
 
     def render_snapshot(self, snap: Snapshot) -> None:
         if snap.residency is None:
-            local = snap.reported_by is None and snap.streaming is None
-            self.body.update("every layer pinned" if local else "—")
+            pinned = snap.reported_by in (None, "kimitui") and snap.streaming is None
+            self.body.update("every layer pinned" if pinned else "—")
             self.show_note(self.missing(snap) if snap.streaming is None else "")
             return
         width = max(8, self.body.size.width - 8)
