@@ -340,17 +340,21 @@ def clear_context(llm) -> None:
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
 
 
+def is_recurrent(llm) -> bool:
+    """The model keeps a recurrent state (Kimi K3's KDA): the context cannot be taken back a
+    few tokens, only cleared."""
+    import llama_cpp
+
+    model = llm._model.model
+    return bool(llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+
+
 def keep_counted(llm) -> None:
     """After an evaluation stopped part-way (a cancel): keep what llama-cpp-python counts as
     evaluated, so the next reply reuses that prefix, and drop the cells of the micro-batches it
     does not count. A recurrent state (Kimi K3's KDA) cannot be taken back a few tokens: there
     the context is cleared whole."""
-    import llama_cpp
-
-    model = llm._model.model
-    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-        clear_context(llm)
-    elif not llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1):
+    if is_recurrent(llm) or not llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1):
         clear_context(llm)
 
 

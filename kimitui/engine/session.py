@@ -33,7 +33,7 @@ from kimitui.engine.generation import Generation, Sampling, Tracer
 from kimitui.engine.llama_glue import (
     FALLBACK_TEMPLATE, LAYER_ZERO_NODES, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
     ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
-    restore_sequence, sequence_state, topk_ids,
+    is_recurrent, restore_sequence, sequence_state, topk_ids,
 )
 from kimitui.engine.saved_states import SavedStates, StateRefused, model_identity
 from kimitui.engine.slots import Slots, common_prefix
@@ -969,12 +969,7 @@ class Engine:
 
     @property
     def recurrent(self) -> bool:
-        """The model keeps a recurrent state (Kimi K3's KDA): the context cannot be taken back
-        a few tokens, only cleared."""
-        import llama_cpp
-
-        model = self.llm._model.model
-        return bool(llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+        return is_recurrent(self.llm)
 
     def continuing(self, prompt: list[int]) -> list[int]:
         """A chat prompt that goes on from the context. The prompt re-renders the last reply as

@@ -1080,7 +1080,7 @@ class Api:
         chat = anthropic.chat_request((await self.body(request)).body)
         fields = Fields(chat)
         call = await self.prepare_chat(request, fields)
-        asked = tuple(chat.get("stop", ()))
+        asked = fields.stops()  # the request's own stop strings (the template's end of turn is not one)
         ident = anthropic.new_id()
         if not fields.boolean("stream", False):
             whole = await self.chat_whole(request, call)
