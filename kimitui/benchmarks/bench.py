@@ -66,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-depth", type=int, help="layers read ahead when the engine streams (default: the engine's)")
     parser.add_argument("--io-threads", type=int, help="the engine's I/O threads when it streams (default: the engine's)")
     parser.add_argument("--expert-lookahead", action="store_true", default=None, help="MoE: read the experts the next layer chose last token ahead")
+    parser.add_argument("--n-batch", type=int, help="the engine's prompt batch (model.n_batch; 1 evaluates a prompt one token at a time, for comparison)")
     parser.add_argument("--threads", type=int, help="compute threads for every run (default: one per physical core)")
     parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each kind, alternating; each kind's median run (by decode tok/s) is reported (default 1)")
@@ -303,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         "prefetch_depth": args.prefetch_depth,
         "io_threads": args.io_threads,
         "expert_lookahead": args.expert_lookahead,
+        "n_batch": args.n_batch,
         "trace": str(args.trace) if args.trace else None,
         "address_space": _size(args.address_space, "--address-space") if args.address_space else "auto",
     }
@@ -376,6 +378,12 @@ def run(args: argparse.Namespace) -> int:
         distinct = figures.get("prefill_distinct_expert_bytes")
         if distinct:  # bytes against bytes: known even where the disk rate is not
             figures["prefill_read_vs_distinct"] = ratio(figures.get("prefill_expert_read_bytes"), distinct)
+        bound = figures.get("prefill_bound_bytes")
+        if bound:
+            figures["prefill_read_vs_bound"] = ratio(figures.get("prefill_read_bytes"), bound)
+            if bandwidth and figures.get("ttft_s"):
+                # The bound's bytes at the best disk rate of this run, against the time taken.
+                figures["prefill_bound_share"] = bound / bandwidth / figures["ttft_s"]
         if distinct and bandwidth and figures.get("ttft_s"):
             # The prompt's distinct experts at the best disk rate, or its compute in RAM (the
             # in-RAM run's time to first token), whichever is longer.
@@ -395,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {
             "prompt_tokens": args.prompt_tokens,
             "tokens": args.tokens,
+            "n_batch": args.n_batch,
             "threads": threads,
             "n_ctx": n_ctx,
             "budget_bytes": budget,
@@ -497,6 +506,18 @@ def render(report: dict) -> str:
     def share(v):
         return cell(v, ".0f", scale=100, unit="%")
 
+    def _chunks(sizes):
+        """Micro-batch sizes as runs: "2 x 512 + 37"."""
+        if not sizes:
+            return "—"
+        runs: list[list[int]] = []
+        for size in sizes:
+            if runs and runs[-1][0] == size:
+                runs[-1][1] += 1
+            else:
+                runs.append([size, 1])
+        return " + ".join(f"{n} x {size}" if n > 1 else str(size) for size, n in runs)
+
     rows = [
         header,
         row("streaming", "streaming", lambda v: "—" if v is None else ("on" if v else "off")),
@@ -522,6 +543,12 @@ def render(report: dict) -> str:
         row("expert hit rate", "expert_hit_rate", share),
         row("wasted prefetch/token", "expert_prefetch_wasted_bytes_per_token", format_bytes),
         row("stall per token", "stall_s_per_token", format_ms),
+        row("prefill chunks", "prefill_chunks", _chunks),
+        row("prefill read", "prefill_read_bytes", format_bytes),
+        row("  bound: trunk per chunk + its experts", "prefill_bound_bytes", format_bytes),
+        row("  read / bound", "prefill_read_vs_bound", lambda v: cell(v, ".2f", unit="x")),
+        row("  bound at the disk rate / TTFT", "prefill_bound_share", share),
+        row("  layers staged by matrix", "prefill_staged_layers", lambda v: "—" if v is None else str(v)),
         row("prefill experts read", "prefill_expert_read_bytes", format_bytes),
         row("  distinct experts used", "prefill_distinct_expert_bytes", format_bytes),
         row("  read / distinct", "prefill_read_vs_distinct", lambda v: cell(v, ".2f", unit="x")),

@@ -255,6 +255,16 @@ def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) 
     }
 
 
+def prompt_chunks(n_prompt: int, n_batch: int, n_ubatch: int) -> list[int]:
+    """The micro-batches llama.cpp evaluates an ``n_prompt``-token prompt in: llama-cpp-python
+    hands it over ``n_batch`` tokens at a time, and llama_decode splits each into ``n_ubatch``."""
+    chunks = []
+    for start in range(0, n_prompt, n_batch):
+        batch = min(n_batch, n_prompt - start)
+        chunks += [n_ubatch] * (batch // n_ubatch) + ([batch % n_ubatch] if batch % n_ubatch else [])
+    return chunks
+
+
 def _engine_generation(engine, spec: dict) -> dict:
     from kimitui.engine.generation import Sampling
 
@@ -274,7 +284,7 @@ def _engine(spec: dict):
     stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth", "io_threads", "expert_lookahead") if spec.get(k) is not None})
     return Engine(
         spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream,
-        address_space=spec.get("address_space", "auto"),
+        address_space=spec.get("address_space", "auto"), **({"n_batch": spec["n_batch"]} if spec.get("n_batch") else {}),
     )
 
 
@@ -315,6 +325,12 @@ def phase_engine(spec: dict) -> None:
         # The bytes of the distinct experts the prompt routed to: the least a prefill can read.
         prefill["prefill_distinct_expert_bytes"] = len(experts.prefill_seen) * engine.model_map().bytes_per_expert
         prefill["prefill_expert_read_bytes"] = experts.prefill_read_bytes
+        # The least the prompt must read, as it was evaluated: the streamed trunk once per chunk
+        # (llama.cpp's micro-batch) and each chunk's distinct unpinned experts once.
+        chunks = prompt_chunks(figures["prompt_tokens"], engine.n_batch, engine.n_ubatch)
+        prefill["prefill_chunks"] = chunks
+        prefill["prefill_bound_bytes"] = len(chunks) * engine.streamer.streamed_bytes_per_token + experts.prefill_bound_bytes
+        prefill["prefill_staged_layers"] = experts.staged_layers
     emit(
         "result",
         load_s=load_s,

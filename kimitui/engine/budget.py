@@ -74,6 +74,15 @@ def expert_footprint(model: ModelMap) -> int:
     return sum((-(-r.length // PAGE) + 1) * PAGE for r in model.expert_ranges(layer, 0))
 
 
+def matrix_footprint(model: ModelMap) -> int:
+    """The memory one routed matrix (gate, up or down) of one expert takes at most: what a
+    staged micro-batch holds per expert at a time (experts.py)."""
+    if not model.is_moe:
+        return 0
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    return max((-(-r.length // PAGE) + 1) * PAGE for r in model.expert_ranges(layer, 0))
+
+
 def expert_floor(model: ModelMap) -> int:
     """The routed experts one token needs in one layer: the cache can never be smaller."""
     return model.n_expert_used * expert_footprint(model) if model.is_moe else 0
@@ -172,9 +181,12 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
     cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
     ubatch = n_batch
     if model.is_moe and model.bytes_per_expert:
-        cached = cache_floor // expert_footprint(model)
-        if cached < model.n_expert:  # a layer's experts do not all fit: as many tokens as surely fit
-            ubatch = max(1, min(n_batch, cached // model.n_expert_used))
+        # A micro-batch whose experts do not fit whole is computed one matrix at a time, so it
+        # needs room for one matrix of each expert it routes to: where even one matrix of every
+        # expert of a layer does not fit, as many tokens as surely fit.
+        matrices = cache_floor // matrix_footprint(model)
+        if matrices < model.n_expert:
+            ubatch = max(1, min(n_batch, matrices // model.n_expert_used))
     return MemoryPlan(
         budget=budget,
         pinned=tuple(pinned),

@@ -7,6 +7,13 @@ of that expert) and compute waits only for those. A batch (prefill) asks for the
 tokens' experts once. Resident experts live in a cache under the budget (LRU, or LFU which
 keeps the experts routed to most often); a usage heatmap per model is saved in the user cache
 dir so the next run pins the hot experts from the start.
+
+A micro-batch whose union of experts does not fit the cache is *staged*: llama.cpp computes a
+layer's routed experts as one ``mul_mat_id`` node per matrix (gate, up, down), so the engine
+reads one matrix's slices of the missed experts just before its node computes and gives them
+back right after (``stage_matrix``, ``matrix_done``), reading the next matrix ahead into
+the room left. A prompt is then evaluated in large chunks (each distinct expert of a chunk read
+once, the trunk once per chunk) where whole experts would allow a token or two at a time.
 """
 
 from __future__ import annotations
@@ -19,12 +26,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimitui.config import replace_file
 from kimitui.engine.settings import EXPERT_POLICIES
-from kimitui.model.gguf_map import ModelMap
+from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -36,6 +43,7 @@ class ExpertUnit:
     layer: int
     expert: int
     ranges: tuple  # ByteRange per routed tensor (gate, up, down)
+    matrix: int | None = None  # a staged read: only this routed tensor's slice (ranges holds it alone)
 
     @property
     def length(self) -> int:
@@ -55,6 +63,23 @@ class ExpertUnit:
     @property
     def file(self) -> int:
         return self.ranges[0].file
+
+
+class StagingError(Exception):
+    """A staged micro-batch cannot go on: one matrix of its experts does not fit, or llama.cpp
+    computed the layer without asking for a matrix that was read for it."""
+
+
+@dataclass
+class _Stage:
+    """A layer's micro-batch computed matrix by matrix: ``experts`` are read one routed tensor
+    at a time (the misses, and hits given up for room); ``held`` stay cached whole."""
+
+    layer: int
+    experts: list[int]
+    held: set[tuple[int, int]]
+    reads: dict[int, list[tuple[ExpertUnit, list[Future]]]] = field(default_factory=dict)  # matrix -> its reads
+    computed: list[int] = field(default_factory=list)  # matrices in the order llama.cpp computed them
 
 
 def heatmap_path(model: ModelMap, cache_dir: Path) -> Path:
@@ -148,6 +173,12 @@ class ExpertCache:
         self.prefilling = False
         self.prefill_seen: set[tuple[int, int]] = set()
         self.prefill_read_bytes = 0
+        # The least a prefill must read of experts: each micro-batch's distinct unpinned ones, once.
+        self.prefill_bound_bytes = 0
+        self.staged_layers = 0  # micro-batch layers computed matrix by matrix
+        self._stage: _Stage | None = None
+        self._matrices: dict[int, dict[bytes, int]] = {}  # layer -> routed tensor name -> its index
+        self._matrix_order: list[int] = []  # the order llama.cpp computed a staged layer's matrices in
         # Look-ahead: the experts each layer chose last time, read early for the next token.
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
         self._inflight: dict[tuple[int, int], list[Future]] = {}
@@ -236,6 +267,8 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> None:
         """Start reading ``experts`` of ``layer`` without waiting; only into free or colder room."""
+        if self._stage is not None:  # the staged matrices need the room
+            return
         keys = {(layer, e) for e in experts}
         for key in sorted(keys):
             if key in self.pinned or key in self._resident:
@@ -255,6 +288,12 @@ class ExpertCache:
         """Make ``experts`` of ``layer`` resident; returns seconds waited on storage."""
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
+        self.end_stage(strict=False)
+        unpinned = [self._unit(layer, e) for e in wanted if (layer, e) not in self.pinned]
+        if self.prefilling:
+            self.prefill_bound_bytes += sum(u.length for u in unpinned)
+        if sum(u.footprint for u in unpinned) > self.capacity:
+            return self._begin_stage(layer, wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
         missed: list[ExpertUnit] = []  # read below, together
         needed = self._in_use = {(layer, e) for e in wanted}
@@ -312,6 +351,173 @@ class ExpertCache:
             raise
         return time.perf_counter() - started if pending else 0.0
 
+    # -- a micro-batch one matrix at a time ---------------------------------------------
+
+    def _begin_stage(self, layer: int, wanted: list[int]) -> float:
+        """``wanted``'s whole footprint passes the cache: keep its cached experts (as many as
+        leave room for one matrix of the rest) and read the rest matrix by matrix."""
+        self._in_use = needed = {(layer, e) for e in wanted}
+        if self.prefilling:
+            self.prefill_seen |= needed
+        waited = 0.0
+        held: set[tuple[int, int]] = set()
+        staged: list[int] = []
+        for e in wanted:
+            key = (layer, e)
+            self.counts[layer][e] += 1
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.prefetch_used += 1
+            if key in self._inflight:  # read ahead: use it if it landed whole
+                futures = self._inflight.pop(key)
+                started = time.perf_counter()
+                self._settle(futures)
+                waited += time.perf_counter() - started
+                if any(f.cancelled() or f.exception() is not None for f in futures):
+                    self._forget(key)
+            if key in self.pinned or key in self._resident:
+                self.hits += 1
+                self.layer_hits[layer] += 1
+                self.bytes_from_cache += (self._resident.get(key) or self._unit(layer, e)).length
+                if key in self._resident:
+                    self._touch(key)
+                    held.add(key)
+            else:
+                self.misses += 1
+                self.layer_misses[layer] += 1
+                staged.append(e)
+        stage = _Stage(layer, staged, held)
+
+        def widest() -> int:  # the largest one-matrix footprint of the staged experts
+            return max((self._matrix_footprint(stage, m) for m in range(len(self.model.expert_ranges(layer, 0)))), default=0)
+
+        # Cached hits that leave no room for a matrix of the rest are given up, coldest first.
+        by_use = sorted(held, key=lambda key: self.counts[key[0]][key[1]])
+        while by_use and widest() + sum(self._resident[k].footprint for k in held) > self.capacity:
+            key = by_use.pop(0)
+            held.discard(key)
+            self._forget(key)
+            staged.append(key[1])
+        stage.experts.sort()
+        self._stage = stage
+        self.staged_layers += 1
+        self._in_use = held
+        self._read_ahead_matrices()
+        return waited
+
+    def _matrix_units(self, stage: _Stage, matrix: int) -> list[ExpertUnit]:
+        return [ExpertUnit(stage.layer, e, (self.model.expert_ranges(stage.layer, e)[matrix],), matrix) for e in stage.experts]
+
+    def _matrix_footprint(self, stage: _Stage, matrix: int) -> int:
+        return sum(u.footprint for u in self._matrix_units(stage, matrix))
+
+    def _matrix_of(self, layer: int, name: bytes) -> int | None:
+        names = self._matrices.get(layer)
+        if names is None:
+            routed = [t for t in self.model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
+            names = self._matrices[layer] = {t.name.encode(): i for i, t in enumerate(routed)}
+        return names.get(name)
+
+    def _start_matrix(self, stage: _Stage, matrix: int, needed: bool) -> bool:
+        """Read ``matrix``'s slices of the staged experts into room made for them; without room a
+        read ahead (``needed`` False) waits, a needed one fails."""
+        units = self._matrix_units(stage, matrix)
+        footprint = sum(u.footprint for u in units)
+        if not self._make_room(footprint, stage.held):
+            if not needed:
+                return False
+            from kimitui.units import format_bytes
+
+            raise StagingError(
+                f"layer {stage.layer}: one matrix of the {len(units)} experts this micro-batch routes to takes "
+                f"{format_bytes(footprint)}, more than the expert cache's {format_bytes(self.capacity)} beside its "
+                f"{len(stage.held)} cached ones; lower model.n_batch or raise the budget"
+            )
+        self._resident_bytes += footprint
+        read = sum(u.length for u in units)
+        self.bytes_needed += read
+        if self.prefilling:
+            self.prefill_read_bytes += read
+        stage.reads[matrix] = list(zip(units, self._read_units(units)))
+        return True
+
+    def _read_ahead_matrices(self) -> None:
+        """Start the staged matrices not yet read that fit beside those being read, in the order
+        llama.cpp computes them (learnt from the last staged layer; file order at first)."""
+        stage = self._stage
+        count = len(self.model.expert_ranges(stage.layer, 0))
+        order = [m for m in self._matrix_order if m < count] + [m for m in range(count) if m not in self._matrix_order]
+        for matrix in order:
+            if matrix in stage.computed or matrix in stage.reads:
+                continue
+            if not self._start_matrix(stage, matrix, needed=False):
+                return
+
+    def stage_matrix(self, name: bytes) -> float | None:
+        """llama.cpp is about to compute with the routed tensor ``name``: when it is a staged
+        matrix, its slices are made resident (seconds waited); None when nothing is staged for it."""
+        stage = self._stage
+        if stage is None:
+            return None
+        matrix = self._matrix_of(stage.layer, name)
+        if matrix is None or matrix in stage.computed:
+            return None
+        stage.computed.append(matrix)
+        if matrix not in stage.reads:
+            self._start_matrix(stage, matrix, needed=True)
+        started = time.perf_counter()
+        try:
+            for _unit, futures in stage.reads[matrix]:
+                for f in futures:
+                    f.result()  # a failed read raises here, before the matmul runs
+        except BaseException:
+            self.end_stage(strict=False)
+            raise
+        return time.perf_counter() - started
+
+    def matrix_done(self, name: bytes) -> None:
+        """The node that used ``name`` has computed: give its staged slices back, read the next ahead."""
+        stage = self._stage
+        if stage is None:
+            return
+        matrix = self._matrix_of(stage.layer, name)
+        if matrix is None or matrix not in stage.reads or matrix not in stage.computed:
+            return
+        self._give_back_matrix(stage, matrix)
+        self._read_ahead_matrices()
+
+    def _give_back_matrix(self, stage: _Stage, matrix: int) -> None:
+        reads = stage.reads.pop(matrix)
+        for unit, futures in reads:
+            self._settle(futures)
+            self._drop_unit(unit)
+            self._resident_bytes -= unit.footprint
+
+    def end_stage(self, strict: bool) -> None:
+        """The staged layer is over (the next one starts, or a new graph): give back what is still
+        read for it. ``strict``: a matrix read but never asked for means llama.cpp computed it
+        without the engine, on pages nobody placed: the token stops."""
+        stage = self._stage
+        if stage is None:
+            return
+        self._stage = None
+        self._in_use = set()
+        if len(stage.computed) == len(self.model.expert_ranges(stage.layer, 0)):
+            self._matrix_order = list(stage.computed)
+        left = [m for m in stage.reads if m not in stage.computed]
+        for matrix in list(stage.reads):
+            self._give_back_matrix(stage, matrix)
+        if strict and (left or len(stage.computed) < len(self.model.expert_ranges(stage.layer, 0))):
+            raise StagingError(
+                f"layer {stage.layer}: llama.cpp computed the routed experts without asking for "
+                f"{len(self.model.expert_ranges(stage.layer, 0)) - len(stage.computed)} of their matrices "
+                "(unsupported llama.cpp build?)"
+            )
+
+    @property
+    def staging(self) -> bool:
+        return self._stage is not None
+
     def clear(self) -> None:
         """Forget every cached expert (the pinned hot ones stay): each is read again when next routed to."""
         for key in list(self._resident):
@@ -347,6 +553,7 @@ class ExpertCache:
         self.prefilling = True
         self.prefill_seen = set()
         self.prefill_read_bytes = 0
+        self.prefill_bound_bytes = 0
 
     @property
     def resident_bytes(self) -> int:

@@ -7,6 +7,7 @@ loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import threading
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import psutil
 
 from kimitui.engine.interface import PinOutcome, TuningValues
-from kimitui.engine.addressing import StoreTooLarge
+from kimitui.engine.addressing import SRC_OFFSET, StoreTooLarge
 from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.pinning import PinnedSet
 from kimitui.engine.tuning import PendingTuning, schedule
@@ -446,6 +447,7 @@ class Engine:
         ggml = ggml_base(C._lib._name)
 
         clock = time.perf_counter
+        staged_nodes: dict[int, bytes] = {}  # graph node -> the staged routed tensor it computes with
 
         def on_eval(tensor, ask, _user):
             # ggml asks about every graph node, ~17,600 a token at Kimi K3's full size: what the
@@ -477,11 +479,21 @@ class Engine:
                     elif name == b"result_output":
                         pointers.graph_ended()  # before its own weights: they were pointed in an earlier graph, or count now
                     self._point_weights(pointers, tensor)
+                streamer = self.streamer
+                if streamer is not None and streamer.staging:
+                    # A staged layer: each routed matrix's slices are read just before its node.
+                    weight = ctypes.c_void_p.from_address(tensor + SRC_OFFSET).value
+                    weight_name = ggml.ggml_get_name(weight) if weight else None
+                    if weight_name and streamer.on_expert_matrix(weight_name):
+                        staged_nodes[tensor] = weight_name
+                        return True
                 # Every node passes here: one builtin test first, the digits only for the few that match.
-                if name in LAYER_ZERO_NODES or (name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit()):
+                if name in LAYER_ZERO_NODES:
+                    staged_nodes.clear()  # a graph cut short left its nodes here
+                    return True
+                if name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit():
                     return True
                 # With router look-ahead, also each MoE layer's FFN input.
-                streamer = self.streamer
                 return streamer is not None and streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
             streamer = self.streamer
             if streamer is None:
@@ -489,7 +501,9 @@ class Engine:
             # Returning False here would make ggml skip the rest of the graph split: silently
             # wrong logits. Any failure stops the token through the abort callback instead.
             try:
-                if (layer := numbered(name, b"ffn_moe_topk-")) is not None:
+                if tensor in staged_nodes:
+                    streamer.on_expert_matrix_done(staged_nodes.pop(tensor))
+                elif (layer := numbered(name, b"ffn_moe_topk-")) is not None:
                     streamer.on_experts(layer, topk_ids(ggml, tensor))
                 elif (layer := numbered(name, b"ffn_norm-")) is not None:
                     hidden = last_row_f32(ggml, tensor)

@@ -32,7 +32,7 @@ from typing import Callable
 
 from kimitui.engine.budget import pool_buffers
 from kimitui.engine.direct import split_pieces
-from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor
+from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
 from kimitui.engine.settings import StreamSettings, check_changes
@@ -607,7 +607,7 @@ class Streamer:
             return False
         try:
             self._layer_start(layer)
-        except StreamAbort as exc:
+        except (StreamAbort, StagingError) as exc:
             self.fail(str(exc))
         except OSError as exc:
             self.fail(f"cannot read the model: {exc}")
@@ -616,6 +616,8 @@ class Streamer:
 
     def _layer_start(self, layer: int) -> None:
         n = self.model.n_layers
+        if self.experts is not None:  # a staged layer before is over (at 0: a graph that was cut short)
+            self.experts.end_stage(strict=layer > 0)
         if layer == 0 and self._pending is not None:
             self._apply_pending()
         if layer > 0:
@@ -795,7 +797,7 @@ class Streamer:
             return self._read_ranges(unit, unit.ranges, pool)
 
         def drop_unit(unit: ExpertUnit) -> None:
-            self._dropper.later(("expert", unit.layer, unit.expert), unit.ranges, self._release_expert)
+            self._dropper.later(("expert", unit.layer, unit.expert, unit.matrix), unit.ranges, self._release_expert)
 
         self.experts = ExpertCache(
             self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy,
@@ -847,11 +849,43 @@ class Streamer:
                 and self._take_slot(following)
             ):
                 self.experts.prefetch(following, self.experts.last_choice[following])
-        except StreamAbort as exc:
+        except (StreamAbort, StagingError) as exc:
             self.fail(str(exc))
         except OSError as exc:
             self.fail(f"cannot read the model: {exc}")
         self._report()
+
+    @property
+    def staging(self) -> bool:
+        """A layer's routed experts are being computed matrix by matrix (see experts.py)."""
+        return self.experts is not None and self.experts.staging
+
+    def on_expert_matrix(self, name: bytes) -> bool:
+        """A graph node is about to compute with tensor ``name``: True when it is a staged
+        matrix, now resident (the engine then hears of the node again once it has computed)."""
+        if self.error is not None:
+            return False
+        try:
+            waited = self.experts.stage_matrix(name)
+        except (StreamAbort, StagingError) as exc:
+            self.fail(str(exc))
+            return False
+        except OSError as exc:
+            self.fail(f"cannot read the model: {exc}")
+            return False
+        if waited is None:
+            return False
+        self.stall_s += waited
+        self._report()
+        return True
+
+    def on_expert_matrix_done(self, name: bytes) -> None:
+        try:
+            self.experts.matrix_done(name)
+        except (StreamAbort, StagingError) as exc:
+            self.fail(str(exc))
+        except OSError as exc:
+            self.fail(f"cannot read the model: {exc}")
 
     # -- tuning and views ----------------------------------------------------------------
 
