@@ -384,6 +384,8 @@ def run(args: argparse.Namespace) -> int:
             if bandwidth and figures.get("ttft_s"):
                 # The bound's bytes at the best disk rate of this run, against the time taken.
                 figures["prefill_bound_share"] = bound / bandwidth / figures["ttft_s"]
+                # Or the prompt's compute in RAM, where that is longer (this run's in-RAM time to first token).
+                figures["prefill_limit_share"] = max(bound / bandwidth, compute.get("ttft_s") or 0.0) / figures["ttft_s"]
         if distinct and bandwidth and figures.get("ttft_s"):
             # The prompt's distinct experts at the best disk rate, or its compute in RAM (the
             # in-RAM run's time to first token), whichever is longer.
@@ -548,6 +550,7 @@ def render(report: dict) -> str:
         row("  bound: trunk per chunk + its experts", "prefill_bound_bytes", format_bytes),
         row("  read / bound", "prefill_read_vs_bound", lambda v: cell(v, ".2f", unit="x")),
         row("  bound at the disk rate / TTFT", "prefill_bound_share", share),
+        row("  that or compute in RAM / TTFT", "prefill_limit_share", share),
         row("  layers staged by matrix", "prefill_staged_layers", lambda v: "—" if v is None else str(v)),
         row("prefill experts read", "prefill_expert_read_bytes", format_bytes),
         row("  distinct experts used", "prefill_distinct_expert_bytes", format_bytes),

@@ -1,0 +1,141 @@
+"""A prompt whose experts do not fit the budget is still evaluated in large chunks: each routed
+matrix of a layer is read for the chunk's experts just before llama.cpp computes it and given
+back after, with stock llama.cpp's greedy tokens, the budget holding and the reads bounded."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine.budget import matrix_footprint, minimum_budget, plan_memory
+from kimitui.engine.experts import ExpertCache, StagingError
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.model import synth
+from kimitui.model.gguf_map import ROUTED_EXPERTS, load_model_map
+
+from helpers import peak_while
+
+MIB = 2**20
+PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 2
+
+
+@pytest.fixture(scope="module")
+def k3_48(tmp_path_factory) -> Path:
+    """Kimi K3's graph cut to 4 layers and 48 experts (16 used) at three fiftieths of its widths:
+    a 32-token prompt routes to nearly all 48 of a layer, three times what the budget caches."""
+    spec = synth.plan_like("kimi-k3", None, 0.06, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4, experts=48))
+    out = tmp_path_factory.mktemp("k3c") / "k3c.gguf"
+    return synth.write_model(spec, out, seed=11, progress=False).paths[0]
+
+
+def reply(engine: Engine, tokens: int = 8) -> list[int]:
+    gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=tokens))
+    return [event.token_id for event in gen if event.token_id >= 0]
+
+
+def engine_for(path: Path, budget: int | None = None, n_batch: int = 512) -> Engine:
+    engine = Engine(path, n_ctx=256, budget=budget, n_batch=n_batch, fast_load=budget is not None)
+    engine.load()
+    if budget is not None:
+        engine.pin()
+        assert engine.streamer is not None and engine.streamer.experts is not None
+    return engine
+
+
+def test_the_plan_prefills_whole_batches_where_one_matrix_of_every_expert_fits(k3_48):
+    model = load_model_map(k3_48)
+    budget = minimum_budget(model) + 2 * MIB
+    plan = plan_memory(model, budget, prefetch_depth=2, n_batch=512)
+    cache = plan.expert_bytes - plan.hot_expert_bytes
+    assert cache < model.n_expert * model.bytes_per_expert  # the layer's experts do not fit whole
+    assert cache >= model.n_expert * matrix_footprint(model)  # one matrix of each of them does
+    assert plan.ubatch == 512
+
+
+def test_chunked_prefill_gives_stock_and_one_token_greedy_tokens_within_the_budget(k3_48):
+    stock = engine_for(k3_48)
+    try:
+        expected = reply(stock)
+    finally:
+        stock.close()
+    model = load_model_map(k3_48)
+    budget = minimum_budget(model) + 2 * MIB
+
+    one_token = engine_for(k3_48, budget, n_batch=1)
+    try:
+        assert one_token.n_ubatch == 1
+        assert reply(one_token) == expected
+        one_token_read = one_token.streamer.experts.prefill_read_bytes
+        assert one_token.streamer.experts.staged_layers == 0  # one token's experts always fit
+    finally:
+        one_token.close()
+
+    engine = engine_for(k3_48, budget)
+    try:
+        assert engine.n_ubatch == 512
+        source = engine.metrics.model_resident_source
+        peak, tokens = peak_while(source, lambda: reply(engine))
+        assert tokens == expected
+        experts = engine.streamer.experts
+        n_moe = sum(layer.is_moe for layer in model.layers)
+        assert experts.staged_layers >= n_moe  # the prompt's one chunk, every MoE layer staged
+        # Each distinct expert of the chunk is read at most once, and far less than one token at a time reads.
+        assert 0 < experts.prefill_read_bytes <= experts.prefill_bound_bytes
+        assert experts.prefill_bound_bytes <= n_moe * model.n_expert * model.bytes_per_expert
+        assert experts.prefill_read_bytes * 2 < one_token_read
+        assert peak <= budget
+        assert engine.streamer.error is None
+        assert reply(engine) == expected  # and again, from what the first reply left cached
+    finally:
+        engine.close()
+
+
+def test_a_staged_layer_holds_one_matrix_at_a_time_and_fails_loudly_when_one_is_skipped(k3_48):
+    """The cache's own steps, on the real model's map, with reads that land at once."""
+    model = load_model_map(k3_48)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    names = [t.name.encode() for t in model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
+    reads, drops = [], []
+
+    def read_unit(unit):
+        reads.append(unit)
+        done = Future()
+        done.set_result(None)
+        return [done]
+
+    capacity = 20 * model.bytes_per_expert  # 20 whole experts, 60 matrices: one matrix of each of 48
+    cache = ExpertCache(model, capacity, [], [[0] * model.n_expert for _ in model.layers], read_unit, drops.append)
+    cache.ensure(layer, range(model.n_expert_used))  # 16 cached whole
+    assert cache.resident_bytes <= capacity and not cache.staging
+    cache.ensure(layer, range(model.n_expert))  # 48: staged
+    assert cache.staging
+    peak = cache.resident_bytes
+    for name in names:
+        assert cache.stage_matrix(name) is not None
+        peak = max(peak, cache.resident_bytes)
+        cache.matrix_done(name)
+    assert peak <= capacity
+    cache.end_stage(strict=True)
+    staged = [u for u in reads if u.matrix is not None]
+    # each matrix of each staged expert read once, and every staged slice given back
+    assert len(staged) == len({(u.expert, u.matrix) for u in staged})
+    assert {u.matrix for u in staged} == set(range(len(names)))
+    assert sorted((u.expert, u.matrix) for u in drops if u.matrix is not None) == sorted((u.expert, u.matrix) for u in staged)
+    assert cache.resident_bytes <= capacity
+
+    cache.ensure(layer, range(model.n_expert))
+    cache.stage_matrix(names[0])
+    cache.matrix_done(names[0])
+    with pytest.raises(StagingError, match=rf"^layer {layer}: llama.cpp computed the routed experts without asking for 2 of their matrices"):
+        cache.end_stage(strict=True)
+    assert not cache.staging
+
+    small = ExpertCache(model, 10 * model.bytes_per_expert, [], [[0] * model.n_expert for _ in model.layers], read_unit, drops.append)
+    small.ensure(layer, range(model.n_expert))
+    with pytest.raises(StagingError, match=rf"^layer {layer}: one matrix of the 48 experts this micro-batch routes to takes .*lower model.n_batch or raise the budget$"):
+        for name in names:
+            small.stage_matrix(name)
+            small.matrix_done(name)
