@@ -108,6 +108,46 @@ def test_full_scale_k3_has_the_public_byte_totals():
     assert shared.shape == (7168, 2 * 3072)  # two shared experts, fused as llama.cpp loads them
 
 
+@pytest.mark.parametrize("layout", ["ud-q2_k_xl", "ud-iq1_m"])
+def test_published_layouts_have_the_downloads_types_and_sizes(layout):
+    """The smaller published sets: trunk Q8_0, routed experts in i-quants, within 2% of the
+    set's size (the 49k vocabulary, where K3's is 164k, costs about 2 GB of embeddings and head)."""
+    from gguf import GGMLQuantizationType as T
+
+    trunk, gate_up, down, _, published = synth.K3_LAYOUTS[layout]
+    spec = synth.plan_like("kimi-k3", None, 1.0, None, synth.default_tokenizer(), layout=layout)
+    types = {t.name: t.qtype for t in spec.tensors}
+    assert types["blk.1.ffn_gate_exps.weight"] == types["blk.1.ffn_up_exps.weight"] == gate_up
+    assert types["blk.1.ffn_down_exps.weight"] == down
+    for name in ("blk.1.attn_output.weight", "blk.3.attn_kv_a_mqa.weight", "blk.1.ffn_up_shexp.weight", "output.weight", "token_embd.weight"):
+        assert types[name] == T.Q8_0, name
+    assert types["blk.1.ffn_gate_inp.weight"] == T.F32  # routers stay as they are
+    assert abs(spec.file_bytes() / published - 1) < 0.02
+
+
+def test_stock_and_streamed_k3_agree_on_an_i_quant_layout(tmp_path):
+    """Stock llama.cpp runs the i-quant layout (rows of whole 256-weight blocks, widths rounded up
+    to them) with finite, varied logits, and the streamed engine gives its greedy tokens."""
+    import numpy as np
+
+    spec = synth.plan_like("kimi-k3", None, 0.02, None, synth.default_tokenizer(), synth.Cut(layers=3), layout="ud-iq1_m")
+    path = synth.write_model(spec, tmp_path / "iq.gguf", seed=4, progress=False).paths[0]
+    engine = Engine(path, n_ctx=256, fast_load=False)
+    engine.load()
+    try:
+        expected = reply_tokens(engine, tokens=10)
+        assert np.isfinite(np.array(engine.llm.scores[: engine.llm.n_tokens])).all()
+        assert len(set(expected)) > 3
+    finally:
+        engine.close()
+    model = load_model_map(path)
+    streamed = streamed_engine(path, minimum_budget(model) + 2 * MIB)
+    try:
+        assert reply_tokens(streamed, tokens=10) == expected
+    finally:
+        streamed.close()
+
+
 def test_a_real_width_slice_keeps_the_expert_size(tmp_path):
     spec = synth.plan_like("kimi-k3", None, 1.0, None, synth.default_tokenizer(), synth.Cut(layers=2, experts=4))
     experts = [t for t in spec.tensors if t.name.startswith("blk.1.") and "_exps." in t.name]

@@ -255,16 +255,6 @@ def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) 
     }
 
 
-def prompt_chunks(n_prompt: int, n_batch: int, n_ubatch: int) -> list[int]:
-    """The micro-batches llama.cpp evaluates an ``n_prompt``-token prompt in: llama-cpp-python
-    hands it over ``n_batch`` tokens at a time, and llama_decode splits each into ``n_ubatch``."""
-    chunks = []
-    for start in range(0, n_prompt, n_batch):
-        batch = min(n_batch, n_prompt - start)
-        chunks += [n_ubatch] * (batch // n_ubatch) + ([batch % n_ubatch] if batch % n_ubatch else [])
-    return chunks
-
-
 def _engine_generation(engine, spec: dict) -> dict:
     from kimitui.engine.generation import Sampling
 
@@ -327,6 +317,8 @@ def phase_engine(spec: dict) -> None:
         prefill["prefill_expert_read_bytes"] = experts.prefill_read_bytes
         # The least the prompt must read, as it was evaluated: the streamed trunk once per chunk
         # (llama.cpp's micro-batch) and each chunk's distinct unpinned experts once.
+        from kimitui.engine.budget import prompt_chunks
+
         chunks = prompt_chunks(figures["prompt_tokens"], engine.n_batch, engine.n_ubatch)
         prefill["prefill_chunks"] = chunks
         prefill["prefill_bound_bytes"] = len(chunks) * engine.streamer.streamed_bytes_per_token + experts.prefill_bound_bytes

@@ -14,12 +14,16 @@ An MoE model's budget, in order of bytes saved per byte spent:
    read-ahead is left to dense models, which have no expert cache to feed);
 6. what is left caches experts (a cached expert byte saves n_used/n_expert of a read per token
    under flat routing, more under skew); half of it may pin the experts past runs used most.
-Prefill: a batch of tokens needs the union of its experts at once, so the micro-batch is cut to
-what the expert cache holds (all of a prompt's batch when a whole layer's experts fit).
+Prefill: a micro-batch whose union of experts does not fit is computed one routed matrix at a
+time (experts.py), so it is cut only to what one matrix of each expert it routes to fits (all
+of a prompt's batch when one matrix of every expert of a layer fits). Where it is cut, each
+chunk reads the streamed trunk again, so pinned trunk is given back to the expert cache while
+that lowers the bytes of a turn (an n_batch-token prompt and as many tokens of reply).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import os
@@ -131,7 +135,6 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
     shards = _trunk_shards(model)
     nonlayer = [s for s in shards if s.layer is None]
     layered = [s for s in shards if s.layer is not None]
-    pinned = list(nonlayer)
     left = room - sum(s.length for s in nonlayer) - expert_floor(model)
     most_shards = most_trunk_shards(model)
 
@@ -144,59 +147,111 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
         """What streaming that window takes in memory: the direct-read pool that holds it."""
         return pool_buffers(window(pinned_by_layer, depth), most_shards, depth + 1) * PIECE_BYTES
 
-    def pin_trunk(depth: int) -> tuple[dict[int, int], int, list[Shard]]:
+    def by_layer(chosen: list[Shard]) -> dict[int, int]:
+        pinned: dict[int, int] = {}
+        for shard in chosen:
+            pinned[shard.layer] = pinned.get(shard.layer, 0) + shard.length
+        return pinned
+
+    def pin_trunk(depth: int) -> list[Shard]:
         """Trunk shards in order, while the pool for what still streams fits beside them."""
-        by_layer: dict[int, int] = {}
+        pinned: dict[int, int] = {}
         spent, chosen = 0, []
         for shard in layered:
-            after = dict(by_layer)
+            after = dict(pinned)
             after[shard.layer] = after.get(shard.layer, 0) + shard.length
             if spent + shard.length + footprint(after, depth) > left:
                 break
             chosen.append(shard)
             spent += shard.length
-            by_layer = after
-        return by_layer, spent, chosen
+            pinned = after
+        return chosen
+
+    def moe_depth(chosen: list[Shard]) -> int:
+        """One layer of read-ahead if what is left beside ``chosen`` holds it."""
+        fits = sum(s.length for s in chosen) + footprint(by_layer(chosen), 1) <= left
+        return 1 if prefetch_depth >= 1 and fits else 0
 
     if model.is_moe:
         # A pinned trunk byte saves a read every token; read-ahead only hides reads behind
         # compute. So the trunk is pinned first, beside a window of the layer computing; one
         # layer of read-ahead if what is left holds it; the rest caches experts.
-        pinned_by_layer, spent, chosen = pin_trunk(0)
-        depth = 1 if prefetch_depth >= 1 and spent + footprint(pinned_by_layer, 1) <= left else 0
+        chosen = pin_trunk(0)
+        depth = moe_depth(chosen)
     else:
         # Dense: the deepest read-ahead that fits with nothing pinned, then the trunk beside it.
         depth = prefetch_depth
         while depth > 0 and footprint({}, depth) > left:
             depth -= 1
-        pinned_by_layer, spent, chosen = pin_trunk(depth)
-    pinned += chosen
-    win = window(pinned_by_layer, depth)
-    # Near the minimum budget the whole pool may not fit: ``pool_buffers`` is then what does, and
-    # the pool may pass it by the rest (at most a buffer per shard of the layers in flight).
-    buffers = min(pool_buffers(win, most_shards, depth + 1), max(0, (left - spent) // PIECE_BYTES))
-    experts = 0
-    if model.is_moe:
-        experts = max(0, left - spent - max(win, buffers * PIECE_BYTES)) + expert_floor(model)
-    cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
-    ubatch = n_batch
-    if model.is_moe and model.bytes_per_expert:
-        # A micro-batch whose experts do not fit whole is computed one matrix at a time, so it
-        # needs room for one matrix of each expert it routes to: where even one matrix of every
-        # expert of a layer does not fit, as many tokens as surely fit.
-        matrices = cache_floor // matrix_footprint(model)
-        if matrices < model.n_expert:
-            ubatch = max(1, min(n_batch, matrices // model.n_expert_used))
-    return MemoryPlan(
-        budget=budget,
-        pinned=tuple(pinned),
-        window_bytes=win,
-        pool_buffers=buffers,
-        prefetch_depth=depth,
-        expert_bytes=experts,
-        hot_expert_bytes=(experts - expert_floor(model)) // 2,
-        ubatch=ubatch,
-    )
+        chosen = pin_trunk(depth)
+
+    def finish(chosen: list[Shard], depth: int) -> MemoryPlan:
+        """The plan with ``chosen`` pinned beside the non-layer tensors, the rest as laid out above."""
+        spent = sum(s.length for s in chosen)
+        win = window(by_layer(chosen), depth)
+        # Near the minimum budget the whole pool may not fit: ``pool_buffers`` is then what does, and
+        # the pool may pass it by the rest (at most a buffer per shard of the layers in flight).
+        buffers = min(pool_buffers(win, most_shards, depth + 1), max(0, (left - spent) // PIECE_BYTES))
+        experts = 0
+        if model.is_moe:
+            experts = max(0, left - spent - max(win, buffers * PIECE_BYTES)) + expert_floor(model)
+        cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
+        ubatch = n_batch
+        if model.is_moe and model.bytes_per_expert:
+            # A micro-batch whose experts do not fit whole is computed one matrix at a time, so it
+            # needs room for one matrix of each expert it routes to: where even one matrix of every
+            # expert of a layer does not fit, as many tokens as surely fit.
+            matrices = cache_floor // matrix_footprint(model)
+            if matrices < model.n_expert:
+                ubatch = max(1, min(n_batch, matrices // model.n_expert_used))
+        return MemoryPlan(
+            budget=budget,
+            pinned=tuple(nonlayer + chosen),
+            window_bytes=win,
+            pool_buffers=buffers,
+            prefetch_depth=depth,
+            expert_bytes=experts,
+            hot_expert_bytes=(experts - expert_floor(model)) // 2,
+            ubatch=ubatch,
+        )
+
+    plan = finish(chosen, depth)
+    if model.is_moe and plan.ubatch < n_batch:
+        # Prompts are cut into chunks, and each chunk reads the streamed trunk again: pinned trunk
+        # given back to the expert cache makes chunks larger. The plan keeps what costs the fewest
+        # bytes over a turn of an n_batch-token prompt and as many tokens of reply.
+        candidates = [plan] + [finish(chosen[:k], moe_depth(chosen[:k])) for k in range(len(chosen) - 1, -1, -1)]
+        plan = min(candidates, key=lambda p: turn_bytes(model, p, n_batch))
+    return plan
+
+
+def prompt_chunks(n_prompt: int, n_batch: int, n_ubatch: int) -> list[int]:
+    """The micro-batches llama.cpp evaluates an ``n_prompt``-token prompt in: llama-cpp-python
+    hands it over ``n_batch`` tokens at a time, and llama_decode splits each into ``n_ubatch``."""
+    chunks = []
+    for start in range(0, n_prompt, n_batch):
+        batch = min(n_batch, n_prompt - start)
+        chunks += [n_ubatch] * (batch // n_ubatch) + ([batch % n_ubatch] if batch % n_ubatch else [])
+    return chunks
+
+
+def prompt_bytes(model: ModelMap, plan: MemoryPlan, n_prompt: int, n_batch: int) -> int:
+    """What an ``n_prompt``-token prompt reads under ``plan`` at flat routing: the streamed trunk
+    once per chunk, and each chunk's distinct experts once (a chunk of c tokens routes to
+    n_expert x (1 - (1 - n_used / n_expert)^c) of a layer's experts; real text shares more)."""
+    trunk = plan_reads(model, plan)["trunk_bytes_per_token"]
+    moe = [layer for layer in model.layers if layer.is_moe]
+    total = 0
+    for chunk, count in Counter(prompt_chunks(n_prompt, n_batch, plan.ubatch)).items():
+        experts = sum(layer.n_expert * (1 - (1 - model.n_expert_used / layer.n_expert) ** chunk) * layer.expert_bytes for layer in moe)
+        total += count * (trunk + int(experts))
+    return total
+
+
+def turn_bytes(model: ModelMap, plan: MemoryPlan, n_tokens: int) -> int:
+    """An ``n_tokens`` prompt and as many decoded tokens: what the plan weighs pinning against."""
+    reads = plan_reads(model, plan)
+    return prompt_bytes(model, plan, n_tokens, n_tokens) + n_tokens * (reads["trunk_bytes_per_token"] + reads["expert_bytes_per_token"])
 
 
 def context_bytes(kv: dict, arch: str, n_ctx: int) -> int:

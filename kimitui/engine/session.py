@@ -398,6 +398,14 @@ class Engine:
                 f"cannot load {self.model_path.name}: out of address space, not a damaged file: {exc}; "
                 f"{address_space_fix(total_bytes=bound)}"
             ) from None
+        # The windows' bytes are read past the page cache. What another reader left cached would
+        # be mapped a whole folio at a time wherever llama.cpp touches a window's file page (a
+        # slice's shared end page), resident and counted against the budget: give it back.
+        from kimitui.engine.platform import PlatformIO
+
+        io = PlatformIO()
+        for fd in fds.values():
+            io.uncache(fd, 0, 0)
         self.pointers = WeightPointers(space)
         return space
 

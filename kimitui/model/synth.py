@@ -10,12 +10,13 @@ at random offsets, so memory stays bounded and throughput is the disk's, not num
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -34,6 +35,18 @@ QUANTS = {
 }
 # Kimi K3 ships its routed experts in MXFP4 (17 bytes per 32 weights) whatever the trunk is.
 MXFP4 = GGMLQuantizationType.MXFP4
+IQ1_S, IQ2_XXS, IQ3_XXS = GGMLQuantizationType.IQ1_S, GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.IQ3_XXS
+# The K3 GGUFs people download (unsloth's): the release's MXFP4 experts, or the smaller sets'
+# trunk at Q8_0 with the routed experts' gate and up in one i-quant and down in a wider one
+# (the published sets mix types layer by layer; one rule per set lands near their sizes).
+# name -> (trunk type or None for --type's, gate/up type, down type, file type, the published set's bytes)
+K3_LAYOUTS = {
+    "release": (None, MXFP4, MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE, None),
+    "ud-q2_k_xl": ("q8_0", IQ2_XXS, IQ3_XXS, LlamaFileType.MOSTLY_Q2_K, 861e9),
+    "ud-iq1_m": ("q8_0", IQ1_S, IQ2_XXS, LlamaFileType.MOSTLY_IQ1_M, 649e9),
+}
+# i-quants: blocks of 256 weights, each led by its fp16 scale d.
+IQ_TYPES = (IQ1_S, IQ2_XXS, GGMLQuantizationType.IQ2_XS, IQ3_XXS)
 # Q4_1 by default: llama.cpp's CPU backend repacks Q4_0 (and Q8_0 on some builds) into
 # anonymous memory, measured here for Q4_0, so weights would stop streaming from the file.
 DEFAULT_QUANT = "q4_1"
@@ -345,13 +358,18 @@ class KimiK3Dims:
         return (layer + 1) % 4 == 0 or layer == self.n_layer - 1
 
 
-def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileType, tok: Tokenizer) -> ModelSpec:
+def kimi_k3_spec(
+    d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileType, tok: Tokenizer,
+    experts: tuple[GGMLQuantizationType, GGMLQuantizationType] = (MXFP4, MXFP4),
+) -> ModelSpec:
     """Kimi K3 as llama.cpp's kimi-k3 loader reads it (src/models/kimi-k3.cpp of the pinned
     llama.cpp): KDA and gated-MLA layers told apart by a per-layer head_count_kv of 0 or 1,
     cross-layer residual attention scores, LatentMoE (router on n_embd, routed experts in
     MXFP4 at the latent width between ffn_routed_down and ffn_routed_up), the shared experts
-    fused into one FFN at n_embd, and the situ activation. The trunk is `qtype`."""
+    fused into one FFN at n_embd, and the situ activation. The trunk is `qtype`; ``experts``: the
+    routed gate/up and down types."""
     a, v = "kimi-k3", tok.n_vocab
+    gate_up, down = experts
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kv = [
         (f"{a}.vocab_size", v, u32),
@@ -429,9 +447,9 @@ def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileTyp
                 TensorSpec(b + "ffn_gate_inp.weight", (d.n_embd, d.n_expert), F32, ROUTER),
                 TensorSpec(b + "exp_probs_b.bias", (d.n_expert,), F32, FLAT_ROUTER_BIAS),
                 TensorSpec(b + "ffn_routed_down.weight", (d.n_embd, d.n_latent), qtype, WEIGHT),
-                TensorSpec(b + "ffn_gate_exps.weight", (d.n_latent, d.n_ff_exp, d.n_expert), MXFP4, WEIGHT),
-                TensorSpec(b + "ffn_up_exps.weight", (d.n_latent, d.n_ff_exp, d.n_expert), MXFP4, WEIGHT),
-                TensorSpec(b + "ffn_down_exps.weight", (d.n_ff_exp, d.n_latent, d.n_expert), MXFP4, WEIGHT),
+                TensorSpec(b + "ffn_gate_exps.weight", (d.n_latent, d.n_ff_exp, d.n_expert), gate_up, WEIGHT),
+                TensorSpec(b + "ffn_up_exps.weight", (d.n_latent, d.n_ff_exp, d.n_expert), gate_up, WEIGHT),
+                TensorSpec(b + "ffn_down_exps.weight", (d.n_ff_exp, d.n_latent, d.n_expert), down, WEIGHT),
                 TensorSpec(b + "ffn_routed_norm.weight", (d.n_latent,), F32, ONES),
                 TensorSpec(b + "ffn_routed_up.weight", (d.n_latent, d.n_embd), qtype, WEIGHT),
                 *_gated_ffn(b, "_shexp", d.n_embd, n_shexp, qtype),
@@ -445,15 +463,23 @@ def kimi_k3_spec(d: KimiK3Dims, qtype: GGMLQuantizationType, ftype: LlamaFileTyp
     desc = (
         f"kimi-k3: {d.n_layer} layers ({d.n_layer - n_mla} KDA, {n_mla} MLA; {d.n_dense_lead} dense), n_embd {d.n_embd}, "
         f"{d.n_expert} experts ({d.n_expert_used} used, {d.n_expert_shared} shared) of n_ff {d.n_ff_exp} "
-        f"at latent {d.n_latent} in MXFP4, one expert {format_bytes(_expert_bytes_k3(d))}, "
+        f"at latent {d.n_latent} in {_type_names(experts)}, one expert {format_bytes(_expert_bytes_k3(d, experts))}, "
         f"{d.n_head} heads, trunk {qtype.name}, vocab {v}"
     )
     return _finish_spec(a, desc, kv, tensors, ftype, tok)
 
 
-def _expert_bytes_k3(d: KimiK3Dims) -> int:
-    block, size = GGML_QUANT_SIZES[MXFP4]
-    return 3 * d.n_latent * d.n_ff_exp // block * size
+def _expert_bytes_k3(d: KimiK3Dims, experts=(MXFP4, MXFP4)) -> int:
+    def matrix(qtype) -> int:
+        block, size = GGML_QUANT_SIZES[qtype]
+        return d.n_latent * d.n_ff_exp // block * size
+
+    return 2 * matrix(experts[0]) + matrix(experts[1])
+
+
+def _type_names(experts) -> str:
+    gate_up, down = experts
+    return gate_up.name if gate_up == down else f"{gate_up.name} (gate, up) and {down.name} (down)"
 
 
 def _finish_spec(arch, desc, kv, tensors, ftype, tok) -> ModelSpec:
@@ -632,27 +658,31 @@ def like_dims(like: str, scale: float, n_ff_exp: int | None = None, cut: Cut = C
     return KimiK3Dims(**dims) if like == "kimi-k3" else Deepseek2Dims(**dims)
 
 
-def like_spec(like: str, dims, quant: str | None, tok: Tokenizer) -> ModelSpec:
+def like_spec(like: str, dims, quant: str | None, tok: Tokenizer, layout: str = "release") -> ModelSpec:
     if like == "kimi-k3":
-        qtype, _ = QUANTS[quant or K3_TRUNK_QUANT]
-        return kimi_k3_spec(dims, qtype, LlamaFileType.MOSTLY_MXFP4_MOE, tok)
+        trunk, gate_up, down, ftype, _ = K3_LAYOUTS[layout]
+        qtype, _ = QUANTS[quant or trunk or K3_TRUNK_QUANT]
+        if gate_up in IQ_TYPES or down in IQ_TYPES:  # rows of whole 256-weight blocks
+            dims = replace(dims, n_latent=_round(dims.n_latent, 256), n_ff_exp=_round(dims.n_ff_exp, 256))
+        return kimi_k3_spec(dims, qtype, ftype, tok, (gate_up, down))
     qtype, ftype = QUANTS[quant or DEFAULT_QUANT]
     return deepseek2_spec(dims, qtype, ftype, tok)
 
 
 def plan_like(
-    like: str, target: int | None, scale: float | None, quant: str | None, tok: Tokenizer, cut: Cut = Cut()
+    like: str, target: int | None, scale: float | None, quant: str | None, tok: Tokenizer, cut: Cut = Cut(),
+    layout: str = "release",
 ) -> ModelSpec:
     """Kimi's counts (layers, experts, used, shared, dense lead; fewer with `cut`); widths
-    from `scale`, or solved so the file lands on `target`."""
+    from `scale`, or solved so the file lands on `target`; K3 in one of its published ``layout``s."""
     ref = LIKE[like]
     if scale is not None:
-        return like_spec(like, like_dims(like, scale, cut=cut), quant, tok)
+        return like_spec(like, like_dims(like, scale, cut=cut), quant, tok, layout)
     assert target is not None
     n_layer = cut.layers or ref["n_layer"]
 
     def spec_for(n_embd: int, _n_layer: int, n_ff_exp: int) -> ModelSpec:
-        return like_spec(like, like_dims(like, n_embd / ref["n_embd"], n_ff_exp, cut), quant, tok)
+        return like_spec(like, like_dims(like, n_embd / ref["n_embd"], n_ff_exp, cut), quant, tok, layout)
 
     def free_range(n_embd: int) -> tuple[int, int, float]:
         ideal = max(32.0, n_embd * ref["n_ff_exp"] / ref["n_embd"])
@@ -678,11 +708,27 @@ _STD_PER_SCALE = {
 }
 
 
+@functools.cache
+def _iq_std_per_scale(qtype: GGMLQuantizationType) -> float:
+    """An i-quant's grids are tables, so the std per unit of d is measured: gguf's own
+    dequantization of random blocks at d = 1."""
+    from gguf.quants import dequantize
+
+    raw = np.random.default_rng(0).integers(0, 256, (256, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    raw[:, :2] = np.full(256, 1.0, dtype="<f2").view(np.uint8).reshape(256, 2)
+    return float(np.std(dequantize(raw.reshape(-1), qtype)))
+
+
 def random_blocks(qtype: GGMLQuantizationType, n_blocks: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
     """`n_blocks` valid quantized blocks whose weights have std ~`sigma`, as raw bytes."""
     if qtype == GGMLQuantizationType.BF16:  # the top half of float32
         values = rng.normal(0.0, sigma, n_blocks).astype(np.float32)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    if qtype in IQ_TYPES:  # codes and signs at random, under a scale that gives the std asked for
+        raw = rng.integers(0, 256, (n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        d = (sigma / _iq_std_per_scale(qtype) * rng.uniform(0.5, 1.5, n_blocks)).astype("<f2")
+        raw[:, :2] = d.view(np.uint8).reshape(n_blocks, 2)
+        return raw.reshape(-1)
     blocks = np.empty(n_blocks, dtype=_BLOCK_DTYPES[qtype])
     if qtype == MXFP4:
         # E8M0 holds a power of two: 2^(e-127), of which ggml takes half (2^(e-128)).
@@ -949,6 +995,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--split-size",
         help="write a llama.cpp split set (OUT-0000N-of-0000M.gguf, as published sets are): files of whole layers, each at most this size unless one layer is larger",
     )
+    parser.add_argument(
+        "--layout", choices=tuple(K3_LAYOUTS),
+        help="kimi-k3: a published set's types (release: experts MXFP4, trunk as --type; ud-q2_k_xl and ud-iq1_m: trunk Q8_0, experts i-quants)",
+    )
     parser.add_argument("--force", action="store_true", help="replace existing output files")
     parser.add_argument("--dry-run", action="store_true", help="print the shape and size, write nothing")
     parser.add_argument(
@@ -986,10 +1036,14 @@ def plan(args: argparse.Namespace) -> ModelSpec:
         raise UserError("--scale must be in (0, 4]")
     if args.seed < 0:
         raise UserError("--seed must be 0 or more")
+    if args.layout and args.like != "kimi-k3":
+        raise UserError("--layout is one of Kimi K3's published sets: use it with --like kimi-k3")
+    if args.layout not in (None, "release") and args.quant:
+        raise UserError(f"--layout {args.layout} sets the trunk's type (Q8_0): drop --type")
     target = _size_arg(args.size, "--size") if args.size else None
     tok = default_tokenizer()
     if args.like:
-        return plan_like(args.like, target, args.scale, args.quant, tok, cut)
+        return plan_like(args.like, target, args.scale, args.quant, tok, cut, args.layout or "release")
     assert target is not None
     if args.arch == "moe":
         return plan_moe(target, args.quant or DEFAULT_QUANT, tok)
@@ -1025,6 +1079,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         for line in figures(spec):
             print(f"  {line}")
+        published = K3_LAYOUTS[args.layout][-1] if args.layout else None
+        if published and args.scale == 1 and args.layers is None and args.experts is None:
+            size = spec.file_bytes()
+            print(f"  the published {args.layout} set: {published / 1e9:,.0f} GB; this one {size / 1e9:,.0f} GB ({size / published - 1:+.1%}; its vocabulary is 49k, K3's 164k)")
         return 0
     result = write_model(spec, args.out, seed=args.seed, split_size=split, force=args.force, sparse=args.sparse)
     paths = result.paths
