@@ -553,6 +553,7 @@ def render(report: dict) -> str:
         row("  that or compute in RAM / TTFT", "prefill_limit_share", share),
         row("  layers staged by matrix", "prefill_staged_layers", lambda v: "—" if v is None else str(v)),
         row("prefill experts read", "prefill_expert_read_bytes", format_bytes),
+        row("  of which gaps read through", "prefill_gap_bytes", format_bytes),
         row("  distinct experts used", "prefill_distinct_expert_bytes", format_bytes),
         row("  read / distinct", "prefill_read_vs_distinct", lambda v: cell(v, ".2f", unit="x")),
         row("  of the I/O limit", "prefill_share_of_limit", share),

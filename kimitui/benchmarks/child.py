@@ -314,7 +314,8 @@ def phase_engine(spec: dict) -> None:
     if experts is not None:
         # The bytes of the distinct experts the prompt routed to: the least a prefill can read.
         prefill["prefill_distinct_expert_bytes"] = len(experts.prefill_seen) * engine.model_map().bytes_per_expert
-        prefill["prefill_expert_read_bytes"] = experts.prefill_read_bytes
+        prefill["prefill_expert_read_bytes"] = experts.prefill_read_bytes  # gaps read through included
+        prefill["prefill_gap_bytes"] = experts.prefill_gap_bytes
         # The least the prompt must read, as it was evaluated: the streamed trunk once per chunk
         # (llama.cpp's micro-batch) and each chunk's distinct unpinned experts once.
         from kimitui.engine.budget import prompt_chunks

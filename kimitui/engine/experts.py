@@ -173,6 +173,7 @@ class ExpertCache:
         self.prefilling = False
         self.prefill_seen: set[tuple[int, int]] = set()
         self.prefill_read_bytes = 0
+        self.prefill_gap_bytes = 0  # of those, read through between slices and never used (the streamer's)
         # The least a prefill must read of experts: each micro-batch's distinct unpinned ones, once.
         self.prefill_bound_bytes = 0
         self.staged_layers = 0  # micro-batch layers computed matrix by matrix
@@ -553,6 +554,7 @@ class ExpertCache:
         self.prefilling = True
         self.prefill_seen = set()
         self.prefill_read_bytes = 0
+        self.prefill_gap_bytes = 0
         self.prefill_bound_bytes = 0
 
     @property

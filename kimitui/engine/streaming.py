@@ -250,6 +250,7 @@ class Streamer:
         self.stall_s = 0.0
         self.bytes_read = 0
         self.bytes_needed = 0  # streamed bytes compute used that were not resident before (read for it)
+        self.gap_read_bytes = 0  # read between a request's expert slices, never used (see _read_experts)
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.prefetch_wasted_bytes = 0
         self.bytes_from_cache = 0  # pinned or already-read bytes compute found resident
@@ -416,29 +417,41 @@ class Streamer:
         pieces that follow each other in the file (the same tensor's slices of neighbouring
         experts, as a prompt's many tokens route to) read as one request of up to
         MERGED_READ_BYTES. On a disk that serves scattered 30 KiB reads at a tenth of its
-        sequential rate, that is most of a long prompt's expert reads. Each unit's futures are
-        the reads that hold any of its pieces."""
+        sequential rate, that is most of a long prompt's expert reads; where the placer can,
+        a short gap between two such pieces is read through too (``gap_bytes``). Each unit's
+        futures are the reads that hold any of its pieces."""
         owned = sorted(
             ((piece, index) for index, unit in enumerate(units) for r in unit.ranges for piece in self._expert_pieces(r)),
             key=lambda owned_piece: owned_piece[0][:2],
         )
-        runs: list[list] = []  # [file, start, length, inners, edges, owners]
+        gap_most = getattr(self.placer, "gap_bytes", 0)
+        runs: list[list] = []  # [file, start, length, inners, edges, owners, gaps read through]
         for (file, start, length, (_, inners, fresh)), index in owned:
             last = runs[-1] if runs else None
+            gap = start - (last[1] + last[2]) if last is not None else -1
             if (
-                last is not None and last[0] == file and last[1] + last[2] == start
-                and last[2] + length <= MERGED_READ_BYTES and len(last[3]) + len(last[4]) + 3 <= MERGED_READ_PIECES
+                last is not None and last[0] == file and 0 <= gap <= gap_most
+                and last[2] + gap + length <= MERGED_READ_BYTES
+                and len(last[3]) + len(last[4]) + len(last[6]) + 4 <= MERGED_READ_PIECES
             ):
-                last[2] += length
+                last[2] += gap + length
+                if gap:
+                    last[6].append(gap)
             else:
-                last = [file, start, length, [], [], set()]
+                last = [file, start, length, [], [], set(), []]
                 runs.append(last)
             last[3].extend(inners)
             last[4].extend(fresh)
             last[5].add(index)
         room = self._dropper.mark()  # the releases that made room for these reads
         futures: list[list[Future]] = [[] for _ in units]
-        for file, start, length, inners, edges, owners in runs:
+        # Bytes read past what compute needs: counted as read, and (prefill) as the prompt's.
+        gap_bytes = sum(sum(run[6]) for run in runs)
+        self.gap_read_bytes += gap_bytes
+        if self.experts is not None and self.experts.prefilling:
+            self.experts.prefill_read_bytes += gap_bytes
+            self.experts.prefill_gap_bytes += gap_bytes
+        for file, start, length, inners, edges, owners, _gaps in runs:
             unit = units[min(owners)]  # named in messages and the trace
             future = self._pool.submit(self._read_chunk, unit, file, start, length, None, (SLICE, inners, edges), room)
             for index in owners:
@@ -965,6 +978,7 @@ class Streamer:
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
             "stall_s": self.stall_s,
+            "gap_read_bytes": self.gap_read_bytes,
             "eval_asks": self.eval_asks,
             "eval_ask_s": self.eval_ask_s,
             "eval_observed": self.eval_observed,
