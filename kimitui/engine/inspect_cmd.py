@@ -95,11 +95,12 @@ def file_layout(m: ModelMap) -> tuple[list[dict], list[dict]]:
 
 
 PLAN_BANDWIDTHS = (0.3e9, 0.6e9, 1.0e9)  # an external SSD over the phone's USB-C, low to high
+PLAN_PROMPT_TOKENS = 32  # a short chat message
 
 
 def engine_plan(m: ModelMap, budget: int) -> dict | None:
     """How the streaming engine would spend ``budget`` on this model (None: it cannot start)."""
-    from kimitui.engine.budget import budget_shortfall, plan_memory, plan_reads
+    from kimitui.engine.budget import budget_shortfall, plan_memory, plan_reads, prompt_bytes, prompt_chunks
     from kimitui.engine.settings import StreamSettings
 
     shortfall = budget_shortfall(m, budget)
@@ -108,6 +109,10 @@ def engine_plan(m: ModelMap, budget: int) -> dict | None:
     plan = plan_memory(m, budget, StreamSettings().prefetch_depth, 512)
     pinned_layers = sorted({s.layer for s in plan.pinned if s.layer is not None})
     return {
+        "prompt_tokens": PLAN_PROMPT_TOKENS,
+        "prompt_chunks": len(prompt_chunks(PLAN_PROMPT_TOKENS, 512, plan.ubatch)),
+        "prompt_bytes": prompt_bytes(m, plan, PLAN_PROMPT_TOKENS, 512),
+        "prompt_bytes_one_token_at_a_time": prompt_bytes(m, plan, PLAN_PROMPT_TOKENS, 1),
         "pinned_bytes": plan.pinned_bytes,
         "nonlayer_bytes": m.nonlayer_bytes,
         "pinned_trunk_layers": len(pinned_layers),
@@ -117,6 +122,10 @@ def engine_plan(m: ModelMap, budget: int) -> dict | None:
         "ubatch": plan.ubatch,
         **plan_reads(m, plan),
     }
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def _count(n: int, noun: str) -> str:
@@ -225,6 +234,13 @@ def render(r: dict) -> str:
         if per_token:
             floors = ", ".join(f"{rate / per_token:.3g} tok/s at {format_rate(rate)}" for rate in PLAN_BANDWIDTHS)
             lines.append(f"         the I/O floor: {floors} ({per_token / 1e9:.1f} GB a token)")
+        prompt = plan["prompt_bytes"]
+        if prompt:
+            waits = ", ".join(f"{_minutes(prompt / rate)} at {format_rate(rate)}" for rate in PLAN_BANDWIDTHS)
+            lines.append(
+                f"         a {plan['prompt_tokens']}-token prompt reads {fb(prompt)} in {_count(plan['prompt_chunks'], 'chunk')} "
+                f"(one token at a time: {fb(plan['prompt_bytes_one_token_at_a_time'])}): {waits}"
+            )
     lines.append("")
     header = ("layer", "bytes", "trunk", "experts", "1 expert", "shards")
     rows = [("—", fb(r["nonlayer"]["bytes"]), fb(r["nonlayer"]["bytes"]), "—", "—", str(len(r["nonlayer"]["shards"])))]
