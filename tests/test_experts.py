@@ -352,6 +352,7 @@ def test_prefill_under_a_small_budget_is_cut_to_what_the_cache_holds(moe_model):
         gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=6))
         list(gen)
         assert gen.result.text == expected
+        assert cache.staged_layers > 0
         assert 0 < peak <= cache.capacity
     finally:
         engine.close()

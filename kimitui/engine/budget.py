@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import os
 
-from kimitui.model.gguf_map import ModelMap, Shard
+from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap, Shard
 
 # Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
 # cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
@@ -69,22 +69,37 @@ def trunk_bytes(model: ModelMap, layer: int) -> int:
     return info.trunk_bytes if info.is_moe else info.n_bytes
 
 
+def _slice_pages(length: int) -> int:
+    """The memory a slice of ``length`` bytes takes at most: ceil(n / page) + 1 pages, wherever it starts."""
+    return (-(-length // PAGE) + 1) * PAGE
+
+
+def _moe_layers(model: ModelMap) -> list[int]:
+    return [i for i, info in enumerate(model.layers) if info.is_moe]
+
+
 def expert_footprint(model: ModelMap) -> int:
-    """The memory one resident expert takes at most: its slices rounded out to whole pages."""
-    if not model.is_moe:
-        return 0
-    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
-    # a slice of n bytes spans at most ceil(n / page) + 1 pages, wherever it starts
-    return sum((-(-r.length // PAGE) + 1) * PAGE for r in model.expert_ranges(layer, 0))
+    """The memory one resident expert takes at most, in its widest layer (published sets mix
+    types layer by layer): its slices rounded out to whole pages."""
+    return max((sum(_slice_pages(r.length) for r in model.expert_ranges(i, 0)) for i in _moe_layers(model)), default=0)
+
+
+def stages_by_matrix(model: ModelMap) -> bool:
+    """Whether a micro-batch's experts can be computed one routed matrix at a time (experts.py):
+    each routed tensor is a weight the matmul node names as its first source. A routed bias
+    reaches ggml through another node's second source, so such models keep whole experts."""
+    return all(
+        t.name.endswith(".weight") for i in _moe_layers(model) for t in model.layer_tensors(i) if t.role == ROUTED_EXPERTS
+    )
 
 
 def matrix_footprint(model: ModelMap) -> int:
     """The memory one routed matrix (gate, up or down) of one expert takes at most: what a
-    staged micro-batch holds per expert at a time (experts.py)."""
-    if not model.is_moe:
-        return 0
-    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
-    return max((-(-r.length // PAGE) + 1) * PAGE for r in model.expert_ranges(layer, 0))
+    staged micro-batch holds per expert at a time (experts.py); a whole expert where the model
+    cannot be staged."""
+    if not stages_by_matrix(model):
+        return expert_footprint(model)
+    return max((_slice_pages(r.length) for i in _moe_layers(model) for r in model.expert_ranges(i, 0)), default=0)
 
 
 def expert_floor(model: ModelMap) -> int:
@@ -309,6 +324,11 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1)
     compute = 4 * tokens * (n_vocab + n_head * live + 8 * n_embd)
     parked = slots * context_bytes(kv, arch, live) if slots > 1 else 0
     return context_bytes(kv, arch, live) + parked + int(compute * COMPUTE_MARGIN)
+
+
+# The smallest prefill micro-batch a context is fitted with before the context itself shrinks
+# (the chunk colibri evaluates Kimi K3's prompts in).
+MIN_UBATCH = 32
 
 
 def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1) -> int | None:

@@ -124,6 +124,19 @@ def split_pieces(offset: int, end: int, page: int) -> list[tuple[int, int, bool]
     return out
 
 
+def read_gaps(offset: int, length: int, inners, edges, page: int) -> list[tuple[int, int]]:
+    """What a read of [offset, offset+length) holds between its slices' own pages (``inners``,
+    (start, size)) and shared end pages (``edges``): (start, size) of each gap read through."""
+    gaps, at = [], offset
+    for start, size in sorted(list(inners) + [(edge, page) for edge in edges]):
+        if start > at:
+            gaps.append((at, start - at))
+        at = start + size
+    if offset + length > at:
+        gaps.append((at, offset + length - at))
+    return gaps
+
+
 class PlacedParts:
     """What every placer keeps: the parts of the mapping that are its anonymous memory, keyed
     (file, offset), given back through ``_unplace``."""
@@ -459,6 +472,10 @@ class DirectPlacer(PlacedParts):
         cache (no mapping to be had)."""
         c, page = self._libc, self.page
         base = self.space.at(file, offset) - offset  # the slices lie in one run of their layer: offsets map linearly
+        gaps = read_gaps(offset, length, inners, edges, page)  # read into scratch memory
+        if any(size > self.gap_bytes for _, size in gaps):
+            raise ValueError(f"a read of {length} bytes at {offset} has a gap wider than {self.gap_bytes}")
+        scratch = self._gap_scratch() if gaps else None  # before anything is mapped: nothing to undo
         mapped: list[tuple[int, int]] = []
         buffers: dict[int, int] = {}
 
@@ -482,15 +499,11 @@ class DirectPlacer(PlacedParts):
                 undo()
                 return None
             buffers[edge] = buf
-        pieces = sorted([(edge, buf, page) for edge, buf in buffers.items()] + [(start, base + start, size) for start, size in inners])
-        gaps, at = [], offset
-        for start, _address, n in pieces:
-            if start > at:
-                gaps.append((at, self._gap_scratch(), start - at))
-            at = start + n
-        if offset + length > at:
-            gaps.append((at, self._gap_scratch(), offset + length - at))
-        pieces = sorted(pieces + gaps)
+        pieces = sorted(
+            [(edge, buf, page) for edge, buf in buffers.items()]
+            + [(start, base + start, size) for start, size in inners]
+            + [(start, scratch, size) for start, size in gaps]
+        )
         views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
         try:
             got = self._read(file, views, offset)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimitui.config import replace_file
+from kimitui.engine.budget import stages_by_matrix
 from kimitui.engine.settings import EXPERT_POLICIES
 from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap
 
@@ -174,11 +175,13 @@ class ExpertCache:
         self.prefill_seen: set[tuple[int, int]] = set()
         self.prefill_read_bytes = 0
         self.prefill_gap_bytes = 0  # of those, read through between slices and never used (the streamer's)
-        # The least a prefill must read of experts: each micro-batch's distinct unpinned ones, once.
+        # What a prefill reads of experts with nothing cached before it: each micro-batch's
+        # distinct unpinned ones, once (cached hits read less).
         self.prefill_bound_bytes = 0
         self.staged_layers = 0  # micro-batch layers computed matrix by matrix
         self._stage: _Stage | None = None
         self._matrices: dict[int, dict[bytes, int]] = {}  # layer -> routed tensor name -> its index
+        self._stages = stages_by_matrix(model)
         self._matrix_order: list[int] = []  # the order llama.cpp computed a staged layer's matrices in
         # Look-ahead: the experts each layer chose last time, read early for the next token.
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
@@ -293,7 +296,7 @@ class ExpertCache:
         unpinned = [self._unit(layer, e) for e in wanted if (layer, e) not in self.pinned]
         if self.prefilling:
             self.prefill_bound_bytes += sum(u.length for u in unpinned)
-        if sum(u.footprint for u in unpinned) > self.capacity:
+        if self._stages and sum(u.footprint for u in unpinned) > self.capacity:
             return self._begin_stage(layer, wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
         missed: list[ExpertUnit] = []  # read below, together
@@ -397,8 +400,13 @@ class ExpertCache:
         while by_use and widest() + sum(self._resident[k].footprint for k in held) > self.capacity:
             key = by_use.pop(0)
             held.discard(key)
+            self.bytes_from_cache -= self._resident[key].length
             self._forget(key)
             staged.append(key[1])
+            self.hits -= 1  # read again after all
+            self.layer_hits[layer] -= 1
+            self.misses += 1
+            self.layer_misses[layer] += 1
         stage.experts.sort()
         self._stage = stage
         self.staged_layers += 1
@@ -412,19 +420,36 @@ class ExpertCache:
     def _matrix_footprint(self, stage: _Stage, matrix: int) -> int:
         return sum(u.footprint for u in self._matrix_units(stage, matrix))
 
-    def _matrix_of(self, layer: int, name: bytes) -> int | None:
+    def _routed_names(self, layer: int) -> dict[bytes, int]:
+        """``layer``'s routed tensors by name, each with its index in ``expert_ranges``."""
         names = self._matrices.get(layer)
         if names is None:
             routed = [t for t in self.model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
             names = self._matrices[layer] = {t.name.encode(): i for i, t in enumerate(routed)}
-        return names.get(name)
+        return names
+
+    def _down_matrix(self, layer: int) -> int | None:
+        """The routed down projection's index: computed last, on what gate and up gave (before any
+        staged layer has taught the order, file order would read it first: converted K3 and
+        DeepSeek files store down, gate, up)."""
+        return next((i for name, i in self._routed_names(layer).items() if b"ffn_down_exps" in name), None)
+
+    def _matrix_of(self, layer: int, name: bytes) -> int | None:
+        return self._routed_names(layer).get(name)
 
     def _start_matrix(self, stage: _Stage, matrix: int, needed: bool) -> bool:
         """Read ``matrix``'s slices of the staged experts into room made for them; without room a
         read ahead (``needed`` False) waits, a needed one fails."""
         units = self._matrix_units(stage, matrix)
         footprint = sum(u.footprint for u in units)
-        if not self._make_room(footprint, stage.held):
+        room = self._make_room(footprint, stage.held)
+        if not room and needed:
+            # llama.cpp asks for another matrix than was read ahead (the order is learnt from the
+            # first staged layer): what it has not asked for yet is given back, read again later.
+            for ahead in [m for m in stage.reads if m not in stage.computed]:
+                self._give_back_matrix(stage, ahead)
+            room = self._make_room(footprint, stage.held)
+        if not room:
             if not needed:
                 return False
             from kimitui.units import format_bytes
@@ -447,7 +472,9 @@ class ExpertCache:
         llama.cpp computes them (learnt from the last staged layer; file order at first)."""
         stage = self._stage
         count = len(self.model.expert_ranges(stage.layer, 0))
-        order = [m for m in self._matrix_order if m < count] + [m for m in range(count) if m not in self._matrix_order]
+        order = [m for m in self._matrix_order if m < count] + sorted(
+            (m for m in range(count) if m not in self._matrix_order), key=lambda m: m == self._down_matrix(stage.layer)
+        )
         for matrix in order:
             if matrix in stage.computed or matrix in stage.reads:
                 continue
@@ -464,10 +491,10 @@ class ExpertCache:
         if matrix is None or matrix in stage.computed:
             return None
         stage.computed.append(matrix)
-        if matrix not in stage.reads:
-            self._start_matrix(stage, matrix, needed=True)
         started = time.perf_counter()
         try:
+            if matrix not in stage.reads:
+                self._start_matrix(stage, matrix, needed=True)
             for _unit, futures in stage.reads[matrix]:
                 for f in futures:
                     f.result()  # a failed read raises here, before the matmul runs
@@ -520,7 +547,9 @@ class ExpertCache:
         return self._stage is not None
 
     def clear(self) -> None:
-        """Forget every cached expert (the pinned hot ones stay): each is read again when next routed to."""
+        """Forget every cached expert (the pinned hot ones stay): each is read again when next routed
+        to. A staged layer's slices are waited for and given back too."""
+        self.end_stage(strict=False)
         for key in list(self._resident):
             self._forget(key)
 

@@ -110,6 +110,7 @@ class Engine:
         self.n_ctx_fixed = n_ctx_fixed  # the user chose n_ctx: refuse rather than shrink it
         self.fit_note: str | None = None  # why n_ctx is smaller than configured, when it is
         self.n_ubatch = n_batch
+        self.ubatch_cap: int | None = None  # the most n_ubatch whose compute buffers fit beside the context
         self.metrics = metrics or EngineMetrics()
         self.metrics.engine_read_source = self.model_bytes_read
         self.load_progress = 0.0
@@ -416,13 +417,21 @@ class Engine:
         to lower. Without it a context too big is an OOM kill once the KV cache fills."""
         if self.budget is None:
             return
-        from kimitui.engine.budget import context_fits, working_estimate
+        from kimitui.engine.budget import MIN_UBATCH, context_fits, working_estimate
         from kimitui.engine.memory import available_memory
 
         model = self.model_map()
         weights = min(self.budget, model.tensor_bytes)
         room = available_memory()
         fitted = context_fits(model, weights, room, self.n_ctx, self.n_ubatch, self.slots.count)
+        # A large micro-batch's compute buffers grow with the context: smaller micro-batches (each
+        # reads the streamed trunk again) are tried before a smaller context.
+        ubatch = self.n_ubatch
+        while fitted != self.n_ctx and ubatch > MIN_UBATCH:
+            ubatch = max(MIN_UBATCH, ubatch // 2)
+            if context_fits(model, weights, room, self.n_ctx, ubatch, self.slots.count) == self.n_ctx:
+                self.n_ubatch = self.ubatch_cap = ubatch
+                return
         if fitted == self.n_ctx:
             return
         if fitted is None or self.n_ctx_fixed:
@@ -490,11 +499,14 @@ class Engine:
                 streamer = self.streamer
                 if streamer is not None and streamer.staging:
                     # A staged layer: each routed matrix's slices are read just before its node.
-                    weight = ctypes.c_void_p.from_address(tensor + SRC_OFFSET).value
-                    weight_name = ggml.ggml_get_name(weight) if weight else None
-                    if weight_name and streamer.on_expert_matrix(weight_name):
-                        staged_nodes[tensor] = weight_name
-                        return True
+                    try:
+                        weight = ctypes.c_void_p.from_address(tensor + SRC_OFFSET).value
+                        weight_name = ggml.ggml_get_name(weight) if weight else None
+                        if weight_name and streamer.on_expert_matrix(weight_name):
+                            staged_nodes[tensor] = weight_name
+                            return True
+                    except Exception as exc:  # noqa: BLE001 - a C callback must not raise: the token stops instead
+                        streamer.fail(f"streaming failed before graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
                 # Every node passes here: one builtin test first, the digits only for the few that match.
                 if name in LAYER_ZERO_NODES:
                     staged_nodes.clear()  # a graph cut short left its nodes here
@@ -879,7 +891,7 @@ class Engine:
         params = llm.context_params
         params.cb_eval, params.abort_callback = self._stream_callbacks()
         # The prefill micro-batch the new budget's expert cache holds (see budget.py).
-        self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch)
+        self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch, self.ubatch_cap or self.n_batch)
         params.n_ubatch = self.n_ubatch
         llm._ctx.close()
         try:

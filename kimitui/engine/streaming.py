@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Callable
 
 from kimitui.engine.budget import pool_buffers
-from kimitui.engine.direct import split_pieces
+from kimitui.engine.direct import read_gaps, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.platform import PlatformIO
@@ -346,6 +346,9 @@ class Streamer:
                 if placed:
                     with self._lock:
                         self.page_cache_fallback_bytes += length
+                if expert and placed:  # gaps read through are nobody's: out of the cache again
+                    for gap_start, gap_length in read_gaps(offset, length, placed[1], placed[2], self.io.page):
+                        self.io.uncache(self.fds[file], gap_start, gap_length)
         except OSError as exc:
             raise StreamAbort(
                 f"cannot read {self._what(unit)} of layer {unit.layer} from model file "
@@ -424,13 +427,15 @@ class Streamer:
             ((piece, index) for index, unit in enumerate(units) for r in unit.ranges for piece in self._expert_pieces(r)),
             key=lambda owned_piece: owned_piece[0][:2],
         )
-        gap_most = getattr(self.placer, "gap_bytes", 0)
+        gap_most = self.placer.gap_bytes if self.placer is not None else 0
         runs: list[list] = []  # [file, start, length, inners, edges, owners, gaps read through]
         for (file, start, length, (_, inners, fresh)), index in owned:
             last = runs[-1] if runs else None
             gap = start - (last[1] + last[2]) if last is not None else -1
             if (
                 last is not None and last[0] == file and 0 <= gap <= gap_most
+                # in the bounded layout a gap may end one run of the layer's tensors: each run has its own place
+                and (gap == 0 or self.space.at(file, start) - start == self.space.at(file, last[1]) - last[1])
                 and last[2] + gap + length <= MERGED_READ_BYTES
                 and len(last[3]) + len(last[4]) + len(last[6]) + 4 <= MERGED_READ_PIECES
             ):
@@ -893,6 +898,8 @@ class Streamer:
         return True
 
     def on_expert_matrix_done(self, name: bytes) -> None:
+        if self.error is not None:  # the token stops: no read ahead behind the shield (the stage ends at the next graph)
+            return
         try:
             self.experts.matrix_done(name)
         except (StreamAbort, StagingError) as exc:
