@@ -216,3 +216,18 @@ async def test_chat_keys_belong_to_a_dialog_over_the_main_screen():
         await pilot.press("escape")  # the dialog's: it closes, the chat is still there
         await pilot.pause()
         assert app.screen is app.main and len(app.main.chat_log.query(MessageView)) == 2
+
+
+def test_every_panel_has_its_own_key_from_the_panel_registry():
+    """The screen's panel keys are made from the panels' own KEY and LABEL: a panel added to the
+    registry gets its key, and no two panels share one (nor the trace pane's 9). Pressing them:
+    tests/test_tui.py::test_regenerate_new_chat_copy_and_panel_keys."""
+    from kimitui.tui.screens.main import MainScreen
+    from kimitui.tui.widgets.panels import PANEL_TYPES
+
+    keys = [panel.KEY for panel in PANEL_TYPES]
+    assert len(set(keys)) == len(keys) and "9" not in keys
+    bindings = {binding.key: binding for binding in MainScreen.BINDINGS}
+    for panel in PANEL_TYPES:
+        assert bindings[panel.KEY].action == f"toggle_panel({panel.KEY})"
+        assert bindings[panel.KEY].description == (panel.LABEL or panel.TITLE)

@@ -31,13 +31,14 @@ from kimitui.engine.state import EngineError
 from kimitui.tui.history_writer import HistoryWriter
 from kimitui.tui.messages import LoadFinished, LoadProgress, PinFinished, PinProgressed, ReplyFinished, SnapshotReady, TokenReceived
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
-from kimitui.tui.widgets.panels import NOT_STREAMING, PANEL_TYPES, ApiPanel, Panel
+from kimitui.tui.widgets.panels import NOT_STREAMING, PANEL_TYPES, ApiPanel, LatencyPanel, Panel
 from kimitui.tui.widgets.status import StatusBar
 from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
 from kimitui.tui.widgets.tuning import TuningPanel
 from kimitui.units import format_bytes
 
 PERSIST_EVERY_S = 1.0  # how often a streaming reply is written to the history database
+PANEL_KEYS = Binding.Group("panels", compact=True)  # the footer shows the panels' keys as one group
 DROPPED_KEY = "dropped_conversation"  # the history setting naming the chat a closed terminal left
 DROP_GRACE_S = 60.0  # after the terminal closed, how long a reply may take to stop before the app exits anyway
 
@@ -97,15 +98,11 @@ class MainScreen(Screen):
         Binding("ctrl+y", "copy_reply", "copy reply", priority=True),
         Binding("ctrl+t", "sampling", "sampling", priority=True),
         Binding("ctrl+e", "tuning", "tune", priority=True),
-        Binding("1", "toggle_panel(1)", "cache", group=Binding.Group("panels", compact=True)),
-        Binding("2", "toggle_panel(2)", "prefetch", group=Binding.Group("panels", compact=True)),
-        Binding("3", "toggle_panel(3)", "SSD", group=Binding.Group("panels", compact=True)),
-        Binding("4", "toggle_panel(4)", "memory", group=Binding.Group("panels", compact=True)),
-        Binding("5", "toggle_panel(5)", "latency", group=Binding.Group("panels", compact=True)),
-        Binding("6", "toggle_panel(6)", "API", group=Binding.Group("panels", compact=True)),
-        Binding("7", "toggle_panel(7)", "residency", group=Binding.Group("panels", compact=True)),
-        Binding("8", "toggle_panel(8)", "experts", group=Binding.Group("panels", compact=True)),
-        Binding("9", "toggle_trace", "trace", group=Binding.Group("panels", compact=True)),
+        *(
+            Binding(panel.KEY, f"toggle_panel({panel.KEY})", panel.LABEL or panel.TITLE, group=PANEL_KEYS)
+            for panel in sorted(PANEL_TYPES, key=lambda panel: panel.KEY)
+        ),
+        Binding("9", "toggle_trace", "trace", group=PANEL_KEYS),
         Binding("z", "maximize_panel", "maximise"),
         Binding("p", "pause", "pause"),
         Binding("plus,equals_sign", "faster", "faster", group=Binding.Group("refresh", compact=True)),
@@ -643,7 +640,7 @@ class MainScreen(Screen):
 
     def action_maximize_panel(self) -> None:
         focused = self.focused
-        key = focused.KEY if isinstance(focused, Panel) else "5"
+        key = focused.KEY if isinstance(focused, Panel) else LatencyPanel.KEY
         if self.maximized is not None:
             self.minimize()
         else:

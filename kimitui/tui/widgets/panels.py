@@ -29,7 +29,8 @@ class Panel(Vertical, can_focus=True):
     ``snapshot`` and ``idle_note`` are bound to the screen's (``data_bind``)."""
 
     TITLE = ""
-    KEY = ""
+    KEY = ""  # the key that shows or hides it (the screen's bindings are made from these)
+    LABEL = ""  # its name in the footer, where the title is too long; the title otherwise
     HAS_SPARKLINE = False
     snapshot: reactive[Snapshot | None] = reactive(None, init=False, always_update=True)
     idle_note = reactive(NOT_STREAMING, init=False)
@@ -80,6 +81,7 @@ class Panel(Vertical, can_focus=True):
 class CachePanel(Panel):
     TITLE = "shard cache"
     KEY = "1"
+    LABEL = "cache"
 
     def render_snapshot(self, snap: Snapshot) -> None:
         s = snap.streaming
@@ -173,6 +175,7 @@ class MemoryPanel(Panel):
 
 class LatencyPanel(Panel):
     TITLE = "token latency"
+    LABEL = "latency"
     KEY = "5"
     HAS_SPARKLINE = True
 
