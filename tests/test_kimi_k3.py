@@ -126,7 +126,7 @@ def test_published_layouts_have_the_downloads_types_and_sizes(layout):
 
 
 def test_stock_and_streamed_k3_agree_on_an_i_quant_layout(tmp_path):
-    """Stock llama.cpp runs the i-quant layout (rows of whole 256-weight blocks, widths rounded up
+    """Stock llama.cpp runs the i-quant layout (rows of whole 256-weight blocks, widths rounded
     to them) with finite, varied logits, and the streamed engine gives its greedy tokens."""
     import numpy as np
 
