@@ -93,12 +93,13 @@ def test_chunked_prefill_gives_stock_and_one_token_greedy_tokens_within_the_budg
         engine.close()
 
 
-def test_a_staged_layer_holds_one_matrix_at_a_time_and_fails_loudly_when_one_is_skipped(k3_48):
-    """The cache's own steps, on the real model's map, with reads that land at once."""
-    model = load_model_map(k3_48)
+def staged_layer_parts(path: Path):
+    """The model's map, its first MoE layer and routed tensor names, and a reader whose reads land
+    at once, recording what it read (and a list for what is given back)."""
+    model = load_model_map(path)
     layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
     names = [t.name.encode() for t in model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
-    reads, drops = [], []
+    reads: list = []
 
     def read_unit(unit):
         reads.append(unit)
@@ -106,6 +107,12 @@ def test_a_staged_layer_holds_one_matrix_at_a_time_and_fails_loudly_when_one_is_
         done.set_result(None)
         return [done]
 
+    return model, layer, names, read_unit, reads, []
+
+
+def test_a_staged_layer_holds_one_matrix_at_a_time_and_fails_loudly_when_one_is_skipped(k3_48):
+    """The cache's own steps, on the real model's map, with reads that land at once."""
+    model, layer, names, read_unit, reads, drops = staged_layer_parts(k3_48)
     capacity = 20 * model.bytes_per_expert  # 20 whole experts, 60 matrices: one matrix of each of 48
     cache = ExpertCache(model, capacity, [], [[0] * model.n_expert for _ in model.layers], read_unit, drops.append)
     cache.ensure(layer, range(model.n_expert_used))  # 16 cached whole
@@ -145,17 +152,7 @@ def test_a_matrix_asked_before_the_one_read_ahead_takes_its_room(k3_48):
     """Converted K3 and DeepSeek files store down, gate, up, and llama.cpp's order is learnt only
     from a whole staged layer: where the cache holds one matrix, the matrix llama.cpp asks for
     first gets the room of one read ahead that it has not asked for yet, which is read again."""
-    model = load_model_map(k3_48)
-    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
-    names = [t.name.encode() for t in model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
-    reads, drops = [], []
-
-    def read_unit(unit):
-        reads.append(unit)
-        done = Future()
-        done.set_result(None)
-        return [done]
-
+    model, layer, names, read_unit, reads, drops = staged_layer_parts(k3_48)
     one_matrix = model.n_expert * matrix_footprint(model)
     cache = ExpertCache(model, one_matrix + model.bytes_per_expert, [], [[0] * model.n_expert for _ in model.layers], read_unit, drops.append)
     cache.ensure(layer, range(model.n_expert))
