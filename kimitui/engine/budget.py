@@ -150,7 +150,9 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
     shards = _trunk_shards(model)
     nonlayer = [s for s in shards if s.layer is None]
     layered = [s for s in shards if s.layer is not None]
-    left = room - sum(s.length for s in nonlayer) - expert_floor(model)
+    floor = expert_floor(model)
+    matrix = matrix_footprint(model)
+    left = room - sum(s.length for s in nonlayer) - floor
     most_shards = most_trunk_shards(model)
 
     def window(pinned_by_layer: dict[int, int], depth: int) -> int:
@@ -209,14 +211,14 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
         buffers = min(pool_buffers(win, most_shards, depth + 1), max(0, (left - spent) // PIECE_BYTES))
         experts = 0
         if model.is_moe:
-            experts = max(0, left - spent - max(win, buffers * PIECE_BYTES)) + expert_floor(model)
-        cache_floor = experts - (experts - expert_floor(model)) // 2  # what stays a cache if half pins hot experts
+            experts = max(0, left - spent - max(win, buffers * PIECE_BYTES)) + floor
+        cache_floor = experts - (experts - floor) // 2  # what stays a cache if half pins hot experts
         ubatch = n_batch
         if model.is_moe and model.bytes_per_expert:
             # A micro-batch whose experts do not fit whole is computed one matrix at a time, so it
             # needs room for one matrix of each expert it routes to: where even one matrix of every
             # expert of a layer does not fit, as many tokens as surely fit.
-            matrices = cache_floor // matrix_footprint(model)
+            matrices = cache_floor // matrix
             if matrices < model.n_expert:
                 ubatch = max(1, min(n_batch, matrices // model.n_expert_used))
         return MemoryPlan(
@@ -226,7 +228,7 @@ def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int)
             pool_buffers=buffers,
             prefetch_depth=depth,
             expert_bytes=experts,
-            hot_expert_bytes=(experts - expert_floor(model)) // 2,
+            hot_expert_bytes=(experts - floor) // 2,
             ubatch=ubatch,
         )
 
@@ -254,10 +256,13 @@ def prompt_bytes(model: ModelMap, plan: MemoryPlan, n_prompt: int, n_batch: int)
     """What an ``n_prompt``-token prompt reads under ``plan`` at flat routing: the streamed trunk
     once per chunk, and each chunk's distinct experts once (a chunk of c tokens routes to
     n_expert x (1 - (1 - n_used / n_expert)^c) of a layer's experts; real text shares more)."""
-    trunk = plan_reads(model, plan)["trunk_bytes_per_token"]
-    moe = [layer for layer in model.layers if layer.is_moe]
+    return _prompt_bytes(model, plan_reads(model, plan)["trunk_bytes_per_token"], plan.ubatch, n_prompt, n_batch)
+
+
+def _prompt_bytes(model: ModelMap, trunk: int, ubatch: int, n_prompt: int, n_batch: int) -> int:
+    moe = [model.layers[i] for i in _moe_layers(model)]
     total = 0
-    for chunk, count in Counter(prompt_chunks(n_prompt, n_batch, plan.ubatch)).items():
+    for chunk, count in Counter(prompt_chunks(n_prompt, n_batch, ubatch)).items():
         experts = sum(layer.n_expert * (1 - (1 - model.n_expert_used / layer.n_expert) ** chunk) * layer.expert_bytes for layer in moe)
         total += count * (trunk + int(experts))
     return total
@@ -266,7 +271,8 @@ def prompt_bytes(model: ModelMap, plan: MemoryPlan, n_prompt: int, n_batch: int)
 def turn_bytes(model: ModelMap, plan: MemoryPlan, n_tokens: int) -> int:
     """An ``n_tokens`` prompt and as many decoded tokens: what the plan weighs pinning against."""
     reads = plan_reads(model, plan)
-    return prompt_bytes(model, plan, n_tokens, n_tokens) + n_tokens * (reads["trunk_bytes_per_token"] + reads["expert_bytes_per_token"])
+    trunk = reads["trunk_bytes_per_token"]
+    return _prompt_bytes(model, trunk, plan.ubatch, n_tokens, n_tokens) + n_tokens * (trunk + reads["expert_bytes_per_token"])
 
 
 def context_bytes(kv: dict, arch: str, n_ctx: int) -> int:

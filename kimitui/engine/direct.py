@@ -236,7 +236,7 @@ class DirectPlacer(PlacedParts):
         # a blank that read /proc/self/maps just before a move would map zeros over the pages
         # just moved there, and their release would take the zeros' read-only memory into the pool.
         self._moves = threading.Lock()
-        self._scratch: int | None = None  # where gaps are read to: their bytes are never used
+        self._scratch: int | None = None  # where gaps are read to (below)
         self._paths = paths
         try:
             for i, path in enumerate(paths):
@@ -250,6 +250,14 @@ class DirectPlacer(PlacedParts):
         except OSError:
             self.close()
             raise
+        # Where gaps are read to (page-aligned for O_DIRECT; their bytes are never used, so
+        # concurrent reads share it).
+        scratch = self._libc.mmap(None, self.gap_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if scratch in (None, MAP_FAILED):
+            err = ctypes.get_errno()
+            self.close()
+            raise OSError(err, f"mmap of the gap buffer: {os.strerror(err)}")
+        self._scratch = scratch
 
     @staticmethod
     def _open(path: str, mapped_fd: int | None, flags: int) -> int:
@@ -475,7 +483,6 @@ class DirectPlacer(PlacedParts):
         gaps = read_gaps(offset, length, inners, edges, page)  # read into scratch memory
         if any(size > self.gap_bytes for _, size in gaps):
             raise ValueError(f"a read of {length} bytes at {offset} has a gap wider than {self.gap_bytes}")
-        scratch = self._gap_scratch() if gaps else None  # before anything is mapped: nothing to undo
         mapped: list[tuple[int, int]] = []
         buffers: dict[int, int] = {}
 
@@ -502,7 +509,7 @@ class DirectPlacer(PlacedParts):
         pieces = sorted(
             [(edge, buf, page) for edge, buf in buffers.items()]
             + [(start, base + start, size) for start, size in inners]
-            + [(start, scratch, size) for start, size in gaps]
+            + [(start, self._scratch, size) for start, size in gaps]
         )
         views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
         try:
@@ -526,18 +533,6 @@ class DirectPlacer(PlacedParts):
                 for edge in buffers:
                     self._placed[(file, edge)] = (0, 0, page, False)
         return length
-
-    def _gap_scratch(self) -> int:
-        """One page-aligned buffer every gap of every read lands in (O_DIRECT needs the alignment;
-        the bytes are thrown away, so concurrent reads may share it)."""
-        with self._lock:
-            if self._scratch is None:
-                buf = self._libc.mmap(None, self.gap_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-                if buf in (None, MAP_FAILED):
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"mmap of the gap buffer: {os.strerror(err)}")
-                self._scratch = buf
-            return self._scratch
 
     def copy_in(self, file: int, offset: int, length: int) -> int | None:
         """Read the whole pages [offset, offset+length) with O_DIRECT into memory of their own, then

@@ -472,8 +472,9 @@ class ExpertCache:
         llama.cpp computes them (learnt from the last staged layer; file order at first)."""
         stage = self._stage
         count = len(self.model.expert_ranges(stage.layer, 0))
+        down = self._down_matrix(stage.layer)
         order = [m for m in self._matrix_order if m < count] + sorted(
-            (m for m in range(count) if m not in self._matrix_order), key=lambda m: m == self._down_matrix(stage.layer)
+            (m for m in range(count) if m not in self._matrix_order), key=lambda m: m == down
         )
         for matrix in order:
             if matrix in stage.computed or matrix in stage.reads:

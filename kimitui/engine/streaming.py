@@ -250,7 +250,6 @@ class Streamer:
         self.stall_s = 0.0
         self.bytes_read = 0
         self.bytes_needed = 0  # streamed bytes compute used that were not resident before (read for it)
-        self.gap_read_bytes = 0  # read between a request's expert slices, never used (see _read_experts)
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.prefetch_wasted_bytes = 0
         self.bytes_from_cache = 0  # pinned or already-read bytes compute found resident
@@ -450,10 +449,9 @@ class Streamer:
             last[5].add(index)
         room = self._dropper.mark()  # the releases that made room for these reads
         futures: list[list[Future]] = [[] for _ in units]
-        # Bytes read past what compute needs: counted as read, and (prefill) as the prompt's.
-        gap_bytes = sum(sum(run[6]) for run in runs)
-        self.gap_read_bytes += gap_bytes
+        # Bytes read past what compute needs: counted as read (bytes_read), and as the prompt's.
         if self.experts is not None and self.experts.prefilling:
+            gap_bytes = sum(sum(run[6]) for run in runs)
             self.experts.prefill_read_bytes += gap_bytes
             self.experts.prefill_gap_bytes += gap_bytes
         for file, start, length, inners, edges, owners, _gaps in runs:
@@ -985,7 +983,6 @@ class Streamer:
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
             "stall_s": self.stall_s,
-            "gap_read_bytes": self.gap_read_bytes,
             "eval_asks": self.eval_asks,
             "eval_ask_s": self.eval_ask_s,
             "eval_observed": self.eval_observed,
