@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from kimitui.errors import UserError
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -49,6 +51,14 @@ def parse_size(text: str | int) -> int:
     if size > MAX_SIZE:
         raise ValueError(f"{text.strip()} is too large for a size (at most {MAX_SIZE_TEXT})")
     return size
+
+
+def size_option(text: str, flag: str) -> int:
+    """A command-line size: bytes, or UserError naming ``flag`` and why it cannot be read."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
 
 
 def format_bytes(n: float | None, precision: int = 1) -> str:

@@ -25,7 +25,7 @@ from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import cell, noise_note, ratio, run_child, table, write_json
 from kimitui.engine.settings import POLICIES
 from kimitui.errors import UserError
-from kimitui.units import format_bytes, format_ms, format_rate, parse_size
+from kimitui.units import format_bytes, format_ms, format_rate, size_option
 
 DISK_SAMPLE_BYTES = 2**30
 DISK_THREADS = (4, 8)  # both sampled before and after the runs: the best is the disk's rate
@@ -75,13 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", type=Path, metavar="FILE",
         help="write the kimitui run's trace here (routing included: kimitui trace routing FILE judges its expert cache)",
     )
-
-
-def _size(text: str, flag: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise UserError(f"{flag}: {exc}") from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -280,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.model.gguf_map import load_model_map
 
     _check(args)
-    budget = None if args.budget == "auto" else _size(args.budget, "--budget")
+    budget = None if args.budget == "auto" else size_option(args.budget, "--budget")
     limit, cgroups = MemoryCgroups.from_flag(args.cgroup_limit)
     path = _model_path(args.model)
     model_map = load_model_map(path)  # checks the file too: one line on a bad GGUF
@@ -306,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         "expert_lookahead": args.expert_lookahead,
         "n_batch": args.n_batch,
         "trace": str(args.trace) if args.trace else None,
-        "address_space": _size(args.address_space, "--address-space") if args.address_space else "auto",
+        "address_space": size_option(args.address_space, "--address-space") if args.address_space else "auto",
     }
 
     def show_pinning(kind: str, message: dict) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimitui.errors import UserError
-from kimitui.units import format_bytes, parse_size
+from kimitui.units import format_bytes, size_option
 
 
 @dataclass(frozen=True)
@@ -139,11 +139,7 @@ class MemoryCgroups:
         or (None, None) without it. UserError names the flag for a bad size or no cgroups."""
         if not value:
             return None, None
-        try:
-            limit = parse_size(value)
-        except ValueError as exc:
-            raise UserError(f"{flag}: {exc}") from None
-        return limit, cls.require(flag)
+        return size_option(value, flag), cls.require(flag)
 
     def _parent_v2(self) -> Path:
         """A v2 cgroup whose children may have the memory controller."""

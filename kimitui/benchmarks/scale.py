@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimitui.units import format_bytes, parse_size
+from kimitui.units import format_bytes, size_option
 
 
 def _io() -> dict[str, int]:
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.engine.session import default_threads
     from kimitui.errors import UserError
 
-    budget = parse_size(args.budget)
+    budget = size_option(args.budget, "--budget")
     limit, cgroups = MemoryCgroups.from_flag(args.cgroup_limit)
     spec = {
         "model": str(args.model), "budget": budget, "tokens": args.tokens, "prompt": args.prompt, "n_ctx": args.n_ctx,

@@ -16,7 +16,7 @@ from kimitui.config import load_settings
 from kimitui.errors import UserError
 from kimitui.model.gguf_map import DEFAULT_SHARD_SIZE, ROUTED_EXPERTS, ModelMap, load_model_map
 from kimitui.model.placement import assemble_split_set
-from kimitui.units import format_bytes, format_rate, parse_size
+from kimitui.units import format_bytes, format_rate, size_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +33,7 @@ def parse_bandwidth(text: str) -> float:
     raw = text.strip()
     if raw.lower().endswith("/s"):
         raw = raw[:-2]
-    try:
-        value = parse_size(raw)
-    except ValueError as exc:
-        raise UserError(f"--bandwidth: {exc}") from None
+    value = size_option(raw, "--bandwidth")
     if value <= 0:
         raise UserError("--bandwidth must be above zero")
     return float(value)
@@ -47,10 +44,7 @@ def _budget(text: str) -> int:
         from kimitui.engine.memory import default_budget
 
         return default_budget()
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise UserError(f"--budget: {exc}") from None
+    return size_option(text, "--budget")
 
 
 def spans(numbers: list[int]) -> str:
@@ -297,10 +291,7 @@ def render_layout(layout: list[dict]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        shard_size = parse_size(args.shard_size) if args.shard_size else DEFAULT_SHARD_SIZE
-    except ValueError as exc:
-        raise UserError(f"--shard-size: {exc}") from None
+    shard_size = size_option(args.shard_size, "--shard-size") if args.shard_size else DEFAULT_SHARD_SIZE
     bandwidth = parse_bandwidth(args.bandwidth)
     budget = _budget(args.budget)
     search = [Path(d).expanduser() for d in load_settings(args.config, explicit=args.config is not None)["model.paths"]]

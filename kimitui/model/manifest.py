@@ -130,6 +130,16 @@ def read_manifest(path: Path) -> Manifest:
         raise UserError(f"{path}: damaged manifest ({type(exc).__name__}: {exc})") from None
 
 
+def locate(name: str, dirs: list[Path]) -> Path | None:
+    """The first ``dirs/name`` that is a file: where a manifest's entry lives when its files
+    were moved apart."""
+    for d in dirs:
+        candidate = d / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def find_manifests(files: Iterable[Path]) -> list[tuple[Path, Manifest]]:
     """Manifests in the directories the (real, symlinks followed) files live in."""
     found: list[tuple[Path, Manifest]] = []

@@ -18,7 +18,7 @@ from typing import Sequence
 from kimitui.config import cache_dir
 from kimitui.errors import UserError
 from kimitui.model.gguf_map import _SPLIT_RE
-from kimitui.model.manifest import MANIFEST_NAME, read_manifest
+from kimitui.model.manifest import MANIFEST_NAME, locate, read_manifest
 
 
 def link_root() -> Path:
@@ -32,14 +32,6 @@ def _search_dirs(path: Path, search_dirs: Sequence[Path]) -> list[Path]:
         if d not in dirs:
             dirs.append(d)
     return dirs
-
-
-def _find(name: str, dirs: list[Path]) -> Path | None:
-    for d in dirs:
-        candidate = d / name
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def model_in_directory(directory: Path) -> Path:
@@ -71,7 +63,7 @@ def assemble_split_set(path: Path, search_dirs: Sequence[Path] = ()) -> Path:
     looked = ", ".join(str(d) for d in dirs)
     match = _SPLIT_RE.match(path.name)
     if match is None:
-        found = _find(path.name, dirs)
+        found = locate(path.name, dirs)
         if found is None:
             raise UserError(f"model file not found: {path.name} (looked in {looked})")
         return found
@@ -79,7 +71,7 @@ def assemble_split_set(path: Path, search_dirs: Sequence[Path] = ()) -> Path:
     if count < 1 or not 1 <= int(match["no"]) <= count:
         raise UserError(f"{path}: split number {match['no']} of {match['count']} makes no sense")
     names = [f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
-    found = {name: _find(name, dirs) for name in names}
+    found = {name: locate(name, dirs) for name in names}
     missing = [name for name, p in found.items() if p is None]
     if missing:
         raise UserError(

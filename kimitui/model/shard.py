@@ -36,7 +36,7 @@ from kimitui.model.manifest import (
     new_hash,
     write_manifest,
 )
-from kimitui.units import format_bytes, format_rate, parse_size
+from kimitui.units import format_bytes, format_rate, size_option
 
 DEFAULT_FILE_SIZE = "2GiB"
 MIN_FILE_SIZE = 1024**2
@@ -353,10 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        file_size = parse_size(args.shard_size)
-    except ValueError as exc:
-        raise UserError(f"--shard-size: {exc}") from None
+    file_size = size_option(args.shard_size, "--shard-size")
     if not args.model.exists():
         raise UserError(f"model file not found: {args.model}")
     result = shard_model(

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 
 from kimitui.errors import UserError
-from kimitui.units import format_bytes, format_rate, parse_size
+from kimitui.units import format_bytes, format_rate, size_option
 
 QUANTS = {
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
@@ -1007,13 +1007,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _size_arg(text: str, flag: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise UserError(f"{flag}: {exc}") from None
-
-
 def plan(args: argparse.Namespace) -> ModelSpec:
     if args.like and args.arch == "dense":
         raise UserError("--like makes an MoE model; drop --arch dense")
@@ -1040,7 +1033,7 @@ def plan(args: argparse.Namespace) -> ModelSpec:
         raise UserError("--layout is one of Kimi K3's published sets: use it with --like kimi-k3")
     if args.layout not in (None, "release") and args.quant:
         raise UserError(f"--layout {args.layout} sets the trunk's type (Q8_0): drop --type")
-    target = _size_arg(args.size, "--size") if args.size else None
+    target = size_option(args.size, "--size") if args.size else None
     tok = default_tokenizer()
     if args.like:
         return plan_like(args.like, target, args.scale, args.quant, tok, cut, args.layout or "release")
@@ -1073,7 +1066,7 @@ def figures(spec: ModelSpec) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    split = _size_arg(args.split_size, "--split-size") if args.split_size else None
+    split = size_option(args.split_size, "--split-size") if args.split_size else None
     spec = plan(args)
     print(f"{spec.description}; {format_bytes(spec.file_bytes())}")
     if args.dry_run:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kimitui.errors import UserError
 from kimitui.model.bulkio import Progress, read_ahead
-from kimitui.model.manifest import MANIFEST_NAME, FileEntry, Manifest, new_hash, read_manifest
+from kimitui.model.manifest import MANIFEST_NAME, FileEntry, Manifest, locate, new_hash, read_manifest
 from kimitui.units import format_bytes, format_rate
 
 MAX_THREADS = 4
@@ -36,14 +36,6 @@ class Problem:
 
     def line(self) -> str:
         return f"{self.path or self.name}: {self.message}"
-
-
-def locate(name: str, dirs: list[Path]) -> Path | None:
-    for d in dirs:
-        candidate = d / name
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def file_digest(path: Path, algorithm: str, progress: Progress) -> str:

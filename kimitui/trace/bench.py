@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kimitui.errors import UserError
 from kimitui.trace.writer import TraceWriter
-from kimitui.units import format_bytes, parse_size
+from kimitui.units import format_bytes, size_option
 
 PROMPT = "Once upon a time"
 
@@ -128,14 +128,14 @@ def run(args: argparse.Namespace) -> int:
         tmp_dir = Path(tmp)
         model = args.model
         if model is None:
-            size, tokenizer = parse_size(args.size), synth.default_tokenizer()
+            size, tokenizer = size_option(args.size, "--size"), synth.default_tokenizer()
             if args.arch == "kimi":
                 spec = synth.plan_like("kimi-k2", size, None, "q4_1", tokenizer)
             else:
                 spec = synth.plan_dense(size, "q4_1", tokenizer)
             model = synth.write_model(spec, tmp_dir / "bench.gguf", progress=False).paths[0]
         tensor_bytes = load_model_map(model).tensor_bytes
-        budget = parse_size(args.budget) if args.budget else int(tensor_bytes * 0.9)
+        budget = size_option(args.budget, "--budget") if args.budget else int(tensor_bytes * 0.9)
         engine = Engine(model, n_ctx=512, budget=budget)
         try:
             engine.load()
