@@ -105,13 +105,13 @@ def resolve_model(settings: Settings) -> Path:
 
 def check_budget(settings: Settings, model_path: Path) -> None:
     """A budget that cannot hold one layer is refused before llama.cpp is called."""
-    from kimitui.engine.memory import SAFE_SHARE, default_budget
+    from kimitui.engine.memory import SAFE_SHARE, resolve_budget
     from kimitui.engine.budget import budget_shortfall
     from kimitui.model import read_model_info
     from kimitui.model.gguf_map import load_model_map
 
     budget = settings["engine.budget"]
-    resolved = default_budget() if budget == "auto" else budget
+    resolved = resolve_budget(budget)
     if resolved >= read_model_info(model_path).tensor_bytes:
         return  # it holds the whole model, so its working set too (and start-up skips a parse)
     shortfall = budget_shortfall(load_model_map(model_path, shard_size=settings["engine.shard_size"]), resolved)
@@ -234,7 +234,7 @@ def make_app(settings: Settings, model_path: Path | None = None, *, remote: tupl
 # Subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("kimitui.engine.inspect_cmd", "show a GGUF's layers, shards, expert sizes and the tok/s its bytes allow"),
-    "synth": ("kimitui.model.synth", "write a synthetic GGUF (dense llama or MoE deepseek2) of a given size"),
+    "synth": ("kimitui.model.synth.cli", "write a synthetic GGUF (dense llama or MoE deepseek2) of a given size"),
     "serve": ("kimitui.serve_cmd", "run the llama-server/OpenAI compatible HTTP API headless"),
     "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
     "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),

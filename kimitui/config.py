@@ -34,6 +34,10 @@ class Key:
     high: float | None = None
     choices: tuple[str, ...] | None = None
 
+    @property
+    def bounds(self) -> tuple:
+        return self.low, self.high
+
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -105,6 +109,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "slot_save_path": Key("str", ""),
     },
 }
+
+
+def key_spec(dotted: str) -> Key:
+    """The schema's entry for ``section.key``: its type, default and bounds, for whoever checks
+    the same value elsewhere (live tuning, request bodies)."""
+    section, key = dotted.split(".")
+    return SCHEMA[section][key]
 
 
 @dataclass
@@ -254,8 +265,7 @@ def load_settings(path: Path | None = None, *, explicit: bool = False) -> Settin
 
 def apply_override(settings: Settings, dotted: str, raw: Any, flag: str) -> None:
     """A command-line flag wins over the file; errors name the flag."""
-    section, key = dotted.split(".")
-    spec = SCHEMA[section][key]
+    spec = key_spec(dotted)
     if spec.kind in ("int", "float") and isinstance(raw, str):
         try:
             raw = int(raw) if spec.kind == "int" else float(raw)

@@ -184,15 +184,15 @@ def check_direct_reads(files: list[Path]) -> Check:
 
 def check_memory(model, budget_setting) -> tuple[Check, int]:
     from kimitui.engine.budget import budget_shortfall, minimum_budget
-    from kimitui.engine.memory import SAFE_SHARE, memory_sources
+    from kimitui.engine.memory import default_budget, memory_sources, resolve_budget
 
     sources = memory_sources()
     name, room = min(sources, key=lambda s: s[1])
-    budget = int(room * SAFE_SHARE) if budget_setting == "auto" else int(budget_setting)
+    budget = resolve_budget(budget_setting, room)
     shown = f"budget {'auto ' if budget_setting == 'auto' else ''}{format_bytes(budget)}"
     head = f"{format_bytes(room)} this process may take (the least of: {', '.join(f'{n} {format_bytes(v)}' for n, v in sources)})"
     if budget > room:
-        return Check("memory", False, f"{head}; {shown} is more than that: lower --budget to {format_bytes(int(room * SAFE_SHARE))}"), budget
+        return Check("memory", False, f"{head}; {shown} is more than that: lower --budget to {format_bytes(default_budget(room))}"), budget
     if budget >= model.tensor_bytes:
         return Check("memory", True, f"{head}; {shown} holds the whole model"), budget
     shortfall = budget_shortfall(model, budget)

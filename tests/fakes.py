@@ -58,7 +58,7 @@ class FakeEngine:
     def __init__(self, *, reply: str = "Hello! I am a fake Kimi, streamed word by word.", fail_reply: str | None = None,
                  fail_load: str | None = None, budget: int = 54_646_416) -> None:
         self.metrics = EngineMetrics()
-        self.metrics.budget_bytes = budget
+        self.metrics.budget_source = lambda: self.values.budget
         self.lifecycle = Lifecycle()
         self.load_s: float | None = None
         self.reply_words = [w + " " for w in reply.split(" ")]
@@ -113,7 +113,6 @@ class FakeEngine:
             raise EngineError("budget below the minimum working set of k3-cut.gguf: 46.1 MiB")
         self.retuned.append(changes)
         self.values = replace(self.values, **changes)
-        self.metrics.budget_bytes = self.values.budget
         return "applies from the next token, after the pinned set is re-read" if "budget" in changes else "applies from the next token"
 
 

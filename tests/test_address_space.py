@@ -10,7 +10,7 @@ import pytest
 
 from kimitui.engine.addressing import PHANTOM_BASE, Windows, plan_windows
 from kimitui.engine.generation import Sampling
-from kimitui.engine.loadhooks import HUGE_ALIGN
+from kimitui.engine.platform import HUGE_ALIGN
 from kimitui.engine.session import Engine
 from kimitui.engine.state import EngineError
 from kimitui.model import synth

@@ -151,7 +151,7 @@ def test_reply_shapes_clients_read(served):
 
 
 def test_apply_template_and_the_localhost_origin_entry(served):
-    from kimitui.server.app import origin_allowed
+    from kimitui.server.guard import origin_allowed
 
     prompt = post(served, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
     assert prompt.endswith("<|im_start|>assistant\n") and MESSAGES[-1]["content"] in prompt

@@ -166,7 +166,7 @@ def test_the_pools_memory_beside_the_mapping_is_its_free_buffers_only(tmp_path):
     from helpers import takes_direct_reads
 
     from kimitui.engine.direct import PIECE_BYTES, DirectPlacer, Libc, split_pieces
-    from kimitui.engine.loadhooks import MAP_SHARED, PROT_READ
+    from kimitui.engine.platform import MAP_SHARED, PROT_READ
 
     path = tmp_path / "weights.bin"
     data = random.Random(2).randbytes(40 * MIB + 4096 * 3 + 17)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.config import SCHEMA
 from kimitui.engine.budget import matrix_footprint
+from kimitui.engine.expert_policies import POLICIES_BY_NAME, make_policy
 from kimitui.engine.experts import ExpertCache, ExpertUnit, heatmap_path, hot_experts, load_heatmap
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
@@ -179,6 +181,13 @@ def test_the_expert_policy_switched_live_keeps_the_capacity(moe_model):
     cache.set_policy("lru")
     cache.ensure(layer, [1])
     assert dropped == [1, 2, 0] and cache.resident_bytes <= cache.capacity  # oldest use first again
+
+
+def test_the_config_file_takes_every_expert_policy_and_no_other():
+    """config.py imports no engine module: its choices are spelled out there, kept in step here."""
+    assert sorted(SCHEMA["engine"]["expert_policy"].choices) == sorted(POLICIES_BY_NAME)
+    with pytest.raises(ValueError, match="must be one of lfu, lru"):
+        make_policy("fifo", {}, [])
 
 
 def test_lfu_evicts_the_least_used_then_the_least_recent_over_a_long_run(moe_model):

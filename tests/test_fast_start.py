@@ -16,7 +16,9 @@ from helpers import stock_llama
 from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import drop_from_page_cache
 from kimitui.engine import loadhooks
+from kimitui.engine.elf import ElfSlotFinder
 from kimitui.engine.macho import MachOSlotFinder
+from kimitui.engine.symbol_slots import CachedSlotFinder, Slot
 from kimitui.errors import UserError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
@@ -134,7 +136,7 @@ def test_elf_finder_rejects_a_file_that_is_not_elf(tmp_path):
     bogus = tmp_path / "libllama.so"
     bogus.write_bytes(b"not an ELF file at all" * 10)
     with pytest.raises(loadhooks.HookUnavailable, match="cannot read libllama.so"):
-        loadhooks.ElfSlotFinder().find(bogus, 0, loadhooks.HOOKED)
+        ElfSlotFinder().find(bogus, 0, loadhooks.HOOKED)
 
 
 def macho_image(slots: list[str], segname: str = "__DATA") -> tuple[bytes, int]:
@@ -269,9 +271,9 @@ def test_slot_cache_skips_the_elf_read_until_the_library_changes(tmp_path):
     class Counting:
         def find(self, library_path, base_address, names):
             calls.append(base_address)
-            return {"mmap": [loadhooks.Slot("mmap", base_address + 0x40, True)]}
+            return {"mmap": [Slot("mmap", base_address + 0x40, True)]}
 
-    finder = loadhooks.CachedSlotFinder(Counting(), tmp_path / "cache" / "slots.json")
+    finder = CachedSlotFinder(Counting(), tmp_path / "cache" / "slots.json")
     first = finder.find(lib, 0x1000, loadhooks.HOOKED)
     again = finder.find(lib, 0x9000, loadhooks.HOOKED)  # loaded elsewhere this time: same offsets
     assert calls == [0x1000]

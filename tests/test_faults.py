@@ -525,7 +525,7 @@ def test_a_release_that_fails_stops_the_token_without_hanging_the_dropper(dense)
 
 
 def test_host_rules_for_wildcard_named_and_ipv6_binds():
-    from kimitui.server.app import host_allowed
+    from kimitui.server.guard import host_allowed
 
     none = frozenset()
     assert host_allowed("192.168.1.20:8080", "0.0.0.0", none)  # an address of some interface: not rebindable

@@ -62,3 +62,22 @@ def test_each_engine_implements_the_interface(engine):
             assert given == asked, f"{type(engine).__name__}.{name}"
     for name, kind in ATTRIBUTES.items():
         assert isinstance(getattr(engine, name), kind), f"{type(engine).__name__}.{name}"
+
+
+def test_the_engine_implements_what_the_server_asks(model_path):
+    """engine/interface.py's ServingEngine, checked against the in-process Engine: every method
+    with the same parameters, and every attribute present (a property, or set when it is made)."""
+    from kimitui.engine.interface import ServingEngine
+
+    made = Engine(model_path)
+    try:
+        methods = [name for name, value in vars(ServingEngine).items() if inspect.isfunction(value) and not name.startswith("_")]
+        assert {"complete", "tokenize", "detokenize", "chat_prompt", "slot_file"} <= set(methods)
+        for name in methods:
+            method = getattr(Engine, name, None)
+            assert callable(method), f"Engine has no {name}"
+            assert parameters(method) == parameters(getattr(ServingEngine, name)), f"Engine.{name}"
+        for name in ServingEngine.__annotations__:
+            assert hasattr(Engine, name) or name in vars(made), f"Engine has no {name}"
+    finally:
+        made.close()

@@ -17,11 +17,11 @@ import pytest
 
 from kimitui.engine.addressing import WholeFiles
 from kimitui.engine import loadhooks, memory, platform as plat
-from kimitui.engine.darwin_placer import (
-    MAP_ANON, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, VM_FLAGS_OVERWRITE, DarwinCalls, DarwinPlacer,
-)
+from kimitui.engine.darwin_placer import VM_FLAGS_OVERWRITE, DarwinCalls, DarwinPlacer
 from kimitui.engine.macho import CPU_SUBTYPE_ARM64E, CPU_TYPE_ARM64, FAT_MAGIC, MachOSlotFinder
-from kimitui.engine.platform import F_NOCACHE, F_RDADVISE, F_RDAHEAD, PlatformIO, is_darwin
+from kimitui.engine.platform import (
+    DARWIN_MAP_ANON, F_NOCACHE, F_RDADVISE, F_RDAHEAD, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PlatformIO, is_darwin,
+)
 
 from helpers import peak_while
 from test_fast_start import macho_image
@@ -336,7 +336,7 @@ def test_darwin_calls_are_libsystems_with_darwins_flags(tmp_path):
     assert fcntls == [(F_NOCACHE, 1), (F_RDAHEAD, 0)]  # the cache off, read-ahead off
     calls.map_anonymous(0x1_0000_0000, 32768)
     calls.map_file(0x1_0000_0000, 32768, 9, 16384)
-    assert lib.calls[0] == ("mmap", 0x1_0000_0000, 32768, 3, MAP_PRIVATE | MAP_ANON | MAP_FIXED, -1, 0)
+    assert lib.calls[0] == ("mmap", 0x1_0000_0000, 32768, 3, MAP_PRIVATE | DARWIN_MAP_ANON | MAP_FIXED, -1, 0)
     assert lib.calls[1] == ("mmap", 0x1_0000_0000, 32768, 1, MAP_SHARED | MAP_FIXED, 9, 16384)
     lib.calls.clear()
     calls.move(0x7000_0000, 0x1_0000_4000, 16384)
@@ -401,12 +401,13 @@ def test_the_darwin_placer_streams_k3_with_the_stock_greedy_tokens(monkeypatch, 
     expected = stock_reply(path)
     stand_in, made = MremapStandIn(), []
 
-    def darwin_placer(self, paths, addresses, fds, capacity):
+    def darwin_placer(paths, addresses, fds, capacity, platform=None):
         placer = DarwinPlacer.create([str(p) for p in paths], addresses, fds, capacity, calls=stand_in)
         made.append(placer)
         return placer
 
-    monkeypatch.setattr(PlatformIO, "placer", darwin_placer)
+    monkeypatch.setattr("kimitui.engine.pinning.make_placer", darwin_placer)
+    monkeypatch.setattr("kimitui.engine.streaming.make_placer", darwin_placer)
     from kimitui.engine.session import Engine
 
     model = load_model_map(path)

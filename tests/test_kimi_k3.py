@@ -15,6 +15,7 @@ from kimitui.engine.session import Engine
 from kimitui.engine.state import EngineError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
+from kimitui.model.synth.archs import K3_LAYOUTS
 
 from helpers import count_decodes, peak_while
 
@@ -114,7 +115,7 @@ def test_published_layouts_have_the_downloads_types_and_sizes(layout):
     set's size (the 49k vocabulary, where K3's is 164k, costs about 2 GB of embeddings and head)."""
     from gguf import GGMLQuantizationType as T
 
-    trunk, gate_up, down, _, published = synth.K3_LAYOUTS[layout]
+    trunk, gate_up, down, _, published = K3_LAYOUTS[layout]
     spec = synth.plan_like("kimi-k3", None, 1.0, None, synth.default_tokenizer(), layout=layout)
     types = {t.name: t.qtype for t in spec.tensors}
     assert types["blk.1.ffn_gate_exps.weight"] == types["blk.1.ffn_up_exps.weight"] == gate_up

@@ -104,3 +104,73 @@ def test_the_rule_catches_wrong_imports_in_every_spelling(tmp_path):
         assert upward_imports([("kimitui.engine.bad", bad)]), line
     bad.write_text("from kimitui.model.gguf_map import load_model_map\nfrom . import budget\n")
     assert upward_imports([("kimitui.engine.bad", bad)]) == []
+
+
+def test_the_server_and_the_tui_take_the_engine_through_its_interface():
+    """Neither imports the concrete Engine (engine/session.py): the server is typed with
+    interface.ServingEngine, the UI with interface.ChatEngine; commands build the engine."""
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in modules() if room(name) in ("server", "tui")
+        for target in imports(path, name) if target == "kimitui.engine.session"
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def import_cycles(pairs) -> list[list[str]]:
+    """The strongly connected sets of more than one module among ``pairs`` of (module, path):
+    imports inside functions count, as a module that waits to import another still needs it."""
+    names = {name for name, _ in pairs}
+    graph = {name: sorted({t for t in imports(path, name) if t in names and t != name}) for name, path in pairs}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):  # Tarjan's, iterative: a deep chain would pass Python's recursion limit
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(graph[target])))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    cycles.append(sorted(members))
+    return sorted(cycles)
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(modules())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_a_cycle_is_found_through_an_import_inside_a_function(tmp_path):
+    (tmp_path / "a.py").write_text("import kimitui.engine.b\n")
+    (tmp_path / "b.py").write_text("def late():\n    import kimitui.engine.c\n")
+    (tmp_path / "c.py").write_text("import kimitui.engine.a\n")
+    (tmp_path / "d.py").write_text("import kimitui.engine.a\n")  # into the cycle, not in it
+    pairs = [(f"kimitui.engine.{name}", tmp_path / f"{name}.py") for name in "abcd"]
+    assert import_cycles(pairs) == [["kimitui.engine.a", "kimitui.engine.b", "kimitui.engine.c"]]

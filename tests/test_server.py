@@ -504,14 +504,14 @@ def test_a_burst_on_an_idle_engine_gets_distinct_queue_positions(served):
     thread), are told 0, 1, 2; a request given up before it started counts for nobody."""
     from types import SimpleNamespace
 
-    from kimitui.server.app import Api
+    from kimitui.server.decoding import Decoder
 
-    api = Api(served.engine, served.settings)
+    decoder = Decoder(served.engine)
     tokens = served.engine.tokenize(FRANCE)
 
     def arrive():
         request = SimpleNamespace(state=SimpleNamespace())
-        generation, headers = api.start(request, tokens, Sampling(temperature=0, max_tokens=2))
+        generation, headers = decoder.start(request, tokens, Sampling(temperature=0, max_tokens=2))
         return generation, int(headers["X-Queue-Position"])
 
     burst = [arrive() for _ in range(3)]

@@ -114,7 +114,7 @@ def test_whole_pieces_land_on_huge_page_boundaries(model):
     """The load hooks put the model's mapping on a 2 MiB boundary, so a whole 4 MiB piece moves
     in as whole huge pages from a huge-page buffer at the same offset."""
     from kimitui.engine.direct import PIECE_BYTES
-    from kimitui.engine.loadhooks import HUGE_ALIGN
+    from kimitui.engine.platform import HUGE_ALIGN
 
     engine = streaming_engine(model)
     try:
@@ -390,7 +390,7 @@ def test_an_auto_budget_below_the_minimum_working_set_is_one_line(model, monkeyp
     from kimitui.cli import main
     from kimitui.engine import memory
 
-    monkeypatch.setattr(memory, "default_budget", lambda: 8 * MIB)  # a phone with little memory free
+    monkeypatch.setattr(memory, "default_budget", lambda room=None: 8 * MIB)  # a phone with little memory free
     assert main(["--model", str(model)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "budget auto" in err and "below the minimum working set of dense.gguf" in err

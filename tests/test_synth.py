@@ -14,7 +14,9 @@ from helpers import stock_llama
 
 from kimitui.cli import main
 from kimitui.errors import UserError
-from kimitui.model import default_model_path, synth
+from kimitui.model import bulkio, default_model_path, synth
+from kimitui.model.synth import archs, sizing
+from kimitui.model.synth.blocks import _BLOCK_DTYPES, _STD_PER_SCALE, Filler
 from kimitui.units import parse_size
 
 MIB = 1024**2
@@ -76,18 +78,18 @@ def test_plans_land_within_one_percent_in_llama_like_shapes(size, tok):
     assert 2 <= dense.kv_value("llama.feed_forward_length") / n_embd <= 4
     assert n_embd % dense.kv_value("llama.attention.head_count") == 0
     # llama.cpp reads a 26/27-layer deepseek2 as a "lite" model without q_lora: never emit one
-    assert moe.kv_value("deepseek2.block_count") not in synth.DEEPSEEK2_LITE_LAYERS
+    assert moe.kv_value("deepseek2.block_count") not in sizing.DEEPSEEK2_LITE_LAYERS
 
 
 @pytest.mark.parametrize("size", ["100MiB", "2GiB", "64GiB", "500GiB"])
 def test_kimi_like_keeps_counts_and_shrinks_widths(size, tok):
     target = parse_size(size)
     spec = synth.plan_like("kimi-k2", target, None, "q4_1", tok)
-    assert abs(spec.file_bytes() - target) <= synth.SIZE_TOLERANCE * target
+    assert abs(spec.file_bytes() - target) <= sizing.SIZE_TOLERANCE * target
     kv = spec.kv_value
     assert (kv("deepseek2.block_count"), kv("deepseek2.expert_count"), kv("deepseek2.expert_used_count")) == (61, 384, 8)
     assert (kv("deepseek2.expert_shared_count"), kv("deepseek2.leading_dense_block_count")) == (1, 1)
-    assert kv("deepseek2.embedding_length") < synth.KIMI_K2["n_embd"]
+    assert kv("deepseek2.embedding_length") < archs.KIMI_K2["n_embd"]
 
 
 def test_scale_one_is_kimi_k2_shape(tok):
@@ -120,12 +122,12 @@ def test_weights_are_valid_blocks_with_sane_scales(models):
     spec, result = models["dense"]
     reader = read(result.paths[0])
     t = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
-    blocks = np.asarray(t.data).reshape(-1).view(synth._BLOCK_DTYPES[t.tensor_type])
+    blocks = np.asarray(t.data).reshape(-1).view(_BLOCK_DTYPES[t.tensor_type])
     d = blocks["d"].astype(np.float32)
     assert np.isfinite(d).all() and (d > 0).all()
     fan_in = int(t.shape[0])
     # dequantized std ~ 1/sqrt(fan-in), within the pool's half-octave rounding
-    std = float(np.sqrt(np.mean((d * synth._STD_PER_SCALE[t.tensor_type]) ** 2)))
+    std = float(np.sqrt(np.mean((d * _STD_PER_SCALE[t.tensor_type]) ** 2)))
     assert 0.6 / math.sqrt(fan_in) < std < 1.7 / math.sqrt(fan_in)
     np.testing.assert_allclose(blocks["m"].astype(np.float32), -7.5 * d, rtol=2e-3)
 
@@ -204,7 +206,7 @@ def test_a_split_set_keeps_each_layer_in_one_file_unless_asked_to_cut_anywhere(t
 
 def test_interrupted_write_leaves_nothing_that_looks_complete(tmp_path, tok, monkeypatch):
     spec = synth.plan_dense(100 * MIB, "q4_1", tok)
-    real = synth._Filler.pieces
+    real = Filler.pieces
     written = []
 
     def pieces(self, t):
@@ -213,7 +215,7 @@ def test_interrupted_write_leaves_nothing_that_looks_complete(tmp_path, tok, mon
         written.append(t.name)
         return real(self, t)
 
-    monkeypatch.setattr(synth._Filler, "pieces", pieces)
+    monkeypatch.setattr(Filler, "pieces", pieces)
     with pytest.raises(KeyboardInterrupt):
         synth.write_model(spec, tmp_path / "m.gguf", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -245,10 +247,10 @@ def test_progress_line_only_on_a_terminal(monkeypatch):
             pass
 
     clock = iter(range(100))
-    monkeypatch.setattr(synth.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(bulkio.time, "monotonic", lambda: float(next(clock)))
     for tty in (True, False):
         stream = Tty(tty)
-        bar = synth._Progress(1000, stream)
+        bar = bulkio.Progress("synth", 1000, stream)
         bar.add(400)
         bar.close()
         assert ("400 B of 1000 B (40%)" in stream.text) is tty

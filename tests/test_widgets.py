@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from rich.cells import cell_len
 from textual.widgets import Sparkline
 
 from fakes import FakeEngine, fake_app, recorded_snapshots
 from kimitui.tui.widgets.chat import MessageView, PromptInput
-from kimitui.tui.widgets.panels import CachePanel, DiskPanel, LatencyPanel, PrefetchPanel, ResidencyPanel
+from kimitui.tui.widgets.panels import CachePanel, DiskPanel, LatencyPanel, Panel, PanelColumn, PrefetchPanel, ResidencyPanel
 from kimitui.tui.widgets.status import StatusBar
 from kimitui.tui.widgets.tuning import TuningPanel, Window
 
@@ -87,6 +88,54 @@ async def test_sparklines_stay_inside_their_panels_and_start_empty():
             assert inside.x <= spark.region.x and spark.region.right <= inside.right, (spark.region, inside)
 
 
+def app_serving_the_api(engine: FakeEngine):
+    """The fake app with its API on (a URL, no server): every panel is shown, the API's too."""
+    from kimitui.tui.app import KimituiApp
+
+    app = fake_app(engine)
+    return KimituiApp(app.settings, app.engine, app.main.sampler, app.store, api=lambda record: "http://127.0.0.1:8080")
+
+
+@pytest.mark.parametrize("size", [(120, 40), (50, 30)], ids=["desktop", "phone"])
+async def test_every_panel_on_draws_nothing_beside_the_panels_and_the_column_says_what_is_out_of_view(size):
+    """More panels than rows: the column scrolls with no scrollbar (its thumb's block glyphs,
+    drawn beside a panel's border, read as sparkline cells past it) and its last row counts
+    the panels out of view."""
+    engine = FakeEngine()
+    engine.gate = threading.Event()  # a reply streams, half-way, while the panels are read
+    app = app_serving_the_api(engine)
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        app.query_one(PromptInput).focus()
+        await pilot.press(*"Hi", "enter")
+        await settle(pilot, lambda: app.main.reply is not None and app.main.reply.text)
+        app.main.sampler.play()
+        column = app.query_one(PanelColumn)
+        await settle(pilot, lambda: column.more.display)
+        # Laid out again (as a terminal's resize or a toggled panel does): the layout right after
+        # the column overflowed left no room for a bar yet, the next one would.
+        app.screen.refresh(layout=True)
+        await pilot.pause(0.2)
+        panels = [panel for panel in column.query_children(Panel) if panel.display]
+        assert len(panels) == 8
+        right = column.region.right
+        assert max(panel.region.right for panel in panels) == right  # no gutter kept for a bar
+        rows = [strip.text for strip in app.screen._compositor.render_strips()]
+        for y in range(column.region.y, column.region.bottom):
+            last = rows[y][right - 1]
+            assert last not in "▁▂▃▄▅▆▇█▔▏▕", (y, rows[y][column.region.x:right])
+        bottom = column.region.bottom - 1  # the note's row
+        below = [panel for panel in panels if panel.region.bottom > bottom]
+        assert below and str(column.more.render()) == f"+{len(below)} panels below: scroll or hide (1-8)"
+        assert rows[bottom][column.region.x:right].strip() == str(column.more.render())
+        column.scroll_end(animate=False)
+        await settle(pilot, lambda: "panels above" in str(column.more.render()))
+        app.main.panels["5"].focus()  # the panel keys are the screen's, not the prompt's
+        await pilot.press(*"12345678")  # every panel hidden: nothing out of view, no note
+        await settle(pilot, lambda: not column.more.display)
+        engine.gate.set()
+
+
 async def test_the_residency_strip_shows_the_experts_as_well_as_the_trunk():
     app = fake_app()
     async with app.run_test(size=(120, 40)) as pilot:
@@ -114,7 +163,7 @@ async def test_tuning_steps_values_beside_the_panels_and_shows_what_the_change_d
         await pilot.press("enter")
         assert engine.retuned == [{"budget": 54_646_416 + 5 * MIB}]
         assert "budget: applies from the next token, after the pinned set is re-read" in str(strip.render())
-        assert app.query_one(StatusBar).budget == 54_646_416 + 5 * MIB
+        assert "budget 57.1 MiB" in str(app.query_one(StatusBar).render())
         app.main.sampler.play()
         await pilot.pause()
         shown = str(strip.render()).splitlines()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kimitui.benchmarks.cgroup import MemoryCgroups
 from kimitui.benchmarks.common import cell, noise_note, ratio, run_child, table, write_json
+from kimitui.config import key_spec
 from kimitui.engine.settings import POLICIES
 from kimitui.errors import UserError
 from kimitui.units import format_bytes, format_ms, format_rate, size_option
@@ -82,8 +83,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--tokens: at least 2 (decode speed is timed between tokens)")
     if args.prompt_tokens < 1:
         raise UserError("--prompt-tokens: at least 1")
-    if args.prefetch_depth is not None and args.prefetch_depth < 0:
-        raise UserError("--prefetch-depth: 0 or more")
+    depth = key_spec("engine.prefetch_depth")
+    if args.prefetch_depth is not None and not depth.low <= args.prefetch_depth <= depth.high:
+        raise UserError(f"--prefetch-depth: {depth.low:g}..{depth.high:g}")
     if args.rounds < 1:
         raise UserError("--rounds: at least 1")
     if args.io_threads is not None and args.io_threads < 1:
@@ -267,8 +269,118 @@ def targets(report: dict) -> dict:
     return out
 
 
+def _spec(args: argparse.Namespace, path: Path, budget: int | None, threads: int, n_ctx: int) -> dict:
+    """What the engine's child runs are told."""
+    return {
+        "model": str(path),
+        "n_ctx": n_ctx,
+        "threads": threads,
+        "budget": budget,
+        "prompt_tokens": args.prompt_tokens,
+        "tokens": args.tokens,
+        "policy": args.policy,
+        "prefetch_depth": args.prefetch_depth,
+        "io_threads": args.io_threads,
+        "expert_lookahead": args.expert_lookahead,
+        "n_batch": args.n_batch,
+        "trace": str(args.trace) if args.trace else None,
+        "address_space": size_option(args.address_space, "--address-space") if args.address_space else "auto",
+    }
+
+
+def _show_pinning(kind: str, message: dict) -> None:
+    # The pinned set is read before the measured reply: its progress goes to stderr.
+    if kind != "pinning":
+        return
+    if sys.stderr.isatty():
+        print(f"\r{message['line']}", end="\n" if message["finished"] else "", file=sys.stderr, flush=True)
+    elif message["finished"]:
+        print(message["line"], file=sys.stderr, flush=True)
+
+
+def _against_limits(figures: dict, limit_figures: dict, disk: dict, compute: dict) -> None:
+    """A run's figures set against the physical limit, the disk and compute in RAM (added to ``figures``)."""
+    rate = figures.get("decode_tok_s")
+    figures["share_of_limit"] = ratio(rate, limit_figures["tok_s"])
+    need = limit_figures["model_minus_pinned_bytes"]
+    figures["read_vs_model_minus_pinned"] = ratio(figures.get("read_bytes_per_token"), need)
+    figures["read_vs_needed"] = ratio(figures.get("read_bytes_per_token"), figures.get("needed_bytes_per_token"))
+    # Against what this very run had to read after its cache hits (not an estimate from
+    # uniform routing): at the best disk rate of this run, or compute, whichever is slower.
+    needed, bandwidth = figures.get("needed_bytes_per_token"), disk["bandwidth_bytes_s"]
+    if needed is not None and bandwidth:
+        floor_s = max(needed / bandwidth, compute["s_per_token"] or 0.0)
+        figures["io_limit_tok_s"] = 1 / floor_s if floor_s else None
+        figures["share_of_io_limit"] = ratio(rate, figures["io_limit_tok_s"])
+        # The same with the experts' bytes at this disk's rate for expert-sized reads at
+        # scattered offsets (measured in this run too), and compute after the reads, not
+        # beside them: experts are known only when the router has run.
+        expert_needed, random_bw = figures.get("expert_needed_bytes_per_token"), disk["random_bandwidth_bytes_s"]
+        if expert_needed is not None and random_bw:
+            serial_s = (needed - expert_needed) / bandwidth + expert_needed / random_bw + (compute["s_per_token"] or 0.0)
+            figures["serial_limit_tok_s"] = 1 / serial_s if serial_s else None
+            figures["share_of_serial_limit"] = ratio(rate, figures["serial_limit_tok_s"])
+    distinct = figures.get("prefill_distinct_expert_bytes")
+    if distinct:  # bytes against bytes: known even where the disk rate is not
+        figures["prefill_read_vs_distinct"] = ratio(figures.get("prefill_expert_read_bytes"), distinct)
+    bound = figures.get("prefill_bound_bytes")
+    if bound:
+        figures["prefill_read_vs_bound"] = ratio(figures.get("prefill_read_bytes"), bound)
+        if bandwidth and figures.get("ttft_s"):
+            # The bound's bytes at the best disk rate of this run, against the time taken.
+            figures["prefill_bound_share"] = bound / bandwidth / figures["ttft_s"]
+            # Or the prompt's compute in RAM, where that is longer (this run's in-RAM time to first token).
+            figures["prefill_limit_share"] = max(bound / bandwidth, compute.get("ttft_s") or 0.0) / figures["ttft_s"]
+    if distinct and bandwidth and figures.get("ttft_s"):
+        # The prompt's distinct experts at the best disk rate, or its compute in RAM (the
+        # in-RAM run's time to first token), whichever is longer.
+        figures["prefill_share_of_limit"] = max(distinct / bandwidth, compute.get("ttft_s") or 0.0) / figures["ttft_s"]
+    if figures.get("peak_model_resident_bytes") is not None and figures.get("budget_bytes"):
+        figures["model_resident_vs_budget"] = figures["peak_model_resident_bytes"] / figures["budget_bytes"]
+
+
+def _report(args: argparse.Namespace, path: Path, model_map, spec: dict, limit: int | None, cgroups: MemoryCgroups | None,
+            disk: dict, compute: dict, limit_figures: dict, rounds: dict, runs: dict, interleaved: dict | None) -> dict:
+    """Every figure of the run, as printed and written by --json (targets not judged yet)."""
+    report = {
+        "model": {
+            "path": str(path),
+            "name": model_map.name,
+            "architecture": model_map.architecture,
+            "n_layers": model_map.n_layers,
+            "file_bytes": sum(model_map.file_sizes),
+            "tensor_bytes": model_map.tensor_bytes,
+            "moe": model_map.is_moe,
+        },
+        "settings": {
+            "prompt_tokens": args.prompt_tokens,
+            "tokens": args.tokens,
+            "n_batch": args.n_batch,
+            "threads": spec["threads"],
+            "n_ctx": spec["n_ctx"],
+            "budget_bytes": spec["budget"],
+            "cgroup_limit_bytes": limit,
+            "cgroup_version": cgroups.hierarchy.version if cgroups else None,
+        },
+        "disk": disk,
+        "compute": compute,
+        "limit": limit_figures,
+        "runs": runs,
+        "rounds": {name: [r.get("decode_tok_s") for r in each] for name, each in rounds.items()},
+        "interleaved": interleaved,
+    }
+    if "baseline" in runs:
+        kimitui, base = runs["kimitui"], runs["baseline"]
+        report["ratios"] = {key: ratio(kimitui.get(key), base.get(key)) for key in RATIO_KEYS}
+        both = not kimitui["error"] and not base["error"]
+        report["same_tokens"] = kimitui["tokens"] == base["tokens"] if both else None
+        # The most any engine could beat plain mmap by on this disk and CPU in this run.
+        report["limit_vs_plain"] = ratio(limit_figures["tok_s"], base.get("decode_tok_s"))
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
-    from kimitui.engine.memory import SAFE_SHARE, available_memory
+    from kimitui.engine.memory import default_budget
     from kimitui.engine.session import default_threads
     from kimitui.model.gguf_map import load_model_map
 
@@ -286,33 +398,10 @@ def run(args: argparse.Namespace) -> int:
     file_bytes = sum(model_map.file_sizes)
     threads = args.threads or default_threads()
     n_ctx = args.n_ctx or -(-(args.prompt_tokens + args.tokens + 1) // CTX_STEP) * CTX_STEP
-    spec = {
-        "model": str(path),
-        "n_ctx": n_ctx,
-        "threads": threads,
-        "budget": budget,
-        "prompt_tokens": args.prompt_tokens,
-        "tokens": args.tokens,
-        "policy": args.policy,
-        "prefetch_depth": args.prefetch_depth,
-        "io_threads": args.io_threads,
-        "expert_lookahead": args.expert_lookahead,
-        "n_batch": args.n_batch,
-        "trace": str(args.trace) if args.trace else None,
-        "address_space": size_option(args.address_space, "--address-space") if args.address_space else "auto",
-    }
-
-    def show_pinning(kind: str, message: dict) -> None:
-        # The pinned set is read before the measured reply: its progress goes to stderr.
-        if kind != "pinning":
-            return
-        if sys.stderr.isatty():
-            print(f"\r{message['line']}", end="\n" if message["finished"] else "", file=sys.stderr, flush=True)
-        elif message["finished"]:
-            print(message["line"], file=sys.stderr, flush=True)
+    spec = _spec(args, path, budget, threads, n_ctx)
 
     def engine_run(phase: str):
-        return run_child(phase, spec, path, cgroups=cgroups, limit=limit, on_message=show_pinning)
+        return run_child(phase, spec, path, cgroups=cgroups, limit=limit, on_message=_show_pinning)
 
     def disk_samples() -> list[dict]:
         return [
@@ -321,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
         ]
 
     disk_before = disk_samples()
-    room = int(available_memory() * SAFE_SHARE)
+    room = default_budget()
     skipped = None
     if file_bytes > room:
         skipped = (
@@ -348,77 +437,8 @@ def run(args: argparse.Namespace) -> int:
         disk["random_bandwidth_bytes_s"],
     )
     for figures in runs.values():
-        rate = figures.get("decode_tok_s")
-        figures["share_of_limit"] = ratio(rate, limit_figures["tok_s"])
-        need = limit_figures["model_minus_pinned_bytes"]
-        figures["read_vs_model_minus_pinned"] = ratio(figures.get("read_bytes_per_token"), need)
-        figures["read_vs_needed"] = ratio(figures.get("read_bytes_per_token"), figures.get("needed_bytes_per_token"))
-        # Against what this very run had to read after its cache hits (not an estimate from
-        # uniform routing): at the best disk rate of this run, or compute, whichever is slower.
-        needed, bandwidth = figures.get("needed_bytes_per_token"), disk["bandwidth_bytes_s"]
-        if needed is not None and bandwidth:
-            floor_s = max(needed / bandwidth, compute["s_per_token"] or 0.0)
-            figures["io_limit_tok_s"] = 1 / floor_s if floor_s else None
-            figures["share_of_io_limit"] = ratio(rate, figures["io_limit_tok_s"])
-            # The same with the experts' bytes at this disk's rate for expert-sized reads at
-            # scattered offsets (measured in this run too), and compute after the reads, not
-            # beside them: experts are known only when the router has run.
-            expert_needed, random_bw = figures.get("expert_needed_bytes_per_token"), disk["random_bandwidth_bytes_s"]
-            if expert_needed is not None and random_bw:
-                serial_s = (needed - expert_needed) / bandwidth + expert_needed / random_bw + (compute["s_per_token"] or 0.0)
-                figures["serial_limit_tok_s"] = 1 / serial_s if serial_s else None
-                figures["share_of_serial_limit"] = ratio(rate, figures["serial_limit_tok_s"])
-        distinct = figures.get("prefill_distinct_expert_bytes")
-        if distinct:  # bytes against bytes: known even where the disk rate is not
-            figures["prefill_read_vs_distinct"] = ratio(figures.get("prefill_expert_read_bytes"), distinct)
-        bound = figures.get("prefill_bound_bytes")
-        if bound:
-            figures["prefill_read_vs_bound"] = ratio(figures.get("prefill_read_bytes"), bound)
-            if bandwidth and figures.get("ttft_s"):
-                # The bound's bytes at the best disk rate of this run, against the time taken.
-                figures["prefill_bound_share"] = bound / bandwidth / figures["ttft_s"]
-                # Or the prompt's compute in RAM, where that is longer (this run's in-RAM time to first token).
-                figures["prefill_limit_share"] = max(bound / bandwidth, compute.get("ttft_s") or 0.0) / figures["ttft_s"]
-        if distinct and bandwidth and figures.get("ttft_s"):
-            # The prompt's distinct experts at the best disk rate, or its compute in RAM (the
-            # in-RAM run's time to first token), whichever is longer.
-            figures["prefill_share_of_limit"] = max(distinct / bandwidth, compute.get("ttft_s") or 0.0) / figures["ttft_s"]
-        if figures.get("peak_model_resident_bytes") is not None and figures.get("budget_bytes"):
-            figures["model_resident_vs_budget"] = figures["peak_model_resident_bytes"] / figures["budget_bytes"]
-    report = {
-        "model": {
-            "path": str(path),
-            "name": model_map.name,
-            "architecture": model_map.architecture,
-            "n_layers": model_map.n_layers,
-            "file_bytes": file_bytes,
-            "tensor_bytes": model_map.tensor_bytes,
-            "moe": model_map.is_moe,
-        },
-        "settings": {
-            "prompt_tokens": args.prompt_tokens,
-            "tokens": args.tokens,
-            "n_batch": args.n_batch,
-            "threads": threads,
-            "n_ctx": n_ctx,
-            "budget_bytes": budget,
-            "cgroup_limit_bytes": limit,
-            "cgroup_version": cgroups.hierarchy.version if cgroups else None,
-        },
-        "disk": disk,
-        "compute": compute,
-        "limit": limit_figures,
-        "runs": runs,
-        "rounds": {name: [r.get("decode_tok_s") for r in each] for name, each in rounds.items()},
-        "interleaved": interleaved,
-    }
-    if "baseline" in runs:
-        base = runs["baseline"]
-        report["ratios"] = {key: ratio(kimitui.get(key), base.get(key)) for key in RATIO_KEYS}
-        both = not kimitui["error"] and not base["error"]
-        report["same_tokens"] = kimitui["tokens"] == base["tokens"] if both else None
-        # The most any engine could beat plain mmap by on this disk and CPU in this run.
-        report["limit_vs_plain"] = ratio(limit_figures["tok_s"], base.get("decode_tok_s"))
+        _against_limits(figures, limit_figures, disk, compute)
+    report = _report(args, path, model_map, spec, limit, cgroups, disk, compute, limit_figures, rounds, runs, interleaved)
     report["targets"] = targets(report)
     print(render(report))
     if args.json:
@@ -426,7 +446,41 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(figures["error"] for figures in runs.values()) else 0
 
 
-def render(report: dict) -> str:
+def _seconds(v) -> str:
+    return "—" if v is None else f"{v:.2f} s"
+
+
+def _per_s(v) -> str:
+    return cell(v, ".2f")
+
+
+def _share(v) -> str:
+    return cell(v, ".0f", scale=100, unit="%")
+
+
+def _times(v) -> str:
+    return cell(v, ".2f", unit="x")
+
+
+def _count(v) -> str:
+    return "—" if v is None else str(v)
+
+
+def _chunks(sizes) -> str:
+    """Micro-batch sizes as runs: "2 x 512 + 37"."""
+    if not sizes:
+        return "—"
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return " + ".join(f"{n} x {size}" if n > 1 else str(size) for size, n in runs)
+
+
+def _summary(report: dict) -> list[str]:
+    """The model, the settings, and what this machine allows: disk, compute, the physical limit."""
     m, s, disk, compute, lim = report["model"], report["settings"], report["disk"], report["compute"], report["limit"]
     runs = report["runs"]
     used = runs["kimitui"].get("budget_bytes")
@@ -481,86 +535,74 @@ def render(report: dict) -> str:
             )
         else:
             lines.append(f"physical limit / plain mmap decode: {report['limit_vs_plain']:.2f}x (no engine can beat plain mmap by more here)")
+    return lines
 
-    names = [("kimitui", "kimitui")] + ([("baseline", "plain mmap")] if "baseline" in runs else [])
+
+def _table(report: dict, names: list[tuple[str, str]]) -> list[tuple[str, ...]]:
+    """The runs side by side, a row per figure (and kimitui's over plain's, with a baseline)."""
+    runs = report["runs"]
     header = ("",) + tuple(label for _, label in names) + (("kimitui/plain",) if "baseline" in runs else ())
     ratios = report.get("ratios", {})
 
     def row(label: str, key: str, fmt) -> tuple[str, ...]:
         cells = tuple(fmt(runs[name].get(key)) for name, _ in names)
         if "baseline" in runs:
-            cells += (cell(ratios.get(key), ".2f", unit="x") if key in ratios else "",)
+            cells += (_times(ratios.get(key)) if key in ratios else "",)
         return (label,) + cells
 
-    def seconds(v):
-        return "—" if v is None else f"{v:.2f} s"
-
-    def per_s(v):
-        return cell(v, ".2f")
-
-    def share(v):
-        return cell(v, ".0f", scale=100, unit="%")
-
-    def _chunks(sizes):
-        """Micro-batch sizes as runs: "2 x 512 + 37"."""
-        if not sizes:
-            return "—"
-        runs: list[list[int]] = []
-        for size in sizes:
-            if runs and runs[-1][0] == size:
-                runs[-1][1] += 1
-            else:
-                runs.append([size, 1])
-        return " + ".join(f"{n} x {size}" if n > 1 else str(size) for size, n in runs)
-
-    rows = [
+    return [
         header,
         row("streaming", "streaming", lambda v: "—" if v is None else ("on" if v else "off")),
-        row("load (setup)", "load_s", seconds),
+        row("load (setup)", "load_s", _seconds),
         row("pinned (setup)", "pinned_bytes", lambda v: "—" if v is None else format_bytes(v)),
-        row("pinning time (setup)", "pin_s", seconds),
+        row("pinning time (setup)", "pin_s", _seconds),
         row("address space", "windows_bytes", lambda v: "whole files" if v is None else f"windows {format_bytes(v)}"),
-        row("  layer slots", "slots", lambda v: "—" if v is None else str(v)),
-        row("  slots taken over", "slot_claims", lambda v: "—" if v is None else str(v)),
+        row("  layer slots", "slots", _count),
+        row("  slots taken over", "slot_claims", _count),
         row("  peak of the process", "peak_address_space_bytes", lambda v: "—" if v is None else format_bytes(v)),
         row("RSS after load", "rss_after_load_bytes", format_bytes),
-        row("prefill tok/s", "prefill_tok_s", per_s),
+        row("prefill tok/s", "prefill_tok_s", _per_s),
         row("TTFT", "ttft_s", format_ms),
-        row("decode tok/s", "decode_tok_s", per_s),
-        row("  at the median token", "decode_tok_s_p50", per_s),
+        row("decode tok/s", "decode_tok_s", _per_s),
+        row("  at the median token", "decode_tok_s_p50", _per_s),
         row("token p50", "token_p50_s", format_ms),
         row("token p95", "token_p95_s", format_ms),
         row("read per token", "read_bytes_per_token", format_bytes),
-        row("  / (model - pinned)", "read_vs_model_minus_pinned", lambda v: cell(v, ".2f", unit="x")),
+        row("  / (model - pinned)", "read_vs_model_minus_pinned", _times),
         row("  needed per token", "needed_bytes_per_token", format_bytes),
-        row("  read / needed", "read_vs_needed", lambda v: cell(v, ".2f", unit="x")),
-        row("hit rate", "hit_rate", share),
-        row("expert hit rate", "expert_hit_rate", share),
+        row("  read / needed", "read_vs_needed", _times),
+        row("hit rate", "hit_rate", _share),
+        row("expert hit rate", "expert_hit_rate", _share),
         row("wasted prefetch/token", "expert_prefetch_wasted_bytes_per_token", format_bytes),
         row("stall per token", "stall_s_per_token", format_ms),
         row("prefill chunks", "prefill_chunks", _chunks),
         row("prefill read", "prefill_read_bytes", format_bytes),
         row("  bound: trunk per chunk + its experts", "prefill_bound_bytes", format_bytes),
-        row("  read / bound", "prefill_read_vs_bound", lambda v: cell(v, ".2f", unit="x")),
-        row("  bound at the disk rate / TTFT", "prefill_bound_share", share),
-        row("  that or compute in RAM / TTFT", "prefill_limit_share", share),
-        row("  layers staged by matrix", "prefill_staged_layers", lambda v: "—" if v is None else str(v)),
+        row("  read / bound", "prefill_read_vs_bound", _times),
+        row("  bound at the disk rate / TTFT", "prefill_bound_share", _share),
+        row("  that or compute in RAM / TTFT", "prefill_limit_share", _share),
+        row("  layers staged by matrix", "prefill_staged_layers", _count),
         row("prefill experts read", "prefill_expert_read_bytes", format_bytes),
         row("  of which gaps read through", "prefill_gap_bytes", format_bytes),
         row("  distinct experts used", "prefill_distinct_expert_bytes", format_bytes),
-        row("  read / distinct", "prefill_read_vs_distinct", lambda v: cell(v, ".2f", unit="x")),
-        row("  of the I/O limit", "prefill_share_of_limit", share),
-        row("decode I/O limit tok/s", "io_limit_tok_s", per_s),
-        row("  decode of it", "share_of_io_limit", share),
-        row("serial limit tok/s", "serial_limit_tok_s", per_s),
-        row("  decode of it", "share_of_serial_limit", share),
+        row("  read / distinct", "prefill_read_vs_distinct", _times),
+        row("  of the I/O limit", "prefill_share_of_limit", _share),
+        row("decode I/O limit tok/s", "io_limit_tok_s", _per_s),
+        row("  decode of it", "share_of_io_limit", _share),
+        row("serial limit tok/s", "serial_limit_tok_s", _per_s),
+        row("  decode of it", "share_of_serial_limit", _share),
         row("peak model resident", "peak_model_resident_bytes", format_bytes),
-        row("  of the budget", "model_resident_vs_budget", share),
+        row("  of the budget", "model_resident_vs_budget", _share),
         row("peak RSS", "peak_rss_bytes", format_bytes),
         row("peak cgroup", "cgroup_peak_bytes", format_bytes),
-        row("of physical limit", "share_of_limit", share),
-        row("CPU used by others", "others_cpu", share),
+        row("of physical limit", "share_of_limit", _share),
+        row("CPU used by others", "others_cpu", _share),
     ]
+
+
+def _rounds(report: dict, names: list[tuple[str, str]]) -> list[str]:
+    """The replies that alternated in one process, and every round's decode rate."""
+    lines = []
     inter = report.get("interleaved")
     if inter:
         if inter.get("error") or inter.get("skipped"):
@@ -577,14 +619,24 @@ def render(report: dict) -> str:
             f"{label} " + ", ".join(cell(v, ".2f") for v in report["rounds"][name]) for name, label in names
         )
         lines.append(f"decode tok/s of every round: {each} (the median run of each is shown)")
-    lines += ["", table(rows), ""]
-    if report["targets"]:
-        verdicts = []
-        for name, judged in report["targets"].items():
-            met = "—" if judged["met"] is None else ("met" if judged["met"] else "MISSED")
-            value = "" if judged["value"] is None else f" ({judged['value']:.2f})"
-            verdicts.append(f"{name.replace('_', ' ')}: {met}{value}")
-        lines.append(f"targets ({'MoE' if m['moe'] else 'dense'} streaming): " + "; ".join(verdicts))
+    return lines
+
+
+def _verdicts(report: dict) -> list[str]:
+    """The targets' line: each met, MISSED or — (not judged); none where no target applies."""
+    if not report["targets"]:
+        return []
+    verdicts = []
+    for name, judged in report["targets"].items():
+        met = "—" if judged["met"] is None else ("met" if judged["met"] else "MISSED")
+        value = "" if judged["value"] is None else f" ({judged['value']:.2f})"
+        verdicts.append(f"{name.replace('_', ' ')}: {met}{value}")
+    return [f"targets ({'MoE' if report['model']['moe'] else 'dense'} streaming): " + "; ".join(verdicts)]
+
+
+def _notes(report: dict, names: list[tuple[str, str]]) -> list[str]:
+    """What a reader needs to trust the figures: how the runs went, and what each one means."""
+    m, s, disk, compute, runs = report["model"], report["settings"], report["disk"], report["compute"], report["runs"]
     notes = []
     if report.get("same_tokens") is not None:
         notes.append("same greedy tokens in both runs" if report["same_tokens"] else "the two runs produced DIFFERENT greedy tokens")
@@ -643,5 +695,11 @@ def render(report: dict) -> str:
         notes.append(noisy)
     if compute.get("decode_read_bytes"):
         notes.append(f"compute in RAM read {format_bytes(compute['decode_read_bytes'])} from storage while decoding")
-    lines += [f"note: {n}" for n in notes]
-    return "\n".join(lines)
+    return notes
+
+
+def render(report: dict) -> str:
+    runs = report["runs"]
+    names = [("kimitui", "kimitui")] + ([("baseline", "plain mmap")] if "baseline" in runs else [])
+    lines = _summary(report) + _rounds(report, names) + ["", table(_table(report, names)), ""] + _verdicts(report)
+    return "\n".join(lines + [f"note: {n}" for n in _notes(report, names)])

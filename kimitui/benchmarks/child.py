@@ -1,8 +1,7 @@
 """The measured side of `kimitui bench` and `kimitui bench-load`, one phase per process.
 
-``python -m kimitui.benchmarks.child PHASE SPEC_JSON``. Results go to stdout as lines
-starting with ``@kimitui-bench `` and JSON, written straight to file descriptor 1 (Textual
-captures ``print`` while an app runs); the parent timestamps each line as it arrives.
+``python -m kimitui.benchmarks.child PHASE SPEC_JSON``. Results go to stdout as messages
+(``kimitui.benchmarks.messages``); the parent timestamps each as it arrives.
 Imports stay inside the phases: for bench-load, interpreter start and imports are part of
 what is measured, and they must be the app's, not ours.
 """
@@ -15,7 +14,8 @@ import sys
 import threading
 import time
 
-MARKER = "@kimitui-bench "
+from kimitui.benchmarks.messages import emit
+from kimitui.benchmarks.scale import phase_scale
 CONVERSATION_KEY = "bench"  # bench-resume's conversation, as the engine keeps its state
 DISK_CHUNK_BYTES = 4 * 2**20
 # An ordinary English paragraph, repeated to the requested prompt length: both runs of a
@@ -25,10 +25,6 @@ PROMPT_TEXT = (
     "father had taught him, and wound the great clockwork that turned the lens. Ships passed "
     "far out on the dark water, and he wrote their names in a book that nobody would read. "
 )
-
-
-def emit(kind: str, **payload) -> None:
-    os.write(1, (MARKER + json.dumps({"kind": kind, **payload}) + "\n").encode())
 
 
 def _read_bytes() -> int | None:
@@ -565,8 +561,6 @@ def phase_conversation(spec: dict) -> None:
          engine_read_bytes=engine.model_bytes_read() - engine_before, storage_read_bytes=_delta(read_before, _read_bytes()),
          notices=result.notices)
 
-
-from kimitui.benchmarks.scale import phase_scale  # noqa: E402 - its own module, a phase like these
 
 PHASES = {
     "disk": phase_disk,

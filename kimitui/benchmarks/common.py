@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from kimitui.benchmarks.cgroup import MemoryCgroups, RunCgroup
-from kimitui.benchmarks.child import MARKER
+from kimitui.benchmarks.messages import parse
 from kimitui.errors import UserError
 from kimitui.model.gguf_map import split_set
 from kimitui.units import format_bytes
@@ -167,10 +167,10 @@ def run_child(
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
             for line in proc.stdout:
                 now = time.perf_counter()
-                if not line.startswith(MARKER):
+                parsed = parse(line)
+                if parsed is None:
                     continue
-                message = json.loads(line[len(MARKER):])
-                kind = message.pop("kind")
+                kind, message = parsed
                 run.messages[kind], run.arrived[kind] = message, now
                 if on_message is not None:
                     on_message(kind, message)

@@ -90,7 +90,7 @@ def deep_size(root) -> int:
 
 
 def phase_scale(spec: dict) -> None:
-    from kimitui.benchmarks.child import emit
+    from kimitui.benchmarks.messages import emit
     from kimitui.engine.memory import mapped_resident_bytes
     from kimitui.engine.generation import Sampling
     from kimitui.engine.session import Engine

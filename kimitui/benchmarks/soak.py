@@ -142,35 +142,68 @@ def _message(body: str) -> str:
         return body[:160]
 
 
+async def _ready(app, pilot) -> None:
+    """Until the app has its model, its API and its streamer (10 minutes at most)."""
+    deadline = time.monotonic() + 600
+    while not (app.main.ready and app.main.api_url is not None and app.engine.streamer is not None):
+        if time.monotonic() > deadline:
+            raise UserError("the app did not get ready in 10 minutes")
+        await pilot.pause(0.1)
+
+
+async def _chat_in_app(app, pilot, text: str) -> str:
+    """Type ``text`` into the app's prompt and send it; the reply's note once it ends."""
+    from kimitui.tui.widgets.chat import MessageView, PromptInput
+
+    app.query_one(PromptInput).focus()
+    await pilot.press(*text)
+    await pilot.press("enter")
+    waited = 0.0
+    while app.main.reply is not None or not app.query(MessageView).last().border_subtitle:
+        await pilot.pause(0.05)
+        waited += 0.05
+        if waited > 300:
+            raise UserError("a chat reply in the app did not end in 5 minutes")
+    return str(app.query(MessageView).last().border_subtitle)
+
+
+def _tally(figures: dict, kind: str, cut: bool, result) -> None:
+    """Count one request's outcome; keep it among the unexpected where it should not have
+    failed (a 5xx or an unasked-for 4xx while the drive was in place; any failure to answer)."""
+    figures["requests"][kind] += 1
+    if isinstance(result, asyncio.CancelledError):
+        figures["statuses"]["cancelled"] += 1
+        return
+    if isinstance(result, BaseException):
+        status, what = None, f"{type(result).__name__}: {result}"
+    else:
+        status, what = result
+    key = "timeout" if status is None and what == "timed out" else str(status)
+    figures["statuses"][key] += 1
+    expected_error = kind in ("bad-json", "bad-type")
+    if status is None and what != "timed out" or (
+        status is not None and status >= 500 and not cut
+    ) or (status is not None and 400 <= status < 500 and not expected_error and not cut):
+        figures["unexpected"].append({"kind": kind, "status": status, "what": what, "cut": cut})
+    if cut and status is not None and status >= 500:
+        figures.setdefault("errors_while_cut", Counter())[_message(what)] += 1
+
+
 async def _soak(app, args, drive: Drive) -> dict:
     import httpx
 
     from kimitui.config import data_dir
     from kimitui.history import HistoryStore
-    from kimitui.tui.widgets.chat import MessageView, PromptInput
 
     rng = random.Random(args.seed)
     figures: dict = {"requests": Counter(), "statuses": Counter(), "unexpected": [], "chats": []}
     async with app.run_test(size=(120, 40)) as pilot:
-        deadline = time.monotonic() + 600
-        while not (app.main.ready and app.main.api_url is not None and app.engine.streamer is not None):
-            if time.monotonic() > deadline:
-                raise UserError("the app did not get ready in 10 minutes")
-            await pilot.pause(0.1)
+        await _ready(app, pilot)
         url = app.main.api_url
         app.main.sampling.max_tokens = 12
 
         async def chat_in_app(text: str) -> None:
-            app.query_one(PromptInput).focus()
-            await pilot.press(*text)
-            await pilot.press("enter")
-            waited = 0.0
-            while app.main.reply is not None or not app.query(MessageView).last().border_subtitle:
-                await pilot.pause(0.05)
-                waited += 0.05
-                if waited > 300:
-                    raise UserError("a chat reply in the app did not end in 5 minutes")
-            figures["chats"].append({"text": text, "reply_note": str(app.query(MessageView).last().border_subtitle)})
+            figures["chats"].append({"text": text, "reply_note": await _chat_in_app(app, pilot, text)})
 
         plan = [kind for kind, weight in KINDS for _ in range(weight)]
         cuts = {args.requests // 3: "cut", args.requests // 3 + 12: "restore",
@@ -212,23 +245,7 @@ async def _soak(app, args, drive: Drive) -> dict:
                         task.cancel()
                 results = await asyncio.gather(*tasks, return_exceptions=True)
                 for (kind, cut), result in zip(batch, results):
-                    figures["requests"][kind] += 1
-                    if isinstance(result, asyncio.CancelledError):
-                        figures["statuses"]["cancelled"] += 1
-                        continue
-                    if isinstance(result, BaseException):
-                        status, what = None, f"{type(result).__name__}: {result}"
-                    else:
-                        status, what = result
-                    key = "timeout" if status is None and what == "timed out" else str(status)
-                    figures["statuses"][key] += 1
-                    expected_error = kind in ("bad-json", "bad-type")
-                    if status is None and what != "timed out" or (
-                        status is not None and status >= 500 and not cut
-                    ) or (status is not None and 400 <= status < 500 and not expected_error and not cut):
-                        figures["unexpected"].append({"kind": kind, "status": status, "what": what, "cut": cut})
-                    if cut and status is not None and status >= 500:
-                        figures.setdefault("errors_while_cut", Counter())[_message(what)] += 1
+                    _tally(figures, kind, cut, result)
                 if sent % args.chat_every < args.clients and not drive.cut_now:
                     await chat_in_app(f"Message {sent}")
             # Replies of the last batch may still be giving up their turn: let the engine settle.

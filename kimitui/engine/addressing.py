@@ -35,8 +35,10 @@ import os
 import sys
 from dataclasses import dataclass
 
-from kimitui.engine.loadhooks import HUGE_ALIGN, MAP_FAILED, PROT_NONE, PROT_READ, PROT_WRITE, reserve_aligned
-from kimitui.engine.platform import LIBC_NAME, is_darwin
+from kimitui.engine.platform import (
+    HUGE_ALIGN, IOS_ADDRESS_CEILING, LIBC_NAME, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_READ, PROT_WRITE,
+    address_space_limit, anon_noreserve, bind_mmap, is_ios, reserve_aligned,
+)
 from kimitui.engine.state import EngineError
 from kimitui.model.gguf_map import ByteRange, ModelMap
 from kimitui.units import format_bytes
@@ -44,7 +46,6 @@ from kimitui.units import format_bytes
 # Phantom mappings start here: above every user address on x86-64 (47 bits), arm64 Linux (48)
 # and iOS (63 GiB), so a stray use of one faults at once instead of reading someone's memory.
 PHANTOM_BASE = 1 << 48
-MAP_SHARED, MAP_FIXED = 0x01, 0x10  # the same on Linux and Darwin
 MADV_RANDOM = 1  # Linux and Darwin: no read-around, and (Linux) no fault-around
 MIN_SLOTS = 2  # one layer computing, the next one arriving
 # Layer tensors ggml may read before their layer starts: Kimi K3's residual attention scores the
@@ -53,20 +54,12 @@ MIN_SLOTS = 2  # one layer computing, the next one arriving
 FLOATING = ("attn_res_score", "ffn_res_score")
 
 
-def _flags_anon_noreserve() -> int:
-    return 0x2 | (0x1000 | 0x40 if is_darwin() else 0x20 | 0x4000)  # MAP_PRIVATE | MAP_ANON(YMOUS) | MAP_NORESERVE
-
-
 class Calls:
     """libc's mmap, munmap, madvise and mlock, errors as OSError."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(LIBC_NAME, use_errno=True)
-        self._mmap = libc.mmap
-        self._mmap.restype = ctypes.c_void_p
-        self._mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
-        self._munmap = libc.munmap
-        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self._mmap, self._munmap = bind_mmap(libc)
         self._madvise = libc.madvise
         self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         self._mlock = libc.mlock
@@ -97,7 +90,7 @@ class Calls:
     def reserve(self, length: int) -> int:
         """Address space for the windows, no access and no memory: counted against the limit
         now, so that running out is said at load, not mid-reply."""
-        got = reserve_aligned(self._mmap, self._munmap, length, HUGE_ALIGN, PROT_NONE, _flags_anon_noreserve())
+        got = reserve_aligned(self._mmap, self._munmap, length, HUGE_ALIGN, PROT_NONE, anon_noreserve())
         if got is None:
             raise self._failed(f"reserving {format_bytes(length)} of address space")
         return got
@@ -282,7 +275,7 @@ class PinnedStore:
         """Its room goes back to the reservation (no access, no memory): never a hole another
         mmap could be given."""
         if self.size:
-            self.calls.mmap(self.address, self.size, PROT_NONE, _flags_anon_noreserve() | MAP_FIXED, -1, 0)
+            self.calls.mmap(self.address, self.size, PROT_NONE, anon_noreserve() | MAP_FIXED, -1, 0)
         os.close(self.fd)
 
 
@@ -324,7 +317,7 @@ class Windows:
         as zeros, never faults (a weight read before its layer took its slot, a bug that
         ``WeightPointers`` stops, cannot crash the process)."""
         start = self.region + self.plan.fixed_bytes + slot * self.plan.slot_bytes
-        self.calls.mmap(start, self.plan.slot_bytes, PROT_READ, _flags_anon_noreserve() | MAP_FIXED, -1, 0)
+        self.calls.mmap(start, self.plan.slot_bytes, PROT_READ, anon_noreserve() | MAP_FIXED, -1, 0)
 
     # -- where things are --------------------------------------------------------------
 
@@ -566,8 +559,6 @@ def address_bound(setting: int | str, working_bytes: int, platform: str = sys.pl
     stacks (``PROCESS_ROOM``)."""
     if setting != "auto":
         return int(setting)
-    from kimitui.engine.platform import IOS_ADDRESS_CEILING, address_space_limit, is_ios
-
     ceiling = IOS_ADDRESS_CEILING if is_ios(platform) else address_space_limit()
     if ceiling is None:
         return None

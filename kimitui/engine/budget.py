@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import os
 
+from kimitui.engine.state import EngineError
 from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap, Shard
+from kimitui.units import format_bytes
 
 # Partial pages at the ends of streamed ranges stay file-backed, and a page fault maps the
 # cached neighbours of a faulted page (fault-around, 64 KiB): room for those, not for weights.
@@ -124,8 +126,6 @@ def minimum_budget(model: ModelMap) -> int:
 
 def budget_shortfall(model: ModelMap, budget: int) -> str | None:
     """Why ``budget`` cannot run ``model``, in one line; None when it can."""
-    from kimitui.units import format_bytes
-
     needed = minimum_budget(model)
     if budget >= needed:
         return None
@@ -145,7 +145,10 @@ def _trunk_shards(model: ModelMap) -> list[Shard]:
 
 
 def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int) -> MemoryPlan:
-    """Spend ``budget`` on ``model`` as the module says; ``budget`` is at least the minimum."""
+    """Spend ``budget`` on ``model`` as the module says; ``budget`` is at least the minimum.
+
+    Long on purpose: its steps share one set of sums (the room left, the expert floor, the
+    trunk in pinning order) and read in the order the module's docstring gives them."""
     room = max(0, budget - SLACK_BYTES)
     shards = _trunk_shards(model)
     nonlayer = [s for s in shards if s.layer is None]
@@ -347,6 +350,48 @@ def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch:
         if ctx <= MIN_CTX:
             return None
         ctx = max(MIN_CTX, ctx // 2)
+
+
+def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int, *,
+                fixed: bool) -> tuple[int, int | None, str | None]:
+    """The context that fits ``room`` beside ``weights`` bytes of model pages: (n_ctx, a smaller
+    micro-batch that lets all of ``n_ctx`` fit or None, the note saying n_ctx shrank or None).
+    The largest context up to the configured one, or, where the user chose it (``fixed``) or
+    not even the smallest fits, EngineError saying what to lower. Without it a context too big
+    is an OOM kill once the KV cache fills."""
+    fitted = context_fits(model, weights, room, n_ctx, n_ubatch, slots)
+    # A large micro-batch's compute buffers grow with the context: smaller micro-batches (each
+    # reads the streamed trunk again) are tried before a smaller context.
+    ubatch = n_ubatch
+    while fitted != n_ctx and ubatch > MIN_UBATCH:
+        ubatch = max(MIN_UBATCH, ubatch // 2)
+        if context_fits(model, weights, room, n_ctx, ubatch, slots) == n_ctx:
+            return n_ctx, ubatch, None
+    if fitted == n_ctx:
+        return n_ctx, None, None
+    if fitted is None or fixed:
+        need = working_estimate(model, n_ctx, n_ubatch, slots)
+        lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
+        raise EngineError(
+            f"context of {n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
+            f"{format_bytes(weights)} of weights, but {format_bytes(room)} is available (cgroup limits included): lower {lower}"
+        )
+    return fitted, None, f"context {fitted} tokens instead of {n_ctx}: the KV cache for more would not fit beside the budget"
+
+
+def budget_overflow(model: ModelMap, budget: int, room: int, n_ctx: int, n_ubatch: int, slots: int) -> str | None:
+    """Why ``budget`` would not fit beside llama.cpp's context in ``room`` (the check the load
+    makes, ``fit_context``), or None."""
+    weights = min(budget, model.tensor_bytes)
+    working = working_estimate(model, n_ctx, n_ubatch, slots)
+    if weights + working + PROCESS_RESERVE <= room:
+        return None
+    most = max(0, room - working - PROCESS_RESERVE)
+    return (
+        f"budget {format_bytes(budget)} does not fit: with the context's {format_bytes(working)} of KV cache and buffers "
+        f"it needs {format_bytes(weights + working + PROCESS_RESERVE)}, and this process may use {format_bytes(room)} "
+        f"(cgroup limits included): at most {format_bytes(most)}"
+    )
 
 
 def plan_reads(model: ModelMap, plan: MemoryPlan) -> dict:

@@ -42,14 +42,14 @@ import threading
 from typing import Protocol
 
 from kimitui.engine.direct import PlacedParts
-from kimitui.engine.platform import F_GETPATH, F_NOCACHE, F_RDAHEAD
+from kimitui.engine.platform import (
+    DARWIN_MAP_ANON, F_GETPATH, F_NOCACHE, F_RDAHEAD, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE,
+    bind_mmap,
+)
 
-PROT_READ, PROT_WRITE = 0x1, 0x2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANON = 0x1, 0x2, 0x10, 0x1000  # Darwin's values
 VM_FLAGS_FIXED, VM_FLAGS_OVERWRITE = 0x0, 0x4000
 VM_INHERIT_DEFAULT = 1
 KERN_SUCCESS = 0
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class PlacementCalls(Protocol):
@@ -76,10 +76,8 @@ class DarwinCalls:
         self._fcntl = fcntl_call or fcntl.fcntl
         lib = lib if lib is not None else ctypes.CDLL(None, use_errno=True)
         self.page = page or os.sysconf("SC_PAGE_SIZE")
-        self._mmap, self._munmap, self._pread = lib.mmap, lib.munmap, lib.pread
-        self._mmap.restype = ctypes.c_void_p
-        self._mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
-        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self._mmap, self._munmap = bind_mmap(lib)
+        self._pread = lib.pread
         self._pread.restype = ctypes.c_ssize_t
         self._pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
         self._remap, self._deallocate = lib.mach_vm_remap, lib.mach_vm_deallocate
@@ -119,13 +117,13 @@ class DarwinCalls:
             raise self._failed(what)
 
     def map_anonymous(self, address: int, length: int) -> None:
-        self._map(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON | MAP_FIXED, -1, 0, "mmap")
+        self._map(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | DARWIN_MAP_ANON | MAP_FIXED, -1, 0, "mmap")
 
     def map_file(self, address: int, length: int, fd: int, offset: int) -> None:
         self._map(address, length, PROT_READ, MAP_SHARED | MAP_FIXED, fd, offset, "mmap of the model file")
 
     def allocate(self, length: int) -> int:
-        address = self._mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0)
+        address = self._mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | DARWIN_MAP_ANON, -1, 0)
         if address in (None, MAP_FAILED):
             raise self._failed("mmap")
         return address

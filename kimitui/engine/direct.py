@@ -46,8 +46,9 @@ import os
 import threading
 
 from kimitui.engine.budget import PIECE_BYTES
-from kimitui.engine.loadhooks import (
-    HUGE_ALIGN, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, reserve_aligned,
+from kimitui.engine.platform import (
+    HUGE_ALIGN, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, bind_mmap,
+    reserve_aligned,
 )
 
 MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
@@ -59,11 +60,7 @@ MAP_FIXED_NOREPLACE = 0x100000
 class Libc:
     def __init__(self) -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        self.mmap = libc.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
-        self.munmap = libc.munmap
-        self.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self.mmap, self.munmap = bind_mmap(libc)
         self.mremap = libc.mremap
         self.mremap.restype = ctypes.c_void_p
         self.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)

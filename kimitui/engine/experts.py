@@ -19,9 +19,8 @@ once, the trunk once per chunk) where whole experts would allow a token or two a
 from __future__ import annotations
 
 import hashlib
-import os
-import heapq
 import json
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from kimitui.config import replace_file
 from kimitui.engine.budget import stages_by_matrix
-from kimitui.engine.settings import EXPERT_POLICIES
+from kimitui.engine.expert_policies import ExpertPolicy, make_policy
 from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -140,14 +139,12 @@ class ExpertCache:
         read_ahead: Callable[[ExpertUnit], list[Future]] | None = None,
         read_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
     ) -> None:
-        """``read_ahead`` reads what look-ahead guesses, apart from the reads compute waits for
-        (default: ``read_unit``); ``read_units`` reads a layer's misses together, neighbours in
-        the file as one request (default: ``read_unit`` each)."""
-        if policy not in EXPERT_POLICIES:
-            raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
+        """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
+        look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
+        ``read_units`` reads a layer's misses together, neighbours in the file as one request
+        (default: ``read_unit`` each)."""
         self.model = model
         self.capacity = capacity
-        self.policy = policy
         self.pinned = {(u.layer, u.expert) for u in pinned}
         self.counts = counts
         self._read_unit = read_unit
@@ -155,12 +152,7 @@ class ExpertCache:
         self._read_units = read_units or (lambda units: [read_unit(unit) for unit in units])
         self._drop_unit = drop_unit
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
-        # LFU: a heap of (uses, tick, key), one entry per use; an entry is live while it matches
-        # _rank[key]. Finding a victim is then O(log n), not a scan of thousands of experts
-        # on every miss (tens of ms per token at Kimi's 23k experts).
-        self._rank: dict[tuple[int, int], tuple[int, int]] = {}
-        self._heap: list[tuple[int, int, tuple[int, int]]] = []
-        self._tick = 0
+        self.policy: ExpertPolicy = make_policy(policy, self._resident, counts)
         self._resident_bytes = 0
         n = model.n_layers
         self.layer_hits = [0] * n
@@ -191,21 +183,9 @@ class ExpertCache:
         self.prefetch_wasted_bytes = 0
 
     def set_policy(self, policy: str) -> None:
-        """Switch the eviction policy live. LRU keeps no ranks, so a switch to LFU ranks every
-        resident expert (oldest use first as the tie-break); without, none of them could ever
-        be evicted and reads would pass the capacity."""
-        if policy not in EXPERT_POLICIES:
-            raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
-        if policy == self.policy:
-            return
-        self.policy = policy
-        self._rank, self._heap = {}, []
-        if policy == "lfu":
-            for key in self._resident:  # oldest use first
-                self._tick += 1
-                self._rank[key] = (self.counts[key[0]][key[1]], self._tick)
-            self._heap = [(*rank, key) for key, rank in self._rank.items()]
-            heapq.heapify(self._heap)
+        """Switch the eviction policy live: the new one starts from the experts resident now."""
+        if policy != self.policy.name:
+            self.policy = make_policy(policy, self._resident, self.counts)
 
     def _unit(self, layer: int, expert: int) -> ExpertUnit:
         return ExpertUnit(layer, expert, tuple(self.model.expert_ranges(layer, expert)))
@@ -215,40 +195,15 @@ class ExpertCache:
         if unit is not None:
             self._resident[key] = unit
         self._resident.move_to_end(key)
-        if self.policy == "lfu":
-            self._tick += 1
-            rank = self._rank[key] = (self.counts[key[0]][key[1]], self._tick)
-            heapq.heappush(self._heap, (*rank, key))
-            if len(self._heap) > 4 * len(self._rank) + 64:  # mostly dead entries: rebuild
-                self._heap = [(*r, k) for k, r in self._rank.items()]
-                heapq.heapify(self._heap)
-
-    def _victim(self, protect: set[tuple[int, int]]) -> tuple[int, int] | None:
-        if self.policy == "lru":
-            return next((key for key in self._resident if key not in protect), None)
-        # LFU with recency as the tie-break: the coldest expert by routing history goes first.
-        held, victim = [], None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            key = entry[2]
-            if self._rank.get(key) != entry[:2]:
-                continue  # a dead entry: used again since, or evicted
-            if key in protect:
-                held.append(entry)
-                continue
-            victim = key
-            break
-        for entry in held:
-            heapq.heappush(self._heap, entry)
-        return victim
+        self.policy.used(key)
 
     def _make_room(self, length: int, protect: set[tuple[int, int]]) -> bool:
         while self._resident and self._resident_bytes + length > self.capacity:
-            victim = self._victim(protect)
+            victim = self.policy.victim(protect)
             if victim is None:
                 return False
             evicted = self._resident.pop(victim)
-            self._rank.pop(victim, None)
+            self.policy.forgot(victim)
             self._settle(self._inflight.pop(victim, None))
             if victim in self._prefetched:  # read ahead and never used
                 self._prefetched.discard(victim)
@@ -573,7 +528,7 @@ class ExpertCache:
 
     def _forget(self, key: tuple[int, int]) -> None:
         unit = self._resident.pop(key, None)
-        self._rank.pop(key, None)
+        self.policy.forgot(key)
         self._settle(self._inflight.pop(key, None))
         self._prefetched.discard(key)
         if unit is not None:

@@ -1,5 +1,8 @@
 """A reply: sampling settings, its token events and result, and the Generation that runs it
-in the engine's turn (prefill, the token loop, stops, logprobs, timings, the trace)."""
+in the engine's turn (prefill, the token loop, stops, logprobs, timings, the trace).
+
+A Generation sees the engine only as a ReplyHost: what a reply needs of it, nothing more.
+Live tuning reaches the loop through one call between tokens (``ReplyHost.between_tokens``)."""
 
 from __future__ import annotations
 
@@ -8,15 +11,20 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
-
+from kimitui.config import key_spec
 from kimitui.engine.llama_glue import clear_context, keep_counted, llama_log
 from kimitui.engine.slots import common_prefix
 from kimitui.engine.state import EngineError
 
 if TYPE_CHECKING:
-    from kimitui.engine.session import Engine
+    from kimitui.engine.llama_glue import DecodeClock
+    from kimitui.engine.metrics import EngineMetrics
+    from kimitui.engine.slots import Slots
+    from kimitui.engine.streaming import Streamer
+    from kimitui.engine.turns import TurnQueue
 
 
 # The bias of a banned token. Finite: with a grammar that allows only banned tokens, -inf
@@ -26,12 +34,12 @@ BANNED = -1e30
 
 @dataclass
 class Sampling:
-    temperature: float = 0.7
-    top_p: float = 0.95
+    temperature: float = key_spec("sampling.temperature").default
+    top_p: float = key_spec("sampling.top_p").default
     top_k: int = 40
     min_p: float = 0.05
     repeat_penalty: float = 1.0
-    max_tokens: int = 512
+    max_tokens: int = key_spec("sampling.max_tokens").default
     seed: int | None = None
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
@@ -214,6 +222,69 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return hold
 
 
+def stop_at(text: str, emitted: int, stops: Sequence[str]) -> int:
+    """Where the first stop string in ``text`` begins (-1: none); only what could end past
+    ``emitted`` is searched, as the text before was searched already."""
+    cut = -1
+    for stop in stops:
+        at = text.find(stop, max(0, emitted - len(stop)))
+        if at != -1 and (cut == -1 or at < cut):
+            cut = at
+    return cut
+
+
+class ReplyHost(Protocol):
+    """What a reply asks of the engine that runs it (session.Engine is one): its turn, the
+    context it evaluates in, the conversation's saved state, and live tuning between tokens."""
+
+    turns: TurnQueue
+    slots: Slots
+    metrics: EngineMetrics
+    decode_clock: DecodeClock
+    tracer: Tracer | None
+    streamer: Streamer | None  # replaced when live tuning re-reads the pinned set
+    model_path: Path
+
+    @property
+    def llm(self): ...
+    @property
+    def slot_ctx(self) -> int: ...
+    @property
+    def context_shift(self) -> bool: ...
+    @property
+    def can_shift(self) -> bool: ...
+    @property
+    def end_of_generation(self) -> tuple[int, ...]: ...
+
+    def open_reply(self, generation: Generation) -> None:
+        """The turn is the reply's: a failed engine mended first (EngineError: refused), and
+        ``generation``'s cancel reaches llama.cpp from here on."""
+    def close_reply(self, generation: Generation) -> None: ...
+    def cancel_reply(self, generation: Generation) -> None: ...
+    def between_tokens(self, *, mid_reply: bool) -> bool:
+        """Carry out what live tuning left for a token boundary; whether anything was done."""
+    def check_files(self) -> None: ...
+    def grammar_error(self, grammar: str) -> str | None: ...
+    def resume(self, key: str, prompt: list[int]) -> str | None: ...
+    def keep_state(self, key: str) -> str | None: ...
+    def continuing(self, prompt: list[int]) -> list[int]: ...
+    def trace_settings(self) -> dict: ...
+    def save_heatmap(self) -> None: ...
+
+
+@dataclass
+class _Decoded:
+    """What a reply's token loop has made so far: what its end (stop, failure, cancel) settles."""
+
+    started: float  # when the reply began computing
+    last: float  # when the last token came
+    before: dict | None  # the streamer's counters at the last token, for the trace
+    text: str = ""
+    emitted: int = 0  # of ``text``, already yielded
+    cut: int = -1  # where a stop string began in ``text``
+    finish: str = "length"
+
+
 class Generation:
     """One request's token stream. Iterate for TokenEvents; read ``result`` afterwards.
 
@@ -222,12 +293,12 @@ class Generation:
     """
 
     def __init__(
-        self, engine: Engine, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling, slot: int | None = None,
+        self, host: ReplyHost, build: Callable[[], tuple[list[int], tuple[str, ...]]], sampling: Sampling, slot: int | None = None,
         progress: bool = False, keep: str | None = None, chat: bool = False,
     ):
-        self.engine = engine
-        self.chat = chat  # a chat turn: its prompt re-renders the context's last reply (Engine.continuing)
-        self.keep = keep  # the conversation whose state is restored and saved (Engine.resume, keep_state)
+        self.host = host
+        self.chat = chat  # a chat turn: its prompt re-renders the context's last reply (ReplyHost.continuing)
+        self.keep = keep  # the conversation whose state is restored and saved (ReplyHost.resume, keep_state)
         self._holds_keep = False  # the context holds ``keep``'s tokens (its prompt was chosen for it)
         self.sampling = sampling
         self.slot_asked = slot
@@ -240,7 +311,7 @@ class Generation:
 
     def cancel(self) -> None:
         self._cancel.set()
-        self.engine.cancel_reply(self)  # within a graph node, when it is computing
+        self.host.cancel_reply(self)  # within a graph node, when it is computing
 
     @property
     def cancelled(self) -> bool:
@@ -248,29 +319,28 @@ class Generation:
 
     @property
     def queue_position(self) -> int | None:
-        return None if self.ticket is None else self.engine.turns.position(self.ticket)
+        return None if self.ticket is None else self.host.turns.position(self.ticket)
 
     def __iter__(self) -> Iterator[TokenEvent | PromptProgress]:
-        engine = self.engine
+        host = self.host
         queued_at = time.perf_counter()
-        self.ticket = engine.turns.take()
-        if not engine.turns.wait(self.ticket, self._cancel):
+        self.ticket = host.turns.take()
+        if not host.turns.wait(self.ticket, self._cancel):
             self.result.finish_reason = "cancelled"
             return
         try:
             self.result.queued_s = time.perf_counter() - queued_at
             try:
-                engine.lifecycle.begin_reply()  # a failed engine is mended first, or the reply refused
+                host.open_reply(self)
             except EngineError as exc:
                 self.result.finish_reason, self.result.error = "error", str(exc)
                 raise
-            engine.reply_started(self)
             try:
                 if self._cancel.is_set():  # cancelled while it waited for its turn: nothing to evaluate
                     self.result.finish_reason = "cancelled"
                     return
                 try:
-                    engine.apply_pending_tuning(mid_reply=False)
+                    host.between_tokens(mid_reply=False)
                 except EngineError as exc:
                     self.result.finish_reason, self.result.error = "error", str(exc)
                     raise
@@ -278,14 +348,13 @@ class Generation:
             finally:
                 try:
                     if self._holds_keep and self.result.finish_reason != "error":
-                        notice = engine.keep_state(self.keep)
+                        notice = host.keep_state(self.keep)
                         if notice:
                             self.result.notices.append(notice)
                 finally:
-                    engine.reply_ended(self)
-                    engine.lifecycle.end_reply()
+                    host.close_reply(self)
         finally:
-            engine.turns.release(self.ticket)
+            host.turns.release(self.ticket)
 
     @staticmethod
     def _prefill_in_batches(llm, prompt: list[int], started: float, cancel: threading.Event) -> Iterator[PromptProgress]:
@@ -326,13 +395,13 @@ class Generation:
         token = next(tokens, None)
         while token is not None:
             yield token
-            if not shift or llm.n_tokens + 1 < self.engine.slot_ctx:
+            if not shift or llm.n_tokens + 1 < self.host.slot_ctx:
                 token = next(tokens, None)
                 continue
             tokens.close()
             s, n_past = self.sampling, llm.n_tokens
             n_keep = (len(prompt) if s.n_keep < 0 else s.n_keep) + int(llama_cpp.llama_vocab_get_add_bos(llm._model.vocab))
-            n_keep = min(n_keep, self.engine.slot_ctx - 4)
+            n_keep = min(n_keep, self.host.slot_ctx - 4)
             n_discard = min(s.n_discard or (n_past - n_keep) // 2, n_past - n_keep - 1)
             llm._ctx.kv_cache_seq_rm(0, n_keep, n_keep + n_discard)
             llm._ctx.kv_cache_seq_shift(0, n_keep + n_discard, n_past, -n_discard)
@@ -351,196 +420,211 @@ class Generation:
                     llm._init_sampler = own
 
     def _run(self) -> Iterator[TokenEvent | PromptProgress]:
-        engine, s, result = self.engine, self.sampling, self.result
-        llm = engine.llm
-        metrics = engine.metrics
+        """The reply in its turn: its prompt placed, its sampler chain built, then its tokens."""
+        host, s = self.host, self.sampling
+        llm = host.llm
         started = time.perf_counter()
-        metrics.request_started()
-        if engine.streamer is not None and engine.streamer.error is not None:
-            engine.streamer.reset_error()  # a failure after the last reply's last token: that reply is over
+        host.metrics.request_started()
+        prompt, stops = self._prepare(llm)
+        shift = host.context_shift
+        budget = max(0, s.max_tokens if shift else min(s.max_tokens, host.slot_ctx - len(prompt)))
+        llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
+        tracer = host.tracer
+        done = _Decoded(started=started, last=started, before=self._counters())
+        log = llama_log()
+        log.lines.clear()
+        if tracer is not None:
+            tracer.request_started(self.id, host.model_path.name, host.trace_settings())
+        sampled_from: SampledFrom | None = None
         try:
-            if engine.streamer is None:
-                engine.check_files()
-            prompt_tokens, template_stops = self.build()
-        except EngineError as exc:
-            result.finish_reason, result.error = "error", str(exc)
-            metrics.request_finished()
+            if budget == 0:
+                return
+            sampler, probs, sampled_from = self._sampler(llm)
+            if not s.cache_prompt:
+                llm.reset()  # the whole prompt in one evaluation, as on a fresh context
+            tokens = self._sampled(llm, prompt, shift, **sampler)
+            yield from self._decode(llm, tokens, prompt, stops, budget, probs, tracer, done)
+        except GeneratorExit:
+            done.finish = "cancelled"
             raise
-        stops = tuple(dict.fromkeys(tuple(s.stop) + template_stops))
-        result.prompt_tokens = len(prompt_tokens)
+        except Exception as exc:  # llama_decode failures and the like: stop this reply only
+            self._failed(llm, exc, log, done)
+        finally:
+            if sampled_from is not None:
+                sampled_from.uninstall(llm)
+            self._finished(prompt, tracer, done)
+
+    def _counters(self) -> dict | None:
+        streamer = self.host.streamer  # replaced when live tuning re-pins: asked each time
+        return streamer.counters() if streamer is not None else None
+
+    def _prepare(self, llm) -> tuple[list[int], tuple[str, ...]]:
+        """The prompt's tokens, in the slot that fits them, the conversation's saved state put
+        back where it saves evaluating them; and the stop strings."""
+        host, result = self.host, self.result
+        if host.streamer is not None and host.streamer.error is not None:
+            host.streamer.reset_error()  # a failure after the last reply's last token: that reply is over
         try:
-            result.slot = engine.slots.choose(llm, prompt_tokens, self.slot_asked)
-            engine.slots.activate(llm, result.slot)
+            if host.streamer is None:
+                host.check_files()
+            prompt, template_stops = self.build()
+            stops = tuple(dict.fromkeys(tuple(self.sampling.stop) + template_stops))
+            result.prompt_tokens = len(prompt)
+            result.slot = host.slots.choose(llm, prompt, self.slot_asked)
+            host.slots.activate(llm, result.slot)
             if self.keep is not None:
-                notice = engine.resume(self.keep, prompt_tokens)
+                notice = host.resume(self.keep, prompt)
                 if notice:
                     result.notices.append(notice)
                 self._holds_keep = True
             if self.chat:
-                prompt_tokens = engine.continuing(prompt_tokens)
-                result.prompt_tokens = len(prompt_tokens)
+                prompt = host.continuing(prompt)
+                result.prompt_tokens = len(prompt)
         except EngineError as exc:
             result.finish_reason, result.error = "error", str(exc)
-            metrics.request_finished()
+            host.metrics.request_finished()
             raise
-        shift = engine.context_shift
-        budget = max(0, s.max_tokens if shift else min(s.max_tokens, engine.slot_ctx - len(prompt_tokens)))
-        llm.set_seed(s.seed if s.seed is not None else 0xFFFFFFFF)
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        return prompt, stops
+
+    def _sampler(self, llm) -> tuple[dict, LogitsHook | SampledFrom | None, SampledFrom | None]:
+        """generate()'s sampler arguments; what the tokens' log-probabilities come from (None:
+        none asked for); and the SampledFrom installed in ``llm``, which the caller uninstalls."""
+        from llama_cpp import LlamaGrammar, LogitsProcessorList
+
+        s = self.sampling
+        grammar = None
+        if s.grammar is not None:
+            error = self.host.grammar_error(s.grammar)  # a refused grammar in the sampler chain would crash the process
+            if error is not None:
+                raise EngineError(f"grammar: llama.cpp refused it: {error}")
+            grammar = LlamaGrammar.from_string(s.grammar, verbose=False)
+        post = s.post_sampling and s.n_probs > 0
+        raw_probs = 0 if post else s.n_probs  # log-probabilities of the logits, before the sampler chain
+        bias = s.bias(self.host.end_of_generation) if s.ignore_eos else s.logit_bias
+        logits = LogitsHook(bias, raw_probs) if bias or raw_probs else None
+        sampled_from = None
+        if post:
+            sampled_from = SampledFrom(s.n_probs, greedy=s.temperature <= 0)
+            sampled_from.install(llm)
+        sampler = dict(
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            typical_p=s.typical_p,
+            temp=s.temperature,
+            mirostat_mode=s.mirostat,
+            mirostat_tau=s.mirostat_tau,
+            mirostat_eta=s.mirostat_eta,
+            repeat_penalty=s.repeat_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            logits_processor=LogitsProcessorList([logits]) if logits is not None else None,
+            grammar=grammar,
+        )
+        return sampler, sampled_from if sampled_from is not None else logits, sampled_from
+
+    def _decode(self, llm, tokens: Iterator[int], prompt: list[int], stops: tuple[str, ...], budget: int,
+                probs: LogitsHook | SampledFrom | None, tracer: Tracer | None, done: _Decoded) -> Iterator[TokenEvent | PromptProgress]:
+        """The token loop: each token timed, counted and traced, its text held back while it may
+        begin a stop string; live tuning and cancellation between tokens."""
         import llama_cpp
 
+        host, result, metrics, clock = self.host, self.result, self.host.metrics, self.host.decode_clock
         vocab = llm._model.vocab
-        tracer = engine.tracer
-
-        def counters() -> dict | None:  # the streamer is replaced when live tuning re-pins
-            return engine.streamer.counters() if engine.streamer is not None else None
-
-        before = counters()
-        log = llama_log()
-        log.lines.clear()
-        if tracer is not None:
-            tracer.request_started(self.id, engine.model_path.name, engine.trace_settings())
-        text, emitted, cut = "", 0, -1
-        last = started
-        sampled_from: SampledFrom | None = None
-        finish = "length"
-        try:
-            if budget == 0:
-                return
-            from llama_cpp import LlamaGrammar, LogitsProcessorList
-
-            post = s.post_sampling and s.n_probs > 0
-            raw_probs = 0 if post else s.n_probs  # log-probabilities of the logits, before the sampler chain
-            bias = s.bias(engine.end_of_generation) if s.ignore_eos else s.logit_bias
-            logits = LogitsHook(bias, raw_probs) if bias or raw_probs else None
-            if post:
-                sampled_from = SampledFrom(s.n_probs, greedy=s.temperature <= 0)
-                sampled_from.install(llm)
-            grammar = None
-            if s.grammar is not None:
-                error = engine.grammar_error(s.grammar)  # a refused grammar in the sampler chain would crash the process
-                if error is not None:
-                    raise EngineError(f"grammar: llama.cpp refused it: {error}")
-                grammar = LlamaGrammar.from_string(s.grammar, verbose=False)
-            if not s.cache_prompt:
-                llm.reset()  # the whole prompt in one evaluation, as on a fresh context
-            tokens = self._sampled(
-                llm, prompt_tokens, shift,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                min_p=s.min_p,
-                typical_p=s.typical_p,
-                temp=s.temperature,
-                mirostat_mode=s.mirostat,
-                mirostat_tau=s.mirostat_tau,
-                mirostat_eta=s.mirostat_eta,
-                repeat_penalty=s.repeat_penalty,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                logits_processor=LogitsProcessorList([logits]) if logits is not None else None,
-                grammar=grammar,
-            )
-            clock = engine.decode_clock
-            decoded, decoded_tokens = clock.seconds, clock.tokens
-            experts = engine.streamer.experts if engine.streamer is not None else None
-            if experts is not None:
-                experts.begin_prefill()
-            if self.progress and not (yield from self._prefill_in_batches(llm, prompt_tokens, started, self._cancel)):
-                finish = "cancelled"  # between two batches: the context holds what was evaluated
-                return
-            for index, token in enumerate(tokens):
-                now = time.perf_counter()
-                wall = now - last
-                last = now
-                decode_s, decoded = clock.seconds - decoded, clock.seconds
-                if index == 0:
-                    result.prompt_s = wall
-                    result.cached_tokens = max(0, len(prompt_tokens) - (clock.tokens - decoded_tokens))
-                    metrics.prompt_evaluated(len(prompt_tokens))
-                    if experts is not None:
-                        experts.prefilling = False
-                if llama_cpp.llama_vocab_is_eog(vocab, token):
-                    finish = "stop"
-                    break
-                result.completion_tokens += 1
-                result.timings.append(wall)
-                metrics.token(wall)
-                if tracer is not None:
-                    after = counters()
-                    tracer.token(self.id, index, wall, before, after, decode_s)
-                    before = after
-                text += decoder.decode(llm.detokenize([token], special=s.special))
-                cut = -1
-                for stop in stops:
-                    at = text.find(stop, max(0, emitted - len(stop)))
-                    if at != -1 and (cut == -1 or at < cut):
-                        cut = at
-                if sampled_from is not None:
-                    logprob, top = sampled_from.of(token)
-                else:
-                    logprob, top = logits.of(token) if logits is not None else (None, ())
-                if cut != -1:
-                    text = text[:cut]
-                    yield TokenEvent(text[emitted:], token, index, wall, logprob, top)
-                    emitted = len(text)
-                    finish = "stop"
-                    break
-                safe = len(text) - held_back(text, stops)
-                yield TokenEvent(text[emitted:safe], token, index, wall, logprob, top)
-                emitted = max(emitted, safe)
-                # Budget or shard size changed mid-reply: from the next token on. Its wait for
-                # the re-read pinned set is part of its time, where the panels show it.
-                if engine.apply_pending_tuning(mid_reply=True):
-                    before = counters()
-                if self._cancel.is_set():
-                    finish = "cancelled"
-                    break
-                if result.completion_tokens >= budget:
-                    finish = "length"
-                    break
-            else:
-                finish = "stop"
-            if finish != "stop" or cut == -1:
-                # What was held back as a possible stop string, or a dangling byte sequence, is real text.
-                text += decoder.decode(b"", final=True)
-                if len(text) > emitted:
-                    yield TokenEvent(text[emitted:], -1, result.completion_tokens, 0.0)
-                    emitted = len(text)
-        except GeneratorExit:
-            finish = "cancelled"
-            raise
-        except Exception as exc:  # llama_decode failures and the like: stop this reply only
-            # llama.cpp takes back only the micro-batch that failed; earlier ones of the same
-            # evaluation stay in the cache (and in a recurrent state, for good) beyond what
-            # llama-cpp-python counts.
-            streamer = engine.streamer
-            if self._cancel.is_set() and (streamer is None or streamer.error is None):
-                keep_counted(llm)  # the conversation's prefix stays cached for the next reply
-                finish = "cancelled"  # llama.cpp stopped between two graph nodes when asked
-                return
-            clear_context(llm)  # after a failure the next reply starts afresh
-            finish = "error"
-            if streamer is not None and streamer.error is not None:
-                result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
-                streamer.reset_error()
-            else:
-                reason = log.reason()  # what llama.cpp said while this reply ran, if anything
-                result.error = f"generation failed: {exc}" + (f" (llama.cpp: {reason})" if reason else "")
-            raise EngineError(result.error) from None
-        finally:
-            if sampled_from is not None:
-                sampled_from.uninstall(llm)
-            result.text = text
-            result.finish_reason = finish
-            result.context_full = result.shifted > 0 or (finish == "length" and result.completion_tokens >= engine.slot_ctx - len(prompt_tokens))
-            if result.context_full and not result.shifted:
-                result.notices.append(
-                    f"the context is full ({engine.slot_ctx} tokens): the reply stops here"
-                    + ("" if engine.can_shift else f"; {engine.model_path.name}'s recurrent state cannot shift")
-                    + "; the next message drops the oldest turns to make room",
-                )
-            result.decode_s = max(0.0, last - started - result.prompt_s)
-            metrics.request_finished()
-            engine.save_heatmap()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoded, decoded_tokens = clock.seconds, clock.tokens
+        experts = host.streamer.experts if host.streamer is not None else None
+        if experts is not None:
+            experts.begin_prefill()
+        if self.progress and not (yield from self._prefill_in_batches(llm, prompt, done.started, self._cancel)):
+            done.finish = "cancelled"  # between two batches: the context holds what was evaluated
+            return
+        for index, token in enumerate(tokens):
+            now = time.perf_counter()
+            wall, done.last = now - done.last, now
+            decode_s, decoded = clock.seconds - decoded, clock.seconds
+            if index == 0:
+                result.prompt_s = wall
+                result.cached_tokens = max(0, len(prompt) - (clock.tokens - decoded_tokens))
+                metrics.prompt_evaluated(len(prompt))
+                if experts is not None:
+                    experts.prefilling = False
+            if llama_cpp.llama_vocab_is_eog(vocab, token):
+                done.finish = "stop"
+                break
+            result.completion_tokens += 1
+            result.timings.append(wall)
+            metrics.token(wall)
             if tracer is not None:
-                tracer.request_finished(self.id, result)
+                after = self._counters()
+                tracer.token(self.id, index, wall, done.before, after, decode_s)
+                done.before = after
+            done.text += decoder.decode(llm.detokenize([token], special=self.sampling.special))
+            done.cut = stop_at(done.text, done.emitted, stops)
+            logprob, top = probs.of(token) if probs is not None else (None, ())
+            if done.cut != -1:
+                done.text = done.text[: done.cut]
+                yield TokenEvent(done.text[done.emitted :], token, index, wall, logprob, top)
+                done.emitted = len(done.text)
+                done.finish = "stop"
+                break
+            safe = len(done.text) - held_back(done.text, stops)
+            yield TokenEvent(done.text[done.emitted : safe], token, index, wall, logprob, top)
+            done.emitted = max(done.emitted, safe)
+            # Budget or shard size changed mid-reply: from the next token on. Its wait for
+            # the re-read pinned set is part of its time, where the panels show it.
+            if host.between_tokens(mid_reply=True):
+                done.before = self._counters()
+            if self._cancel.is_set():
+                done.finish = "cancelled"
+                break
+            if result.completion_tokens >= budget:
+                done.finish = "length"
+                break
+        else:
+            done.finish = "stop"
+        if done.finish != "stop" or done.cut == -1:
+            # What was held back as a possible stop string, or a dangling byte sequence, is real text.
+            done.text += decoder.decode(b"", final=True)
+            if len(done.text) > done.emitted:
+                yield TokenEvent(done.text[done.emitted :], -1, result.completion_tokens, 0.0)
+                done.emitted = len(done.text)
+
+    def _failed(self, llm, exc: Exception, log, done: _Decoded) -> None:
+        """A reply that raised: cancelled within a graph node (it ends, its prefix kept), or
+        failed (EngineError with what failed: the read, or what llama.cpp said)."""
+        # llama.cpp takes back only the micro-batch that failed; earlier ones of the same
+        # evaluation stay in the cache (and in a recurrent state, for good) beyond what
+        # llama-cpp-python counts.
+        result, streamer = self.result, self.host.streamer
+        if self._cancel.is_set() and (streamer is None or streamer.error is None):
+            keep_counted(llm)  # the conversation's prefix stays cached for the next reply
+            done.finish = "cancelled"  # llama.cpp stopped between two graph nodes when asked
+            return
+        clear_context(llm)  # after a failure the next reply starts afresh
+        done.finish = "error"
+        if streamer is not None and streamer.error is not None:
+            result.error = streamer.error  # the read that failed, not llama.cpp's "aborted"
+            streamer.reset_error()
+        else:
+            reason = log.reason()  # what llama.cpp said while this reply ran, if anything
+            result.error = f"generation failed: {exc}" + (f" (llama.cpp: {reason})" if reason else "")
+        raise EngineError(result.error) from None
+
+    def _finished(self, prompt: list[int], tracer: Tracer | None, done: _Decoded) -> None:
+        """The result settled, however the reply ended; the metrics and the trace told."""
+        host, result = self.host, self.result
+        result.text = done.text
+        result.finish_reason = done.finish
+        result.context_full = result.shifted > 0 or (done.finish == "length" and result.completion_tokens >= host.slot_ctx - len(prompt))
+        if result.context_full and not result.shifted:
+            result.notices.append(
+                f"the context is full ({host.slot_ctx} tokens): the reply stops here"
+                + ("" if host.can_shift else f"; {host.model_path.name}'s recurrent state cannot shift")
+                + "; the next message drops the oldest turns to make room",
+            )
+        result.decode_s = max(0.0, done.last - done.started - result.prompt_s)
+        host.metrics.request_finished()
+        host.save_heatmap()
+        if tracer is not None:
+            tracer.request_finished(self.id, result)

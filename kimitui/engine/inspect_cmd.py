@@ -40,11 +40,9 @@ def parse_bandwidth(text: str) -> float:
 
 
 def _budget(text: str) -> int:
-    if text.strip().lower() == "auto":
-        from kimitui.engine.memory import default_budget
+    from kimitui.engine.memory import resolve_budget
 
-        return default_budget()
-    return size_option(text, "--budget")
+    return resolve_budget("auto" if text.strip().lower() == "auto" else size_option(text, "--budget"))
 
 
 def spans(numbers: list[int]) -> str:

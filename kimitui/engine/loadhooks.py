@@ -8,62 +8,38 @@ MAP_POPULATE is dropped, whole-file WILLNEED and SEQUENTIAL advice are skipped, 
 mapping of a file is recorded, so the engine knows each model file's address and length
 without /proc/self/maps (which iOS lacks).
 
-The rebinding is per-platform (``SlotFinder``): ELF GOT slots on Linux, Mach-O symbol
-pointers on Darwin. If it cannot be installed the caller falls back to the stock load.
+The rebinding is per-platform (a ``SlotFinder``, symbol_slots.py): ELF GOT slots on Linux
+(elf.py), Mach-O symbol pointers on Darwin (macho.py). If it cannot be installed the caller falls back to the stock load.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
-from kimitui.engine.platform import F_GETPATH, is_darwin
+from kimitui.engine.elf import ElfSlotFinder, elf_base_address
+from kimitui.engine.macho import MachOSlotFinder, macho_base_address
+from kimitui.engine.platform import (
+    F_GETPATH, HUGE_ALIGN, MAP_FAILED, MAP_FIXED, PROT_READ, PROT_WRITE, is_darwin, reserve_aligned,
+)
+from kimitui.engine.symbol_slots import CachedSlotFinder, HookUnavailable, Slot, SlotFinder, default_slot_cache
 
 HOOKED = ("mmap", "munmap", "posix_madvise", "posix_fadvise")
 
 MAP_POPULATE = 0x8000 if sys.platform.startswith("linux") else 0
 POSIX_MADV_WILLNEED = 3
 POSIX_FADV_SEQUENTIAL = 2
-PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
-# Linux's values: the hooks align mappings on Linux only, and direct.py is Linux's.
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-HUGE_ALIGN = 2 * 2**20  # Linux x86-64/arm64 (4 KiB pages): one page-table entry maps 2 MiB
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 MMAP_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
 MUNMAP_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 MADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 FADVISE_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
-
-
-def reserve_aligned(mmap, munmap, length: int, align: int, prot: int = PROT_NONE,
-                    flags: int = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE) -> int | None:
-    """Anonymous memory of ``length`` bytes that starts on an ``align`` boundary (mapped with
-    room to spare, the slack either side given back), through the given mmap/munmap; None if
-    the system has no room."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    span = length + align
-    room = mmap(None, span, prot, flags, -1, 0)
-    if room in (None, MAP_FAILED):
-        return None
-    start = -(-room // align) * align
-    end = -(-(start + length) // page) * page
-    if start > room:
-        munmap(room, start - room)
-    if room + span > end:
-        munmap(end, room + span - end)
-    return start
-
-
-class HookUnavailable(Exception):
-    """Why fast start cannot be installed here; the message is shown as one line."""
 
 
 @dataclass(frozen=True)
@@ -77,136 +53,6 @@ class Mapping:
     # takes the mapping closes it.
     fd: int = -1
     phantom: bool = False  # an address range handed to llama.cpp with nothing mapped there (addressing.py)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One imported-function pointer inside the loaded library, and the page range holding it."""
-
-    name: str
-    address: int
-    read_only_after: bool  # in a RELRO / read-only segment: restore PROT_READ after writing
-
-
-class SlotFinder(Protocol):
-    def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]: ...
-
-
-class ElfSlotFinder:
-    """Linux: the GOT entries that the library's PLT relocations fill for each symbol.
-
-    pyelftools finds the sections; the symbol and relocation tables are unpacked in bulk with
-    struct, because walking libllama's thousands of entries one pyelftools object at a time
-    cost a fifth of a second of every start."""
-
-    def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]:
-        try:
-            from elftools.common.exceptions import ELFError
-            from elftools.elf.elffile import ELFFile
-            from elftools.elf.relocation import RelocationSection
-        except ImportError:
-            raise HookUnavailable("pyelftools is not installed") from None
-        found: dict[str, list[Slot]] = {}
-        try:
-            with open(library_path, "rb") as fh:
-                elf = ELFFile(fh)
-                dynsym = elf.get_section_by_name(".dynsym")
-                if dynsym is None:
-                    raise HookUnavailable(f"{library_path.name} has no dynamic symbol table (stripped?)")
-                order = "<" if elf.little_endian else ">"
-                wide = elf.elfclass == 64
-                wanted = _symbol_indices(dynsym.data(), elf.get_section(dynsym["sh_link"]).data(), names, order, wide)
-                relro = [
-                    (seg["p_vaddr"], seg["p_vaddr"] + seg["p_memsz"])
-                    for seg in elf.iter_segments()
-                    if seg["p_type"] == "PT_GNU_RELRO"
-                ]
-                for section in elf.iter_sections():
-                    if not isinstance(section, RelocationSection) or section["sh_link"] == 0:
-                        continue
-                    for offset, sym_index in _relocations(section.data(), section.is_RELA(), order, wide):
-                        name = wanted.get(sym_index)
-                        if name is not None:
-                            in_relro = any(lo <= offset < hi for lo, hi in relro)
-                            found.setdefault(name, []).append(Slot(name, base_address + offset, in_relro))
-        except (OSError, ELFError, struct.error) as exc:
-            raise HookUnavailable(f"cannot read {library_path.name}: {exc}") from None
-        return found
-
-
-class CachedSlotFinder:
-    """Remembers where another finder found the slots, per library file (path, inode, size,
-    mtime), as offsets from the load address: later starts skip reading the ELF file (a
-    twelfth of the time to ready). A changed library is a new key and is read again."""
-
-    def __init__(self, inner: SlotFinder, cache_file: Path) -> None:
-        self.inner = inner
-        self.cache_file = cache_file
-
-    def find(self, library_path: Path, base_address: int, names: tuple[str, ...]) -> dict[str, list[Slot]]:
-        import json
-
-        from kimitui.config import replace_file
-
-        try:
-            st = library_path.stat()
-            key = f"{library_path.resolve()}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{','.join(names)}"
-        except OSError:
-            return self.inner.find(library_path, base_address, names)
-        try:
-            cached = json.loads(self.cache_file.read_text())
-        except (OSError, ValueError):
-            cached = None
-        if isinstance(cached, dict) and cached.get("key") == key:
-            return {
-                name: [Slot(name, base_address + offset, bool(relro)) for offset, relro in entries]
-                for name, entries in cached["slots"].items()
-            }
-        found = self.inner.find(library_path, base_address, names)
-        slots = {name: [(s.address - base_address, s.read_only_after) for s in entries] for name, entries in found.items()}
-        try:
-            replace_file(self.cache_file, json.dumps({"key": key, "slots": slots}))
-        except OSError:
-            pass  # a read-only cache dir costs the next start its ELF read, nothing more
-        return found
-
-
-def default_slot_cache() -> Path:
-    from kimitui.config import cache_dir
-
-    return cache_dir() / "libllama-slots.json"
-
-
-def _symbol_indices(symtab: bytes, strtab: bytes, names: tuple[str, ...], order: str, wide: bool) -> dict[int, str]:
-    """Index in the symbol table -> name, for the symbols called `names`."""
-    by_offset = {}
-    for name in names:
-        # Any place the name ends a string: linkers share tails ("mmap" inside "xyz_mmap").
-        needle = name.encode() + b"\0"
-        at = strtab.find(needle)
-        while at != -1:
-            by_offset[at] = name
-            at = strtab.find(needle, at + 1)
-    entry = struct.Struct(order + ("IBBHQQ" if wide else "IIIBBH"))  # st_name comes first in both
-    return {
-        index: by_offset[fields[0]]
-        for index, fields in enumerate(entry.iter_unpack(symtab[: len(symtab) // entry.size * entry.size]))
-        if fields[0] in by_offset
-    }
-
-
-def _relocations(table: bytes, with_addend: bool, order: str, wide: bool):
-    """(offset, symbol index) of every entry of a REL or RELA table."""
-    fmt = ("QQq" if with_addend else "QQ") if wide else ("IIi" if with_addend else "II")
-    entry, shift = struct.Struct(order + fmt), 32 if wide else 8
-    for fields in entry.iter_unpack(table[: len(table) // entry.size * entry.size]):
-        if fields[1] >> shift:
-            yield fields[0], fields[1] >> shift
-
-
-def _elf_base_address(handle: int) -> int:
-    # glibc's dlopen handle is the library's struct link_map; its first field is l_addr.
-    return ctypes.cast(handle, ctypes.POINTER(ctypes.c_size_t))[0]
 
 
 def _fd_path(fd: int) -> str:
@@ -386,10 +232,8 @@ def rebind(
     """Point ``library``'s imported mmap/posix_madvise/posix_fadvise at new wrappers."""
     if finder is None:
         if platform.startswith("linux"):
-            finder, base_address = CachedSlotFinder(ElfSlotFinder(), default_slot_cache()), base_address or _elf_base_address
+            finder, base_address = CachedSlotFinder(ElfSlotFinder(), default_slot_cache()), base_address or elf_base_address
         elif is_darwin(platform):
-            from kimitui.engine.macho import MachOSlotFinder, macho_base_address
-
             finder, base_address = MachOSlotFinder(), base_address or macho_base_address
         else:
             raise HookUnavailable(f"no fast-start support on {platform}")

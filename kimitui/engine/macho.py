@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Callable
 
-from kimitui.engine.loadhooks import HookUnavailable, Slot
+from kimitui.engine.symbol_slots import HookUnavailable, Slot
 
 MH_MAGIC_64 = 0xFEEDFACF
 FAT_MAGIC = 0xCAFEBABE

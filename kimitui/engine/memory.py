@@ -135,9 +135,15 @@ def available_memory() -> int:
     return min(room for _, room in memory_sources())
 
 
-def default_budget() -> int:
-    """A safe share of what is really available; the streaming engine sizes its pinned set from it."""
-    return int(available_memory() * SAFE_SHARE)
+def default_budget(room: int | None = None) -> int:
+    """engine.budget "auto": a safe share of ``room``, by default of what is really available;
+    the streaming engine sizes its pinned set from it."""
+    return int((available_memory() if room is None else room) * SAFE_SHARE)
+
+
+def resolve_budget(setting: int | str, room: int | None = None) -> int:
+    """engine.budget in bytes: as given, or "auto" (``default_budget``)."""
+    return default_budget(room) if setting == "auto" else int(setting)
 
 
 def mapped_resident_bytes(
@@ -182,6 +188,22 @@ def mapped_resident_bytes(
 # The most address range pagemap_resident_bytes reads (8 bytes a page: 32 MiB of entries at
 # 16 GiB); beyond it smaps is cheaper, since a model that large has large experts and so
 # fewer areas.
+def tensor_data_spans(model, space) -> list[tuple[int, int]]:
+    """What of each whole-file mapping in ``space`` (addressing.WholeFiles) stays mapped after
+    llama.cpp's load: it unmaps the pages wholly before the first tensor and after the last
+    (llama_mmap::unmap_fragment), and the allocator may reuse that room, so only the pages
+    holding ``model``'s tensor data are the model's."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    bounds: dict[int, tuple[int, int]] = {}
+    for t in model.tensors:
+        lo, hi = bounds.get(t.file, (t.offset, t.offset + t.n_bytes))
+        bounds[t.file] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
+    return [
+        (space.at(file, lo // page * page), space.at(file, -(-hi // page) * page))
+        for file, (lo, hi) in sorted(bounds.items()) if file in space.bases
+    ]
+
+
 PAGEMAP_MOST = 16 * 2**30
 _PAGEMAP_CHUNK = 1 << 20  # entries per read
 

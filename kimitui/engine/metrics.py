@@ -66,7 +66,8 @@ class EngineMetrics:
         self.prompt_tokens_total = 0
         self.last_decode_tok_s: float | None = None
         self.streaming: StreamingCounters | None = None
-        self.budget_bytes: int | None = None
+        # Set by the engine: its budget as it is now (live tuning changes it), never a copy.
+        self.budget_source: Callable[[], int | None] | None = None
         # Set by the streaming engine: one state per layer (pinned / resident / in flight / cold).
         self.residency_source: Callable[[], list[str]] | None = None
         # Set by the engine once the model is mapped: resident bytes of the model's mappings.
@@ -83,6 +84,10 @@ class EngineMetrics:
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._request_tokens = 0
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.budget_source() if self.budget_source is not None else None
 
     def set_window(self, size: int) -> None:
         with self._lock:

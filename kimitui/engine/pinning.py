@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimitui.engine.placers import make_placer
 from kimitui.engine.platform import LIBC_NAME, MADV_DONTNEED, PlatformIO
 from kimitui.model.gguf_map import ByteRange, ModelMap, Shard, merge_ranges
 
@@ -78,6 +79,27 @@ def plan_pinned(model: ModelMap, pin_bytes: int) -> list[Shard]:
 
 def shard_ranges(model: ModelMap, shards: Sequence[Shard]) -> list[ByteRange]:
     return merge_ranges([s.range for s in shards], gap=model.alignment)
+
+
+def fit_store(pinned: list[Shard], hot: list, room: int, page: int) -> tuple[list[Shard], list, int]:
+    """The planned pinned set (shards in priority order, then hot expert units) cut to what
+    the bounded layout's store holds in ``room`` bytes; the rest streams. Returns the shards
+    and units kept and the planned bytes left out."""
+    kept_shards, kept_hot, used = [], [], 0
+    for shard in pinned:
+        need = -(-shard.length // page) * page + 2 * page  # whole pages, a run boundary inside
+        if used + need > room:
+            break
+        kept_shards.append(shard)
+        used += need
+    for unit in hot:
+        need = sum(-(-r.length // page) * page + 2 * page for r in unit.ranges)
+        if used + need > room:
+            break
+        kept_hot.append(unit)
+        used += need
+    cut = sum(s.length for s in pinned[len(kept_shards):]) + sum(u.footprint for u in hot[len(kept_hot):])
+    return kept_shards, kept_hot, cut
 
 
 def whole_pages(ranges: Sequence[ByteRange], page: int) -> list[ByteRange]:
@@ -284,7 +306,7 @@ class PinnedSet:
         mapping_fds = {i: m.fd for i, m in mappings.items() if m.fd >= 0}
         from kimitui.engine.addressing import WholeFiles
 
-        placer = PlatformIO().placer(files, WholeFiles(addresses, {i: m.length for i, m in mappings.items()}), mapping_fds, 1)
+        placer = make_placer(files, WholeFiles(addresses, {i: m.length for i, m in mappings.items()}), mapping_fds, 1)
         pages = whole_pages(ranges, os.sysconf("SC_PAGE_SIZE"))
         try:
             reader = ParallelReader(chunk_bytes=PLACED_CHUNK_BYTES) if placer is not None else ParallelReader()

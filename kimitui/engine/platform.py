@@ -6,7 +6,8 @@ Darwin/iOS (no O_DIRECT, no posix_fadvise, no /proc): the same positional reads,
 to start read-ahead, and dropping with MADV_DONTNEED then msync(MS_INVALIDATE), which releases
 the cached pages of a clean file range; where the placer is made (darwin_placer.py) streamed
 bytes skip the cache altogether. The syscall layer is injectable so the Darwin path is tested
-on Linux. The limits a process meets there (descriptors, address space) are checked here too.
+on Linux. The limits a process meets there (descriptors, address space) are checked here too,
+and mmap's constants per OS live here for every module that maps memory.
 """
 
 from __future__ import annotations
@@ -47,6 +48,51 @@ def is_ios(platform: str = sys.platform, machine: str | None = None) -> bool:
 
 
 LIBC_NAME = "libc.so.6" if sys.platform.startswith("linux") else None  # None: the process's own symbols (libSystem)
+
+# -- mmap's protections and flags ---------------------------------------------------------------
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED = 0x01, 0x02, 0x10  # the same on Linux and Darwin
+MAP_ANONYMOUS, MAP_NORESERVE = 0x20, 0x4000  # Linux's: the load hooks align mappings there only
+DARWIN_MAP_ANON, DARWIN_MAP_NORESERVE = 0x1000, 0x40
+MAP_FAILED = ctypes.c_void_p(-1).value
+HUGE_ALIGN = 2 * 2**20  # Linux x86-64/arm64 (4 KiB pages): one page-table entry maps 2 MiB
+
+
+def anon_noreserve(platform: str = sys.platform) -> int:
+    """MAP_PRIVATE | MAP_ANON(YMOUS) | MAP_NORESERVE as ``platform`` spells them: address space
+    that takes no memory until it is touched."""
+    if is_darwin(platform):
+        return MAP_PRIVATE | DARWIN_MAP_ANON | DARWIN_MAP_NORESERVE
+    return MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+
+
+def bind_mmap(libc: ctypes.CDLL):
+    """``libc``'s mmap and munmap, their C types declared (an address back, a 64-bit offset)."""
+    mmap, munmap = libc.mmap, libc.munmap
+    mmap.restype = ctypes.c_void_p
+    mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+    munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return mmap, munmap
+
+
+def reserve_aligned(mmap, munmap, length: int, align: int, prot: int = PROT_NONE,
+                    flags: int = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE) -> int | None:
+    """Anonymous memory of ``length`` bytes that starts on an ``align`` boundary (mapped with
+    room to spare, the slack either side given back), through the given mmap/munmap; None if
+    the system has no room."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    span = length + align
+    room = mmap(None, span, prot, flags, -1, 0)
+    if room in (None, MAP_FAILED):
+        return None
+    start = -(-room // align) * align
+    end = -(-(start + length) // page) * page
+    if start > room:
+        munmap(room, start - room)
+    if room + span > end:
+        munmap(end, room + span - end)
+    return start
 
 
 class Syscalls(Protocol):
@@ -110,21 +156,6 @@ class PlatformIO:
             self._no_populate = True
             return False
         raise OSError(err, os.strerror(err))
-
-    def placer(self, paths, space, fds: dict[int, int], capacity: int):
-        """Reads that bypass the page cache into anonymous memory at the mapping: O_DIRECT and
-        mremap on Linux (direct.py), F_NOCACHE and mach_vm_remap on Darwin (darwin_placer.py);
-        None elsewhere, or where this system cannot (the engine then reads through the cache).
-        ``capacity`` (buffers for the trunk's pieces) may be 0: expert slices need none."""
-        if self.platform.startswith("linux"):
-            from kimitui.engine.direct import DirectPlacer
-
-            return DirectPlacer.create([str(p) for p in paths], space, fds, capacity)
-        if is_darwin(self.platform):
-            from kimitui.engine.darwin_placer import DarwinPlacer
-
-            return DarwinPlacer.create([str(p) for p in paths], space, fds, capacity)
-        return None
 
     def exact_reads(self, fd: int) -> None:
         """Reads on ``fd`` fetch what they ask for and no more: the kernel's read-ahead (8 MiB
@@ -204,15 +235,6 @@ def raise_descriptor_limit(
     return ceiling, hard
 
 
-PROT_NONE, MAP_PRIVATE = 0, 0x2
-
-
-def _reserve_flags(platform: str) -> int:
-    if is_darwin(platform):
-        return MAP_PRIVATE | 0x1000 | 0x40  # MAP_ANON | MAP_NORESERVE
-    return MAP_PRIVATE | 0x20 | 0x4000  # MAP_ANONYMOUS | MAP_NORESERVE
-
-
 class AddressSpace(Protocol):
     def mmap(self, address: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int | None: ...
     def munmap(self, address: int, length: int) -> int: ...
@@ -220,11 +242,7 @@ class AddressSpace(Protocol):
 
 class LibcAddressSpace:
     def __init__(self) -> None:
-        libc = ctypes.CDLL(LIBC_NAME, use_errno=True)
-        self._mmap, self._munmap = libc.mmap, libc.munmap
-        self._mmap.restype = ctypes.c_void_p
-        self._mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
-        self._munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self._mmap, self._munmap = bind_mmap(ctypes.CDLL(LIBC_NAME, use_errno=True))
 
     def mmap(self, address, length, prot, flags, fd, offset):
         return self._mmap(address, length, prot, flags, fd, offset)
@@ -239,7 +257,7 @@ def can_reserve(nbytes: int, platform: str = sys.platform, calls: AddressSpace |
     caps a process's address space far below a terabyte unless its binary carries the
     extended-virtual-addressing entitlement."""
     calls = calls or LibcAddressSpace()
-    address = calls.mmap(None, nbytes, PROT_NONE, _reserve_flags(platform), -1, 0)
+    address = calls.mmap(None, nbytes, PROT_NONE, anon_noreserve(platform), -1, 0)
     if address in (None, 2**64 - 1, -1):  # MAP_FAILED
         return False
     calls.munmap(address, nbytes)

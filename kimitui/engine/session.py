@@ -2,24 +2,28 @@
 
 Callers run ``load`` and iterate generations on worker threads; nothing here blocks an event
 loop or imports a UI. One llama.cpp context serves everyone, in turn (see turns.py).
+
+The Engine is the face: it loads, pins and retunes, and hands each reply to a Generation
+(generation.py), which sees it only as a ReplyHost. What the budget allows is budget.py's to
+decide, reading the pinned set pinning.py's, llama.cpp's per-node callbacks graph_watch.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import psutil
 
+from kimitui.config import key_spec
 from kimitui.engine.interface import PinOutcome, TuningValues
-from kimitui.engine.addressing import SRC_OFFSET, StoreTooLarge
+from kimitui.engine.addressing import StoreTooLarge
 from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.pinning import PinnedSet
 from kimitui.engine.tuning import PendingTuning, schedule
@@ -31,10 +35,11 @@ from kimitui.errors import UserError
 from kimitui.model.gguf_file import ModelInfo, read_model_info
 from kimitui.units import format_bytes
 from kimitui.engine.generation import Generation, Sampling, Tracer
+from kimitui.engine.graph_watch import GraphWatch
 from kimitui.engine.llama_glue import (
-    FALLBACK_TEMPLATE, LAYER_ZERO_NODES, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, WATCHED_NODES, DecodeClock, chat_formatter, chat_template_file, default_threads,
-    ggml_base, last_row_f32, llama_log, llama_params, numbered, silence_llama_log, stderr_caught, templates_checked_later,
-    is_recurrent, restore_sequence, sequence_state, topk_ids,
+    FALLBACK_TEMPLATE, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, DecodeClock, chat_formatter, chat_template_file, default_threads,
+    ggml_base, llama_log, llama_params, silence_llama_log, stderr_caught, templates_checked_later,
+    is_recurrent, restore_sequence, sequence_state,
 )
 from kimitui.engine.saved_states import SavedStates, StateRefused, model_identity
 from kimitui.engine.slots import Slots, common_prefix
@@ -45,20 +50,32 @@ if TYPE_CHECKING:  # the streamer is imported when a model streams, not on the w
     from kimitui.engine.streaming import Streamer
 
 
+@dataclass(frozen=True)
+class LoadWay:
+    """How the model is held, decided before llama.cpp loads it."""
+
+    files: tuple[Path, ...]
+    files_bytes: int
+    tensor_bytes: int
+    bounded: bool  # larger than the address space allows: the weights live in windows (addressing.py)
+    streams: bool  # its context has the streaming callbacks
+    own_buffers: bool  # the stock load reads it into llama.cpp's own buffers (no mapping to fault on)
+
+
 class Engine:
     def __init__(
         self,
         model_path: Path,
         *,
-        n_ctx: int = 4096,
+        n_ctx: int = key_spec("model.n_ctx").default,
         n_threads: int = 0,
-        n_batch: int = 512,
+        n_batch: int = key_spec("model.n_batch").default,
         metrics: EngineMetrics | None = None,
         repack: bool = False,
         fast_load: bool = True,
         budget: int | None = None,
         stream_settings: StreamSettings | None = None,
-        shard_size: int = 64 * 2**20,
+        shard_size: int = key_spec("engine.shard_size").default,
         n_ctx_fixed: bool = False,
         chat_template: str | None = None,
         n_slots: int = 1,
@@ -69,7 +86,10 @@ class Engine:
     ) -> None:
         """``states_dir``: where conversations' llama.cpp states are kept (saved_states.py), within
         ``state_quota`` bytes; None or 0: none kept. ``context_shift``: a reply that fills the
-        context goes on, its older half dropped (where the model's memory can shift)."""
+        context goes on, its older half dropped (where the model's memory can shift).
+
+        Long on purpose: every attribute the engine holds, one a line with what it is, in one
+        place; the load and the pinned set fill them in."""
         self.model_path = Path(model_path)
         self.context_shift_asked = context_shift
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
@@ -113,6 +133,7 @@ class Engine:
         self.ubatch_cap: int | None = None  # the most n_ubatch whose compute buffers fit beside the context
         self.metrics = metrics or EngineMetrics()
         self.metrics.engine_read_source = self.model_bytes_read
+        self.metrics.budget_source = lambda: self.budget
         self.load_progress = 0.0
         self.load_s: float | None = None
         self.info: ModelInfo | None = None
@@ -202,6 +223,8 @@ class Engine:
             raise EngineError(self.load_error) from None
 
     def _load_steps(self) -> None:
+        """The load in its order: fast start's hooks, how the model is held (LoadWay), the
+        llama.cpp model and context, the mappings fast start saw, what the load took."""
         self.inspect()
         started = time.perf_counter()
 
@@ -215,23 +238,63 @@ class Engine:
         import llama_cpp
         # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
         silence_llama_log(llama_cpp)
+        hooks = self._fast_start_hooks()
+        way = self._load_way(hooks)
+        process = psutil.Process()
+        rss_before, vms_before = process.memory_info()[:2]
+        self._rss_before_load = rss_before
+        mark = self._make_llama(llama_cpp, hooks, way, progress)
+        llama_log().install()  # from here on llama.cpp's warnings and errors are kept: a failed reply says them
+        self.decode_clock.attach(self._llm._ctx)
+        self.cancel_flag = CancelFlag()
+        if not way.streams:  # a streaming context's abort callback asks the flag itself
+            self.cancel_flag.attach(self._llm._ctx)
+        if hooks is not None:
+            self._claim_mappings(hooks, mark, way.files)
+        # Read into llama.cpp's own buffers, the model no longer needs its files: nothing to check.
+        self._sizes_at_load = {} if way.own_buffers else {Path(f): os.stat(f).st_size for f in way.files}
+        if self.mappings:
+            self._watch_model_resident(way.bounded)
+        elif way.bounded:
+            raise EngineError(f"cannot load {self.model_path.name}: llama.cpp mapped none of its files where kimitui can see them")
+        # llama.cpp's own working memory (KV cache, recurrent state, compute buffers, vocabulary):
+        # committed at load, touched as the context fills, so the address space it added tells
+        # what RSS will tell later. The model's mappings are not part of it.
+        rss_after, vms_after = process.memory_info()[:2]
+        mapped = self.space.size if way.bounded else way.files_bytes  # the windows' region, reserved whole
+        held = way.tensor_bytes if way.own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
+        self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
+        self._formatter, self.template_error = self._make_formatter()
+        self.load_s = time.perf_counter() - started
+        if self.load_progress < 1.0:
+            progress(1.0)  # fast start: the one step there was
+        self.lifecycle.move(EngineState.READY)
+
+    def _fast_start_hooks(self):
+        """loadhooks' hooks, installed, for fast start; None (and the note why) for the stock load."""
         from kimitui.engine import loadhooks
 
-        hooks = None
-        if self.fast_load:
-            try:
-                hooks = loadhooks.install()
-            except loadhooks.HookUnavailable as exc:
-                self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
-        files = self.info.files or (self.model_path,)
+        if not self.fast_load:
+            return None
+        try:
+            return loadhooks.install()
+        except loadhooks.HookUnavailable as exc:
+            self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
+            return None
+
+    def _load_way(self, hooks) -> LoadWay:
+        """How the model is held, decided before llama.cpp is called: streamed or whole, in
+        windows or mapped whole, in llama.cpp's own buffers; the context and micro-batch fitted
+        to it. EngineError when the files pass the process's limits."""
+        files = tuple(self.info.files or (self.model_path,))
         files_bytes = sum(os.path.getsize(f) for f in files)
         bound = self._address_bound() if hooks is not None else None
         # Larger than the address space allows: llama.cpp's mappings are phantoms, and the
         # weights live in windows (addressing.py), which only a streamed model has.
         bounded = bound is not None and files_bytes > bound
         streams = self._may_stream() or bounded
-        callbacks = self._stream_callbacks() if streams else (None, None)
         if streams:
+            self._stream_callbacks()
             # A prefill micro-batch needs the union of its tokens' experts at once: as many
             # tokens as the planned expert cache surely holds.
             self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch)
@@ -254,11 +317,16 @@ class Engine:
         refused = model_fits_limits(list(files), 0 if own_buffers or bounded else files_bytes)
         if refused:
             raise EngineError(f"cannot load {self.model_path.name}: {refused}")
-        process = psutil.Process()
-        rss_before, vms_before = process.memory_info()[:2]
-        self._rss_before_load = rss_before
+        return LoadWay(files, files_bytes, tensor_bytes, bounded, streams, own_buffers)
+
+    def _make_llama(self, llama_cpp, hooks, way: LoadWay, progress: Callable[[float], bool]) -> int:
+        """llama.cpp's model and context (``_llm``), made the way ``way`` says; once more with
+        its log kept where the first try fails, so the error says why. Returns the hooks' mark
+        the mappings are claimed since. EngineError when it fails or is cancelled."""
+        from kimitui.engine import loadhooks
+
         mark = hooks.mark() if hooks is not None else 0
-        if bounded:
+        if way.bounded:
             from kimitui.engine.addressing import PHANTOM_BASE
 
             hooks.phantom_next = PHANTOM_BASE
@@ -269,9 +337,10 @@ class Engine:
             # a fraction of a second, so only the stock load, which reads the whole file, has one.
             # The hooks are process-wide once installed: a stock load must not go through them.
             stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
+            callbacks = self._callbacks if way.streams else (None, None)
 
             def make():
-                with stock, llama_params(progress if hooks is None else None, self.repack and not bounded, *callbacks), templates_checked_later():
+                with stock, llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks), templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
                         n_ctx=self.slot_ctx,  # one slot's share: the others are parked (slots.py)
@@ -279,7 +348,7 @@ class Engine:
                         n_ubatch=self.n_ubatch,
                         n_threads=self.n_threads,
                         n_threads_batch=self.n_threads,
-                        use_mmap=not own_buffers,
+                        use_mmap=not way.own_buffers,
                         verbose=False,
                     )
 
@@ -307,59 +376,44 @@ class Engine:
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
-        llama_log().install()  # from here on llama.cpp's warnings and errors are kept: a failed reply says them
-        self.decode_clock.attach(self._llm._ctx)
-        self.cancel_flag = CancelFlag()
-        if not streams:  # a streaming context's abort callback asks the flag itself
-            self.cancel_flag.attach(self._llm._ctx)
-        if hooks is not None:
-            hooks.phantom_next = None
-            found = {i: hooks.claim(path, since=mark) for i, path in enumerate(files)}
-            hooks.close_unclaimed(mark)
-            # Every file of a split set must be mapped where we can see it, or none is managed.
-            self.mappings = found if all(m is not None for m in found.values()) else {}
-            if not self.mappings:
-                for m in found.values():
-                    if m is not None and m.fd >= 0:
-                        os.close(m.fd)
-        # Read into llama.cpp's own buffers, the model no longer needs its files: nothing to check.
-        self._sizes_at_load = {} if own_buffers else {Path(f): os.stat(f).st_size for f in files}
-        if self.mappings:
-            from kimitui.engine.memory import PAGEMAP_MOST, mapped_resident_bytes, pagemap_resident_bytes
+        return mark
 
-            from kimitui.engine.addressing import PinnedStore
+    def _claim_mappings(self, hooks, mark: int, files: Sequence[Path]) -> None:
+        """The mappings llama.cpp made of ``files`` since ``mark``, kept as ``mappings``: all of
+        them, or none (every file of a split set must be mapped where we can see it)."""
+        hooks.phantom_next = None
+        found = {i: hooks.claim(path, since=mark) for i, path in enumerate(files)}
+        hooks.close_unclaimed(mark)
+        self.mappings = found if all(m is not None for m in found.values()) else {}
+        if not self.mappings:
+            for m in found.values():
+                if m is not None and m.fd >= 0:
+                    os.close(m.fd)
 
-            space = self.space = self._make_space(self._address_bound(loaded=True) if bounded else None)
-            shared = PinnedStore.NAME if space.bounded else None
-            mapped_data: list = []  # the whole files' spans of tensor data, once first asked for
+    def _watch_model_resident(self, bounded: bool) -> None:
+        """Where the weights live (``space``), and the metrics' source of how much of the
+        model is resident: from pagemap where the mapped tensor data is small enough to read
+        it, else from smaps; with what the streamer parked."""
+        from kimitui.engine.addressing import PinnedStore
+        from kimitui.engine.memory import PAGEMAP_MOST, mapped_resident_bytes, pagemap_resident_bytes, tensor_data_spans
 
-            def model_resident() -> int | None:
-                streamer = self.streamer
-                found = None
-                if not space.bounded:
-                    if not mapped_data:
-                        mapped_data.extend(self._mapped_data_spans(space))
-                    if sum(end - start for start, end in mapped_data) <= PAGEMAP_MOST:
-                        found = pagemap_resident_bytes(mapped_data)
-                if found is None:
-                    found = mapped_resident_bytes(space.spans(), shared_name=shared)
-                return None if found is None else found + (streamer.parked_bytes if streamer is not None else 0)
+        space = self.space = self._make_space(self._address_bound(loaded=True) if bounded else None)
+        shared = PinnedStore.NAME if space.bounded else None
+        mapped_data: list = []  # the whole files' spans of tensor data, once first asked for
 
-            self.metrics.model_resident_source = DutyLimited(model_resident)
-        elif bounded:
-            raise EngineError(f"cannot load {self.model_path.name}: llama.cpp mapped none of its files where kimitui can see them")
-        # llama.cpp's own working memory (KV cache, recurrent state, compute buffers, vocabulary):
-        # committed at load, touched as the context fills, so the address space it added tells
-        # what RSS will tell later. The model's mappings are not part of it.
-        rss_after, vms_after = process.memory_info()[:2]
-        mapped = self.space.size if bounded else files_bytes  # the windows' region, reserved whole
-        held = tensor_bytes if own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
-        self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
-        self._formatter, self.template_error = self._make_formatter()
-        self.load_s = time.perf_counter() - started
-        if self.load_progress < 1.0:
-            progress(1.0)  # fast start: the one step there was
-        self.lifecycle.move(EngineState.READY)
+        def model_resident() -> int | None:
+            streamer = self.streamer
+            found = None
+            if not space.bounded:
+                if not mapped_data:
+                    mapped_data.extend(tensor_data_spans(self.model_map(), space))
+                if sum(end - start for start, end in mapped_data) <= PAGEMAP_MOST:
+                    found = pagemap_resident_bytes(mapped_data)
+            if found is None:
+                found = mapped_resident_bytes(space.spans(), shared_name=shared)
+            return None if found is None else found + (streamer.parked_bytes if streamer is not None else 0)
+
+        self.metrics.model_resident_source = DutyLimited(model_resident)
 
     def _address_bound(self, loaded: bool = False) -> int | None:
         """The address space the weights may take (engine.address_space), None: unbounded.
@@ -411,38 +465,22 @@ class Engine:
         return space
 
     def _fit_context(self) -> None:
-        """Pick n_ctx so that the budget and llama.cpp's context (KV cache, recurrent state,
-        compute buffers) fit the memory this process may use (cgroup limits included): the
-        largest up to the configured one, or, when the user chose it, a refusal that says what
-        to lower. Without it a context too big is an OOM kill once the KV cache fills."""
+        """n_ctx (and where that lets the whole context fit, a smaller micro-batch) so that the
+        budget and llama.cpp's context fit the memory this process may use (budget.fit_context)."""
         if self.budget is None:
             return
-        from kimitui.engine.budget import MIN_UBATCH, context_fits, working_estimate
+        from kimitui.engine.budget import fit_context
         from kimitui.engine.memory import available_memory
 
         model = self.model_map()
-        weights = min(self.budget, model.tensor_bytes)
-        room = available_memory()
-        fitted = context_fits(model, weights, room, self.n_ctx, self.n_ubatch, self.slots.count)
-        # A large micro-batch's compute buffers grow with the context: smaller micro-batches (each
-        # reads the streamed trunk again) are tried before a smaller context.
-        ubatch = self.n_ubatch
-        while fitted != self.n_ctx and ubatch > MIN_UBATCH:
-            ubatch = max(MIN_UBATCH, ubatch // 2)
-            if context_fits(model, weights, room, self.n_ctx, ubatch, self.slots.count) == self.n_ctx:
-                self.n_ubatch = self.ubatch_cap = ubatch
-                return
-        if fitted == self.n_ctx:
-            return
-        if fitted is None or self.n_ctx_fixed:
-            need = working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
-            lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
-            raise EngineError(
-                f"context of {self.n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
-                f"{format_bytes(weights)} of weights, but {format_bytes(room)} is available (cgroup limits included): lower {lower}"
-            )
-        self.fit_note = f"context {fitted} tokens instead of {self.n_ctx}: the KV cache for more would not fit beside the budget"
-        self.n_ctx = fitted
+        n_ctx, ubatch_cap, note = fit_context(
+            model, min(self.budget, model.tensor_bytes), available_memory(), self.n_ctx, self.n_ubatch, self.slots.count,
+            fixed=self.n_ctx_fixed,
+        )
+        if ubatch_cap is not None:
+            self.n_ubatch = self.ubatch_cap = ubatch_cap
+        if note is not None:
+            self.fit_note, self.n_ctx = note, n_ctx
 
     def abort_load(self) -> None:
         self._abort_load.set()
@@ -458,114 +496,12 @@ class Engine:
         # wholly pinned get it, so runs that fit the budget pay nothing.
         return self.fast_load and self.budget is not None and self.inspect().tensor_bytes > self.budget * 0.8
 
-    def _stream_callbacks(self):
+    def _stream_callbacks(self) -> tuple:
+        """A new context's per-node callbacks (graph_watch.py), kept alive as long as it."""
         import llama_cpp.llama_cpp as C
 
-        ggml = ggml_base(C._lib._name)
-
-        clock = time.perf_counter
-        staged_nodes: dict[int, bytes] = {}  # graph node -> the staged routed tensor it computes with
-
-        def on_eval(tensor, ask, _user):
-            # ggml asks about every graph node, ~17,600 a token at Kimi K3's full size: what the
-            # asking costs (pure overhead) and what the observed nodes cost (the streaming work,
-            # stalls included) are counted apart (kimitui bench shows both per token).
-            started = clock()
-            try:
-                return observe(tensor, ask)
-            finally:
-                streamer = self.streamer
-                if streamer is not None:
-                    spent = clock() - started
-                    if ask:
-                        streamer.eval_asks += 1
-                        streamer.eval_ask_s += spent
-                    else:
-                        streamer.eval_observed += 1
-                        streamer.eval_observe_s += spent
-
-        def observe(tensor, ask):
-            name = ggml.ggml_get_name(tensor) or b""
-            # Only the nodes themselves, never views of them: ggml names a view of l_out-5
-            # "l_out-5 (reshaped)" (K3's residual attention makes one at each block boundary).
-            if ask:  # observe the node before each layer (the embeddings, then l_out-<i>) and each router's top-k
-                pointers = self.pointers
-                if pointers is not None and pointers.active:
-                    if name in LAYER_ZERO_NODES:
-                        pointers.graph_started()
-                    elif name == b"result_output":
-                        pointers.graph_ended()  # before its own weights: they were pointed in an earlier graph, or count now
-                    self._point_weights(pointers, tensor)
-                streamer = self.streamer
-                if streamer is not None and streamer.staging:
-                    # A staged layer: each routed matrix's slices are read just before its node.
-                    try:
-                        weight = ctypes.c_void_p.from_address(tensor + SRC_OFFSET).value
-                        weight_name = ggml.ggml_get_name(weight) if weight else None
-                        if weight_name and streamer.on_expert_matrix(weight_name):
-                            staged_nodes[tensor] = weight_name
-                            return True
-                    except Exception as exc:  # noqa: BLE001 - a C callback must not raise: the token stops instead
-                        streamer.fail(f"streaming failed before graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
-                # Every node passes here: one builtin test first, the digits only for the few that match.
-                if name in LAYER_ZERO_NODES:
-                    staged_nodes.clear()  # a graph cut short left its nodes here
-                    return True
-                if name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit():
-                    return True
-                # With router look-ahead, also each MoE layer's FFN input.
-                return streamer is not None and streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
-            streamer = self.streamer
-            if streamer is None:
-                return True
-            # Returning False here would make ggml skip the rest of the graph split: silently
-            # wrong logits. Any failure stops the token through the abort callback instead.
-            try:
-                if tensor in staged_nodes:
-                    streamer.on_expert_matrix_done(staged_nodes.pop(tensor))
-                elif (layer := numbered(name, b"ffn_moe_topk-")) is not None:
-                    streamer.on_experts(layer, topk_ids(ggml, tensor))
-                elif (layer := numbered(name, b"ffn_norm-")) is not None:
-                    hidden = last_row_f32(ggml, tensor)
-                    if hidden is not None:
-                        streamer.on_router_input(layer, hidden)
-                else:
-                    streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else numbered(name, b"l_out-") + 1)
-            except Exception as exc:  # noqa: BLE001 - a C callback must not raise
-                streamer.fail(f"streaming failed at graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
-            return True
-
-        def on_abort(_user):
-            streamer = self.streamer
-            flag = self.cancel_flag
-            if streamer is None and self.space is not None and self.space.bounded:
-                return True  # no streamer fills the slots (a pin that failed): nothing computes on them
-            return (streamer is not None and streamer.error is not None) or (flag is not None and flag.is_set)
-
-        self._callbacks = (C.ggml_backend_sched_eval_callback(on_eval), C.ggml_abort_callback(on_abort))
+        self._callbacks = GraphWatch(self, ggml_base(C._lib._name)).c_callbacks()
         return self._callbacks
-
-    def _mapped_data_spans(self, space) -> list[tuple[int, int]]:
-        """What of each whole-file mapping stays mapped after llama.cpp's load: it unmaps the
-        pages wholly before the first tensor and after the last (llama_mmap::unmap_fragment),
-        and the allocator may reuse that room, so only the pages holding tensor data are ours."""
-        page = os.sysconf("SC_PAGE_SIZE")
-        bounds: dict[int, tuple[int, int]] = {}
-        for t in self.model_map().tensors:
-            lo, hi = bounds.get(t.file, (t.offset, t.offset + t.n_bytes))
-            bounds[t.file] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
-        return [
-            (space.at(file, lo // page * page), space.at(file, -(-hi // page) * page))
-            for file, (lo, hi) in sorted(bounds.items()) if file in space.bases
-        ]
-
-    def _point_weights(self, pointers, tensor: int) -> None:
-        """Before ggml computes ``tensor``: its weights out of the phantom mappings (addressing.py)."""
-        try:
-            pointers.point(tensor)
-        except EngineError as exc:  # a phantom address outside every tensor: a bug, stopped here
-            if self.streamer is not None:
-                self.streamer.fail(str(exc))
 
     def pin(self, on_progress: Callable | None = None) -> PinOutcome:
         """Read the pinned set with parallel reads and lock it; call from a worker after load.
@@ -606,45 +542,63 @@ class Engine:
         )
 
     def _pin(self) -> None:
-        on_progress = self._pin_listener
+        """Read the pinned set (the whole model where it fits, else the memory plan's shards and
+        hot experts, cut to the bounded layout's store) and stream the rest."""
         if not self.mappings:
             return
-        from kimitui.engine.pinning import plan_pinned, shard_ranges
-
         model = self.model_map()
         streaming = self._callbacks is not None
-        settings = self.stream_settings
-        hot: list = []
-        counts = None
-        if streaming:
-            plan = self.plan = self._memory_plan(model)
-            pinned = list(plan.pinned)
-            if plan.prefetch_depth < settings.prefetch_depth:
-                settings = replace(settings, prefetch_depth=plan.prefetch_depth)
-                self.plan_note = (
-                    f"prefetch depth {plan.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
-                    "deeper read-ahead would pass the budget"
-                )
-            if self.space.bounded and settings.prefetch_depth >= self.space.n_slots:
-                settings = replace(settings, prefetch_depth=self.space.n_slots - 1)
-                self.plan_note = (
-                    f"prefetch depth {settings.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
-                    f"the address space holds {self.space.n_slots} layers at once"
-                )
-            if model.is_moe:
-                from kimitui.engine.experts import hot_experts, load_heatmap
-
-                counts = load_heatmap(self.heatmap_path(model), model.n_layers, model.n_expert)
-                hot = hot_experts(model, counts, plan.hot_expert_bytes)
-        else:  # the whole model fits: pin it all, streaming nothing
-            pinned = plan_pinned(model, sum(shard.length for shard in model.shards))
+        pinned, hot, counts, settings = self._planned_pins(model, streaming)
         unpinned = 0  # planned for pinning, left out by the bounded layout's store: the window may take it
         if self.space.bounded:
-            planned = sum(s.length for s in pinned) + sum(u.footprint for u in hot)
-            pinned, hot = self._fit_store(pinned, hot)
-            unpinned = planned - sum(s.length for s in pinned) - sum(u.footprint for u in hot)
+            from kimitui.engine.pinning import fit_store
+
+            pinned, hot, unpinned = fit_store(pinned, hot, self.space.plan.store_bytes, os.sysconf("SC_PAGE_SIZE"))
+            if unpinned:
+                self.plan_note = (
+                    f"pins {format_bytes(unpinned)} less than the budget allows: the address space leaves the pinned set "
+                    f"{format_bytes(self.space.plan.store_bytes)} (raise engine.address_space)"
+                )
+        self._read_pinned(model, pinned, hot, streaming)
+        if streaming and not self._abort_load.is_set():
+            self._start_streamer(model, settings, {s.index for s in pinned}, hot, counts, unpinned)
+
+    def _planned_pins(self, model, streaming: bool) -> tuple[list, list, list | None, StreamSettings]:
+        """What to pin: (shards, hot expert units, the routing heatmap they came from, the stream
+        settings the plan leaves). Streaming, it follows the memory plan (kept as ``plan``),
+        whose read-ahead may be shallower than asked (``plan_note`` says why)."""
+        from kimitui.engine.pinning import plan_pinned
+
+        settings = self.stream_settings
+        if not streaming:  # the whole model fits: pin it all, streaming nothing
+            return plan_pinned(model, sum(shard.length for shard in model.shards)), [], None, settings
+        plan = self.plan = self._memory_plan(model)
+        if plan.prefetch_depth < settings.prefetch_depth:
+            settings = replace(settings, prefetch_depth=plan.prefetch_depth)
+            self.plan_note = (
+                f"prefetch depth {plan.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
+                "deeper read-ahead would pass the budget"
+            )
+        if self.space.bounded and settings.prefetch_depth >= self.space.n_slots:
+            settings = replace(settings, prefetch_depth=self.space.n_slots - 1)
+            self.plan_note = (
+                f"prefetch depth {settings.prefetch_depth} instead of {self.stream_settings.prefetch_depth}: "
+                f"the address space holds {self.space.n_slots} layers at once"
+            )
+        if not model.is_moe:
+            return list(plan.pinned), [], None, settings
+        from kimitui.engine.experts import hot_experts, load_heatmap
+
+        counts = load_heatmap(self.heatmap_path(model), model.n_layers, model.n_expert)
+        return list(plan.pinned), hot_experts(model, counts, plan.hot_expert_bytes), counts, settings
+
+    def _read_pinned(self, model, pinned: list, hot: list, streaming: bool) -> None:
+        """Read and lock ``pinned`` and ``hot`` (into the bounded layout's store, or in place in
+        the mappings); EngineError where they cannot be read, and a re-pin left for later."""
+        from kimitui.engine.pinning import shard_ranges
+
+        on_progress = self._pin_listener
         ranges = shard_ranges(model, pinned) + [r for unit in hot for r in unit.ranges]
-        mapping_fds = {i: m.fd for i, m in self.mappings.items() if m.fd >= 0}
         try:
             if self.space.bounded:
                 try:
@@ -657,56 +611,34 @@ class Engine:
         except OSError as exc:
             self.pending.repin = True  # the next reply tries again: the drive may be back by then
             raise EngineError(f"cannot read the pinned set of {self.model_path.name}: {exc}") from None
-        if self._abort_load.is_set():
-            return
-        if streaming:
-            from kimitui.engine.streaming import Streamer
 
-            streamer = Streamer(
-                model, self.space, {s.index for s in pinned}, settings, self.metrics,
-                mapping_fds=mapping_fds, window_limit=plan.window_bytes + unpinned, pool_limit=plan.pool_buffers + unpinned // PIECE_BYTES,
-            )
-            if model.is_moe:
-                streamer.attach_experts(plan.expert_bytes - self.pinned.hot_expert_bytes, hot, counts)
-                experts = streamer.experts
-                self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
+    def _start_streamer(self, model, settings: StreamSettings, pinned: set[int], hot: list, counts, unpinned: int) -> None:
+        """The streamer for what is not pinned, with the expert cache beside the hot experts,
+        published to the metrics; ``streamer`` only once complete (the eval callback reads it)."""
+        from kimitui.engine.streaming import Streamer
 
-                def resident_per_layer(sizes=[layer.n_expert for layer in model.layers]) -> list[tuple[int, int]]:
-                    per_layer = [0] * len(sizes)
-                    for layer, _expert in experts.resident_keys():
-                        per_layer[layer] += 1
-                    return list(zip(per_layer, sizes))
+        plan = self.plan
+        streamer = Streamer(
+            model, self.space, pinned, settings, self.metrics,
+            mapping_fds={i: m.fd for i, m in self.mappings.items() if m.fd >= 0},
+            window_limit=plan.window_bytes + unpinned, pool_limit=plan.pool_buffers + unpinned // PIECE_BYTES,
+        )
+        if model.is_moe:
+            streamer.attach_experts(plan.expert_bytes - self.pinned.hot_expert_bytes, hot, counts)
+            experts = streamer.experts
+            self.metrics.experts_source = lambda: ([row[:] for row in experts.counts], experts.layer_hit_rates())
 
-                self.metrics.expert_residency_source = resident_per_layer
-            self.metrics.residency_source = streamer.residency_by_layer
-            self.metrics.new_streamer()
-            self.streamer = streamer  # complete, experts attached, before the eval callback sees it
-            self.set_tracer(self.tracer)
+            def resident_per_layer(sizes=[layer.n_expert for layer in model.layers]) -> list[tuple[int, int]]:
+                per_layer = [0] * len(sizes)
+                for layer, _expert in experts.resident_keys():
+                    per_layer[layer] += 1
+                return list(zip(per_layer, sizes))
 
-    def _fit_store(self, pinned: list, hot: list) -> tuple[list, list]:
-        """The planned pinned set (shards in priority order, then hot experts) cut to what the
-        bounded layout's store has room for; the rest streams."""
-        room, page = self.space.plan.store_bytes, os.sysconf("SC_PAGE_SIZE")
-        kept_shards, kept_hot, used = [], [], 0
-        for shard in pinned:
-            need = -(-shard.length // page) * page + 2 * page  # whole pages, a run boundary inside
-            if used + need > room:
-                break
-            kept_shards.append(shard)
-            used += need
-        for unit in hot:
-            need = sum(-(-r.length // page) * page + 2 * page for r in unit.ranges)
-            if used + need > room:
-                break
-            kept_hot.append(unit)
-            used += need
-        if len(kept_shards) < len(pinned) or len(kept_hot) < len(hot):
-            cut = sum(s.length for s in pinned[len(kept_shards):]) + sum(u.footprint for u in hot[len(kept_hot):])
-            self.plan_note = (
-                f"pins {format_bytes(cut)} less than the budget allows: the address space leaves the pinned set "
-                f"{format_bytes(room)} (raise engine.address_space)"
-            )
-        return kept_shards, kept_hot
+            self.metrics.expert_residency_source = resident_per_layer
+        self.metrics.residency_source = streamer.residency_by_layer
+        self.metrics.new_streamer()
+        self.streamer = streamer  # complete, experts attached, before the eval callback sees it
+        self.set_tracer(self.tracer)
 
     def _memory_plan(self, model):
         from kimitui.engine.budget import plan_memory
@@ -812,7 +744,6 @@ class Engine:
         repin = (budget is not None and budget != self.budget) or (shard_size is not None and shard_size != self.shard_size)
         if budget is not None:
             self.budget = budget
-            self.metrics.budget_bytes = budget
         if shard_size is not None:
             self.shard_size = shard_size
         return schedule(
@@ -826,7 +757,10 @@ class Engine:
 
     # -- the reply holding the turn (its cancel reaches llama.cpp between graph nodes) ---------
 
-    def reply_started(self, generation) -> None:
+    def open_reply(self, generation: Generation) -> None:
+        """The turn is ``generation``'s: the engine mended first where it failed (EngineError:
+        the reply is refused), then its cancel reaches llama.cpp's abort flag."""
+        self.lifecycle.begin_reply()
         with self._replying_lock:
             self._replying = generation
             flag = self.cancel_flag
@@ -835,12 +769,13 @@ class Engine:
             elif flag is not None:
                 flag.clear()
 
-    def reply_ended(self, generation) -> None:
+    def close_reply(self, generation: Generation) -> None:
         with self._replying_lock:
             if self._replying is generation:
                 self._replying = None
                 if self.cancel_flag is not None:
                     self.cancel_flag.clear()
+        self.lifecycle.end_reply()
 
     def cancel_reply(self, generation) -> None:
         """Stop ``generation``'s evaluation within the graph node it is in, if it holds the turn."""
@@ -849,29 +784,18 @@ class Engine:
                 self.cancel_flag.set()
 
     def _budget_overflow(self, budget: int) -> str | None:
-        """Why ``budget`` would not fit beside llama.cpp's context in the memory this process may
-        use (the check the load makes, ``_fit_context``), or None. What the engine holds now
-        (its pages and llama.cpp's memory, RSS above where the load began) is its to reuse."""
+        """Why ``budget`` would not fit beside llama.cpp's context (budget.budget_overflow), or
+        None. What the engine holds now (its pages and llama.cpp's memory, RSS above where the
+        load began) is its to reuse."""
         if budget <= (self.budget or 0):
             return None  # lowering never needs more memory
-        from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
+        from kimitui.engine.budget import budget_overflow
         from kimitui.engine.memory import available_memory
 
-        model = self.model_map()
-        weights = min(budget, model.tensor_bytes)
         held = max(0, psutil.Process().memory_info().rss - self._rss_before_load)
-        room = available_memory() + held
-        working = working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
-        if weights + working + PROCESS_RESERVE <= room:
-            return None
-        most = max(0, room - working - PROCESS_RESERVE)
-        return (
-            f"budget {format_bytes(budget)} does not fit: with the context's {format_bytes(working)} of KV cache and buffers "
-            f"it needs {format_bytes(weights + working + PROCESS_RESERVE)}, and this process may use {format_bytes(room)} "
-            f"(cgroup limits included): at most {format_bytes(most)}"
-        )
+        return budget_overflow(self.model_map(), budget, available_memory() + held, self.n_ctx, self.n_ubatch, self.slots.count)
 
-    def apply_pending_tuning(self, *, mid_reply: bool) -> bool:
+    def between_tokens(self, *, mid_reply: bool) -> bool:
         """Carry out what ``retune`` left for a token to do: re-read the pinned set, and between
         replies only, give the model a fresh context first. The caller holds the turn. Whether
         anything was done."""
@@ -1245,19 +1169,16 @@ class Engine:
 def engine_from_settings(settings, model_path: Path) -> Engine:
     """The engine as configured (model, budget, streaming keys): one recipe for app and server."""
     from kimitui.config import data_dir
-    from kimitui.engine.memory import default_budget
+    from kimitui.engine.memory import resolve_budget
 
-    budget = settings["engine.budget"]
-    metrics = EngineMetrics(latency_window=settings["metrics.latency_window"])
-    metrics.budget_bytes = default_budget() if budget == "auto" else budget
     return Engine(
         model_path,
         n_ctx=settings["model.n_ctx"],
         n_ctx_fixed=settings.origin("model.n_ctx") != "default",
         n_threads=settings["model.n_threads"],
         n_batch=settings["model.n_batch"],
-        metrics=metrics,
-        budget=metrics.budget_bytes,
+        metrics=EngineMetrics(latency_window=settings["metrics.latency_window"]),
+        budget=resolve_budget(settings["engine.budget"]),
         shard_size=settings["engine.shard_size"],
         chat_template=chat_template_file(settings["model.chat_template_file"]) or settings["model.chat_template"] or None,
         n_slots=settings["server.slots"],

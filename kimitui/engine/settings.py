@@ -1,22 +1,31 @@
 """The streaming engine's settings, apart from the engine itself: an engine is made (and its
-load started) before anything decides whether the model streams at all."""
+load started) before anything decides whether the model streams at all. Their defaults,
+bounds and choices are the config schema's ([engine] in config.py): one place for each."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("pin-stream", "lru")
-EXPERT_POLICIES = ("lru", "lfu")  # the routed-expert cache's
+from kimitui.config import key_spec
+
+POLICIES = key_spec("engine.policy").choices
+EXPERT_POLICIES = key_spec("engine.expert_policy").choices  # the routed-expert cache's
 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    prefetch_depth: int = 2
-    policy: str = "pin-stream"
-    io_threads: int = 4
+    prefetch_depth: int = key_spec("engine.prefetch_depth").default
+    policy: str = key_spec("engine.policy").default
+    io_threads: int = key_spec("engine.io_threads").default
     window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
-    expert_policy: str = "lfu"  # the routed-expert cache: "lfu" or "lru"
-    expert_lookahead: bool = False  # read the experts layer L+1 chose last token while layer L computes
+    expert_policy: str = key_spec("engine.expert_policy").default  # the routed-expert cache: "lfu" or "lru"
+    expert_lookahead: bool = key_spec("engine.expert_lookahead").default  # read the experts layer L+1 chose last token while layer L computes
+
+
+def _within(key: str, value: int, what: str) -> None:
+    spec = key_spec(f"engine.{key}")
+    if not spec.low <= value <= spec.high:
+        raise ValueError(f"{what} must be {spec.low:g}..{spec.high:g}")
 
 
 def check_changes(changes: dict) -> None:
@@ -25,7 +34,7 @@ def check_changes(changes: dict) -> None:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
     if "expert_policy" in changes and changes["expert_policy"] not in EXPERT_POLICIES:
         raise ValueError(f"expert policy must be one of {', '.join(EXPERT_POLICIES)}")
-    if "io_threads" in changes and not 1 <= changes["io_threads"] <= 64:
-        raise ValueError("I/O threads must be 1..64")
-    if "prefetch_depth" in changes and not 0 <= changes["prefetch_depth"] <= 16:
-        raise ValueError("prefetch depth must be 0..16")
+    if "io_threads" in changes:
+        _within("io_threads", changes["io_threads"], "I/O threads")
+    if "prefetch_depth" in changes:
+        _within("prefetch_depth", changes["prefetch_depth"], "prefetch depth")

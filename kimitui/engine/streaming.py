@@ -34,6 +34,7 @@ from kimitui.engine.budget import pool_buffers
 from kimitui.engine.direct import read_gaps, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
 from kimitui.engine.metrics import EngineMetrics
+from kimitui.engine.placers import make_placer
 from kimitui.engine.platform import PlatformIO
 from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.model.gguf_map import ModelMap, Shard
@@ -180,6 +181,15 @@ class Dropper:
                 return
 
 
+def _io_pools(threads: int) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    """The read pool, and the look-ahead's lane beside it: a guess never queues ahead of a read
+    that compute is waiting for."""
+    return (
+        ThreadPoolExecutor(threads, thread_name_prefix="kimitui-stream"),
+        ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="kimitui-guess"),
+    )
+
+
 class Streamer:
     def __init__(
         self,
@@ -193,8 +203,9 @@ class Streamer:
         window_limit: int | None = None,
         pool_limit: int | None = None,
     ) -> None:
-        """``space``: where each byte of the model is (addressing.py); ``mapping_fds``: descriptors of the open files llama.cpp mapped (loadhooks keeps
-        them), through which direct reads give ranges back to the file; our own otherwise.
+        """``space``: where each byte of the model is (addressing.py); ``mapping_fds``:
+        descriptors of the open files llama.cpp mapped (loadhooks keeps them), through which
+        direct reads give ranges back to the file; our own otherwise.
         ``window_limit``: the most trunk bytes in flight the budget allows, whatever the
         prefetch depth is tuned to later; ``pool_limit``: the direct-read buffers the budget
         holds room for."""
@@ -216,36 +227,29 @@ class Streamer:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._resident_bytes = 0
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kimitui-stream")
-        # Look-ahead reads go through a lane of their own: a guess never queues ahead of a read
-        # that compute is waiting for.
-        self._guess_pool = ThreadPoolExecutor(max(1, settings.io_threads // 2), thread_name_prefix="kimitui-guess")
+        self._pool, self._guess_pool = _io_pools(settings.io_threads)
         self._retired_pools: list[ThreadPoolExecutor] = []  # replaced by a live I/O-threads change
         self.predictor: RouterPredictor | None = None
+        self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
+        self._blanked: list[tuple] = []  # (file, offset, length[, address]) shielded as zeros, see _shield
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
         # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
-        self.placer = self.io.placer(model.files, space, self.fds | (mapping_fds or {}), 0)
+        self.placer = make_placer(model.files, space, self.fds | (mapping_fds or {}), 0, self.io.platform)
         if self.placer is not None:
             self._size_pool()
-        self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
-        # The eval callback's calls and the time spent in them (counted by the engine's callback,
-        # on the compute thread only): ggml asking about each node, and the nodes observed.
-        self.eval_asks = self.eval_observed = 0
-        self.eval_ask_s = self.eval_observe_s = 0.0
+            self._hold_pinned_edges(pinned)
         self._dropper = Dropper(self._release, self.fail)
-        self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
-        self._blanked: list[tuple] = []  # (file, offset, length[, address]) shielded as zeros, see _shield
-        if self.placer is not None:
-            # Pinned pages are locked in place (anonymous, see Engine.pin): a neighbour never reads over them.
-            for shard in model.shards:
-                if shard.index in pinned:
-                    self._take_edges(shard.range)
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
         self._pending: StreamSettings | None = None
         # Counters (cumulative; the trace and panels read them).
+        self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
+        # The eval callback's calls and the time spent in them (counted by the engine's callback,
+        # on the compute thread only): ggml asking about each node, and the nodes observed.
+        self.eval_asks = self.eval_observed = 0
+        self.eval_ask_s = self.eval_observe_s = 0.0
         self.hits = self.misses = 0
         self.stall_s = 0.0
         self.bytes_read = 0
@@ -262,6 +266,13 @@ class Streamer:
         self.on_route: Callable[[int, list[int], int], None] | None = None
         self.experts: ExpertCache | None = None
         self._report()
+
+    def _hold_pinned_edges(self, pinned: set[int]) -> None:
+        """Pinned pages are locked in place (anonymous, see Engine.pin): the end pages a pinned
+        shard shares are held for good, so a neighbour never reads over them."""
+        for shard in self.model.shards:
+            if shard.index in pinned:
+                self._take_edges(shard.range)
 
     # -- sizes --------------------------------------------------------------------------
 
@@ -917,8 +928,7 @@ class Streamer:
         if self.settings.io_threads != before.io_threads:
             # Reads already queued finish on the old pools; new ones go to pools of the new size.
             old = (self._pool, self._guess_pool)
-            self._pool = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="kimitui-stream")
-            self._guess_pool = ThreadPoolExecutor(max(1, self.settings.io_threads // 2), thread_name_prefix="kimitui-guess")
+            self._pool, self._guess_pool = _io_pools(self.settings.io_threads)
             for pool in old:
                 pool.shutdown(wait=False)
             self._retired_pools += old  # joined at close: a read queued there still uses the placer

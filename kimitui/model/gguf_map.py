@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable
@@ -293,20 +293,7 @@ class ModelMap:
     def regroup(self, shard_size: int) -> ModelMap:
         """The same tensors grouped for another shard size (a live tuning knob)."""
         shards = group_shards(self.tensors, shard_size)
-        return ModelMap(
-            files=self.files,
-            file_sizes=self.file_sizes,
-            architecture=self.architecture,
-            name=self.name,
-            n_expert_used=self.n_expert_used,
-            n_expert_shared=self.n_expert_shared,
-            tensors=self.tensors,
-            shard_size=shard_size,
-            shards=shards,
-            layers=_layer_infos(self.tensors, shards, len(self.layers)),
-            alignment=self.alignment,
-            hparams=self.hparams,
-        )
+        return replace(self, shard_size=shard_size, shards=shards, layers=_layer_infos(self.tensors, shards, len(self.layers)))
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < len(self.layers):
@@ -405,6 +392,11 @@ def _layer_infos(tensors: tuple[TensorInfo, ...], shards: tuple[Shard, ...], n_l
 # --- reading ------------------------------------------------------------------------------
 
 
+def split_name(prefix: str, number: int, count: int) -> str:
+    """File `number` (from 1) of a split set of `count`, named as llama.cpp's llama_split_path."""
+    return f"{prefix}-{number:05d}-of-{count:05d}.gguf"
+
+
 def split_set(path: Path) -> list[Path]:
     """All files of the split set `path` belongs to (just `path` for a single file)."""
     if not path.exists():
@@ -415,7 +407,7 @@ def split_set(path: Path) -> list[Path]:
     count = int(match["count"])
     if count < 1 or not 1 <= int(match["no"]) <= count:
         raise UserError(f"{path}: split number {match['no']} of {match['count']} makes no sense")
-    files = [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    files = [path.with_name(split_name(match["prefix"], i, count)) for i in range(1, count + 1)]
     missing = [f for f in files if not f.exists()]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -572,85 +564,124 @@ def tensor_layout(reader, file: Path, size: int):
         yield name, qtype, shape, n_bytes, offset
 
 
+@dataclass(frozen=True)
+class _ModelKeys:
+    """What the first file's keys say about the whole model."""
+
+    arch: str
+    name: str
+    block_count: int | None
+    expert_count: int | None
+    expert_used_count: int | None
+    expert_shared_count: int | None
+    alignment: int
+    hparams: dict  # the `{arch}.*` keys
+
+    @classmethod
+    def read(cls, reader, first_file: Path) -> _ModelKeys:
+        arch = field_value(reader, "general.architecture") or "unknown"
+        return cls(
+            arch=arch,
+            name=field_value(reader, "general.name") or first_file.stem,
+            block_count=field_value(reader, f"{arch}.block_count"),
+            expert_count=field_value(reader, f"{arch}.expert_count"),
+            expert_used_count=field_value(reader, f"{arch}.expert_used_count"),
+            expert_shared_count=field_value(reader, f"{arch}.expert_shared_count"),
+            alignment=int(reader.alignment),
+            hparams={key: field_value(reader, key) for key in reader.fields if key.startswith(f"{arch}.")},
+        )
+
+
 def load_model_map(path: Path | str, shard_size: int = DEFAULT_SHARD_SIZE) -> ModelMap:
     """Parse `path` (a single GGUF or any file of a split set) into a ModelMap."""
     check_shard_size(shard_size)
     files = split_set(Path(path))
     tensors: list[TensorInfo] = []
     sizes: list[int] = []
-    arch = name = None
-    n_layers_kv = n_used = n_shared = n_expert_kv = None
+    keys: _ModelKeys | None = None
     seen: set[str] = set()
-    alignment = 32
     for file_index, file in enumerate(files):
         reader = _open_reader(file)
-        size = os.path.getsize(file)
-        sizes.append(size)
+        sizes.append(os.path.getsize(file))
         if len(files) > 1:
-            split_no, split_count = field_value(reader, "split.no"), field_value(reader, "split.count")
-            if split_count is not None and (split_count != len(files) or split_no != file_index):
-                raise UserError(
-                    f"{file}: says it is split {split_no} of {split_count}, its name says "
-                    f"{file_index} of {len(files)} (files from different sets?)"
-                )
-        if file_index == 0:
-            arch = field_value(reader, "general.architecture") or "unknown"
-            name = field_value(reader, "general.name") or files[0].stem
-            n_layers_kv = field_value(reader, f"{arch}.block_count")
-            n_expert_kv = field_value(reader, f"{arch}.expert_count")
-            n_used = field_value(reader, f"{arch}.expert_used_count")
-            n_shared = field_value(reader, f"{arch}.expert_shared_count")
-            alignment = int(reader.alignment)
-            hparams = {key: field_value(reader, key) for key in reader.fields if key.startswith(f"{arch}.")}
-        for tname, qtype, shape, n_bytes, offset in tensor_layout(reader, file, size):
-            if tname in seen:
-                raise UserError(f"{file}: tensor {tname} appears twice")
-            seen.add(tname)
-            layer, role = classify(tname)
-            n_expert = shape[-1] if role == ROUTED_EXPERTS and len(shape) >= 2 else 0
-            if n_expert and n_bytes % n_expert:
-                raise UserError(f"{file}: routed tensor {tname} does not split into {n_expert} equal experts")
-            tensors.append(
-                TensorInfo(
-                    index=len(tensors),
-                    name=tname,
-                    file=file_index,
-                    offset=offset,
-                    n_bytes=n_bytes,
-                    layer=layer,
-                    role=role,
-                    ggml_type=qtype.name,
-                    shape=shape,
-                    n_expert=n_expert,
-                )
-            )
-    if not tensors:
-        raise UserError(f"{files[0]}: the GGUF holds no tensors")
-
-    max_layer = max((t.layer for t in tensors if t.layer is not None), default=-1)
-    n_layers = int(n_layers_kv) if n_layers_kv is not None else max_layer + 1
-    if max_layer >= n_layers:
-        raise UserError(f"{files[0]}: tensor of layer {max_layer} but {arch}.block_count is {n_layers}")
-    routed_counts = {t.n_expert for t in tensors if t.n_expert}
-    if routed_counts:
-        if n_expert_kv is not None and routed_counts != {int(n_expert_kv)}:
-            raise UserError(f"{files[0]}: routed tensors hold {sorted(routed_counts)} experts, {arch}.expert_count says {n_expert_kv}")
-        if not n_used:
-            raise UserError(f"{files[0]}: MoE model without {arch}.expert_used_count")
-
+            _check_split_number(reader, file, file_index, len(files))
+        if keys is None:
+            keys = _ModelKeys.read(reader, file)
+        tensors += _file_tensors(reader, file, file_index, sizes[-1], len(tensors), seen)
+    assert keys is not None  # a split set has at least one file
+    n_layers = _check_counts(tensors, keys, files[0])
+    routed = any(t.n_expert for t in tensors)
     frozen = tuple(tensors)
     shards = group_shards(frozen, shard_size)
     return ModelMap(
         files=tuple(files),
         file_sizes=tuple(sizes),
-        architecture=str(arch),
-        name=str(name),
-        n_expert_used=int(n_used or 0) if routed_counts else 0,
-        n_expert_shared=int(n_shared or 0),
+        architecture=str(keys.arch),
+        name=str(keys.name),
+        n_expert_used=int(keys.expert_used_count or 0) if routed else 0,
+        n_expert_shared=int(keys.expert_shared_count or 0),
         tensors=frozen,
         shard_size=shard_size,
         shards=shards,
         layers=_layer_infos(frozen, shards, n_layers),
-        alignment=alignment,
-        hparams=hparams,
+        alignment=keys.alignment,
+        hparams=keys.hparams,
     )
+
+
+def _check_split_number(reader, file: Path, file_index: int, n_files: int) -> None:
+    split_no, split_count = field_value(reader, "split.no"), field_value(reader, "split.count")
+    if split_count is not None and (split_count != n_files or split_no != file_index):
+        raise UserError(
+            f"{file}: says it is split {split_no} of {split_count}, its name says "
+            f"{file_index} of {n_files} (files from different sets?)"
+        )
+
+
+def _file_tensors(reader, file: Path, file_index: int, size: int, first_index: int, seen: set[str]) -> list[TensorInfo]:
+    """The tensors of one file of the model, indexed from `first_index`; UserError for a name
+    already `seen` (which gains this file's)."""
+    out: list[TensorInfo] = []
+    for tname, qtype, shape, n_bytes, offset in tensor_layout(reader, file, size):
+        if tname in seen:
+            raise UserError(f"{file}: tensor {tname} appears twice")
+        seen.add(tname)
+        layer, role = classify(tname)
+        n_expert = shape[-1] if role == ROUTED_EXPERTS and len(shape) >= 2 else 0
+        if n_expert and n_bytes % n_expert:
+            raise UserError(f"{file}: routed tensor {tname} does not split into {n_expert} equal experts")
+        out.append(
+            TensorInfo(
+                index=first_index + len(out),
+                name=tname,
+                file=file_index,
+                offset=offset,
+                n_bytes=n_bytes,
+                layer=layer,
+                role=role,
+                ggml_type=qtype.name,
+                shape=shape,
+                n_expert=n_expert,
+            )
+        )
+    return out
+
+
+def _check_counts(tensors: list[TensorInfo], keys: _ModelKeys, first_file: Path) -> int:
+    """The model's layer count, once the tensors agree with the keys' layer and expert counts."""
+    if not tensors:
+        raise UserError(f"{first_file}: the GGUF holds no tensors")
+    arch = keys.arch
+    max_layer = max((t.layer for t in tensors if t.layer is not None), default=-1)
+    n_layers = int(keys.block_count) if keys.block_count is not None else max_layer + 1
+    if max_layer >= n_layers:
+        raise UserError(f"{first_file}: tensor of layer {max_layer} but {arch}.block_count is {n_layers}")
+    routed_counts = {t.n_expert for t in tensors if t.n_expert}
+    if routed_counts:
+        if keys.expert_count is not None and routed_counts != {int(keys.expert_count)}:
+            raise UserError(
+                f"{first_file}: routed tensors hold {sorted(routed_counts)} experts, {arch}.expert_count says {keys.expert_count}"
+            )
+        if not keys.expert_used_count:
+            raise UserError(f"{first_file}: MoE model without {arch}.expert_used_count")
+    return n_layers

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 from kimitui.errors import UserError
 from kimitui.model.bulkio import Progress, read_ahead
-from kimitui.model.gguf_map import _SPLIT_RE, ROUTED_EXPERTS, ModelMap, TensorInfo, _open_reader, load_model_map
+from kimitui.model.gguf_map import _SPLIT_RE, ROUTED_EXPERTS, ModelMap, TensorInfo, _open_reader, load_model_map, split_name
 from kimitui.model.manifest import (
     CHECKSUMS,
     DEFAULT_CHECKSUM,
@@ -93,11 +93,6 @@ def set_prefix(source: Path) -> str:
     if match:
         return match["prefix"]
     return source.name[: -len(".gguf")] if source.name.endswith(".gguf") else source.name
-
-
-def split_name(prefix: str, number: int, count: int) -> str:
-    """llama.cpp's llama_split_path: numbers from 1."""
-    return f"{prefix}-{number:05d}-of-{count:05d}.gguf"
 
 
 def existing_sets(directory: Path, prefix: str) -> list[Path]:
@@ -251,17 +246,8 @@ def shard_model(
 ) -> ShardResult:
     """Write `source` (a GGUF or any file of a split set) as a layer-aligned split set in
     `outdir`, with its manifest. Raises UserError for anything the user can fix."""
-    if file_size < MIN_FILE_SIZE:
-        raise UserError(f"--shard-size {format_bytes(file_size)} is below the minimum {format_bytes(MIN_FILE_SIZE)}")
-    if outdir.exists() and not outdir.is_dir():
-        raise UserError(f"{outdir} is not a directory")
     prefix = set_prefix(source)
-    manifest_path = outdir / MANIFEST_NAME
-    old = existing_sets(outdir, prefix) if outdir.is_dir() else []
-    clash = ([manifest_path] if manifest_path.exists() else []) + old
-    if clash and not force:
-        more = f" and {len(clash) - 1} more" if len(clash) > 1 else ""
-        raise UserError(f"{clash[0]}{more} already in {outdir} (use --force to replace them)")
+    old = _replaced_files(outdir, prefix, file_size, force)
     m = load_model_map(source)
     plan = plan_files(m, file_size, trunk_first)
     count = len(plan)
@@ -294,21 +280,8 @@ def shard_model(
         for f in out_files:
             _fsync(partial / f.name)
         progress.close()
-        # Old files go first, the old first file before any other (without it llama.cpp
-        # cannot open the old set, so a half-replaced set is never loadable); the new
-        # first file and the manifest come last, so their presence means "complete".
-        if manifest_path.exists():
-            manifest_path.unlink()
-        for p in old:
-            p.unlink()
-        for f in out_files[1:] + out_files[:1]:
-            os.replace(partial / f.name, outdir / f.name)
-        write_manifest(
-            outdir,
-            Manifest(model=m.name, checksum=algorithm, files=tuple(entries), shard_size=file_size, trunk_first=trunk_first),
-        )
-        _fsync(outdir)
-        partial.rmdir()
+        manifest = Manifest(model=m.name, checksum=algorithm, files=tuple(entries), shard_size=file_size, trunk_first=trunk_first)
+        _move_into_place(partial, outdir, [f.name for f in out_files], old, manifest)
     except BaseException as exc:
         chunks.close()
         progress.close()
@@ -323,6 +296,40 @@ def shard_model(
             os.close(fd)
     trunk_files = sum(1 for f in out_files if not f.routed) if trunk_first else 0
     return ShardResult(outdir, tuple(entries), progress.seconds, trunk_files)
+
+
+def _replaced_files(outdir: Path, prefix: str, file_size: int, force: bool) -> list[Path]:
+    """The files of an earlier set named `prefix` in `outdir`, which the new one replaces;
+    UserError for a file size below the minimum, an `outdir` that is a file, or an earlier set
+    (or manifest) there without `force`."""
+    if file_size < MIN_FILE_SIZE:
+        raise UserError(f"--shard-size {format_bytes(file_size)} is below the minimum {format_bytes(MIN_FILE_SIZE)}")
+    if outdir.exists() and not outdir.is_dir():
+        raise UserError(f"{outdir} is not a directory")
+    manifest_path = outdir / MANIFEST_NAME
+    old = existing_sets(outdir, prefix) if outdir.is_dir() else []
+    clash = ([manifest_path] if manifest_path.exists() else []) + old
+    if clash and not force:
+        more = f" and {len(clash) - 1} more" if len(clash) > 1 else ""
+        raise UserError(f"{clash[0]}{more} already in {outdir} (use --force to replace them)")
+    return old
+
+
+def _move_into_place(partial: Path, outdir: Path, names: list[str], old: list[Path], manifest: Manifest) -> None:
+    """Replace the old set (`old`, first files first) and manifest with the files written
+    under `partial`. Old files go first, the old first file before any other (without it
+    llama.cpp cannot open the old set, so a half-replaced set is never loadable); the new
+    first file and the manifest come last, so their presence means "complete"."""
+    manifest_path = outdir / MANIFEST_NAME
+    if manifest_path.exists():
+        manifest_path.unlink()
+    for p in old:
+        p.unlink()
+    for name in names[1:] + names[:1]:
+        os.replace(partial / name, outdir / name)
+    write_manifest(outdir, manifest)
+    _fsync(outdir)
+    partial.rmdir()
 
 
 def _fsync(path: Path) -> None:

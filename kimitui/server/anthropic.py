@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kimitui.engine.interface import ServingEngine
+from kimitui.server.chat import ChatPath
+from kimitui.server.intake import read_body, require_ready
 from kimitui.server.params import ApiError, Fields, shown
+from kimitui.server.shapes import event_stream
 
 # Anthropic's error types, by HTTP status (its SDK raises the matching exception class).
 ERROR_TYPES = {
@@ -194,7 +202,7 @@ def _tool_use(call: dict) -> dict:
 
 
 def message(ident: str, model: str, text: str, end, asked: tuple[str, ...]) -> dict:
-    """The whole reply: ``end`` is the chat reply's end event (Api.chat_events)."""
+    """The whole reply: ``end`` is the chat reply's end event (ChatPath.chat_events)."""
     reason, sequence = _stop(end.finish, end.stop_word, asked)
     content = [{"type": "text", "text": text}] if text or not end.calls else []
     content += [_tool_use(call) for call in end.calls]
@@ -251,3 +259,35 @@ async def events(ident: str, model: str, n_prompt: int, replies: AsyncIterator, 
             reason, sequence = _stop(event.finish, event.stop_word, asked)
             yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(event.result)})
             yield _event("message_stop", {})
+
+
+@dataclass(eq=False)
+class AnthropicRoutes:
+    """POST /v1/messages and /v1/messages/count_tokens."""
+
+    engine: ServingEngine
+    chat: ChatPath
+    model_id: str
+
+    async def messages(self, request: Request) -> Response:
+        require_ready(self.engine)
+        fields = Fields(chat_request((await read_body(request)).body))
+        call = await self.chat.prepare_chat(request, fields)
+        asked = fields.stops()  # the request's own stop strings (the template's end of turn is not one)
+        ident = new_id()
+        if not fields.boolean("stream", False):
+            whole = await self.chat.chat_whole(request, call)
+            if whole is None:
+                return Response(status_code=499)
+            text, end = whole
+            return JSONResponse(message(ident, self.model_id, text, end, asked), headers=request.state.headers)
+        replies = await self.chat.chat_events(request, call)
+        if replies is None:
+            return Response(status_code=499)
+        return event_stream(events(ident, self.model_id, len(call.tokens), replies, asked), request.state.headers)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt a Messages request would give the model, in tokens (tools included)."""
+        require_ready(self.engine)
+        fields = Fields(chat_request((await read_body(request)).body))
+        return JSONResponse({"input_tokens": await self.chat.prompt_length(fields)})

@@ -10,15 +10,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kimitui.config import key_spec
 from kimitui.engine.generation import BANNED, Sampling
 
-# Sampling bounds. temperature matches the [sampling] config key; the others keep llama.cpp's
-# samplers out of undefined territory (repeat_penalty divides logits, so it may not be 0).
-TEMPERATURE = (0.0, 5.0)
-PROBABILITY = (0.0, 1.0)
+# Sampling bounds. Temperature, probabilities and seed are the [sampling] config keys'; the
+# others keep llama.cpp's samplers out of undefined territory (repeat_penalty divides logits,
+# so it may not be 0).
+TEMPERATURE = key_spec("sampling.temperature").bounds
+PROBABILITY = key_spec("sampling.top_p").bounds
 TOP_K = (0, 1 << 20)
 REPEAT_PENALTY = (0.1, 10.0)
-SEED = (-1, 0xFFFFFFFF)
+SEED = key_spec("sampling.seed").bounds
 MAX_STOPS = 16
 PENALTY = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
 BIAS = (-100.0, 100.0)  # OpenAI's logit_bias range (llama-server: false bans a token)
@@ -113,27 +115,20 @@ class Fields:
         return value
 
     def boolean(self, name: str, default: bool) -> bool:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise ApiError(f"{name}: expected true or false, got {shown(value)}")
-        return value
+        return self._typed(name, default, bool, "true or false")
 
     def string(self, name: str, default: str | None = None) -> str | None:
+        return self._typed(name, default, str, "a string")
+
+    def obj(self, name: str) -> dict:
+        return self._typed(name, {}, dict, "an object")
+
+    def _typed(self, name: str, default: Any, kind: type, expected: str) -> Any:
         value = self.body.get(name)
         if value is None:
             return default
-        if not isinstance(value, str):
-            raise ApiError(f"{name}: expected a string, got {shown(value)}")
-        return value
-
-    def obj(self, name: str) -> dict:
-        value = self.body.get(name)
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ApiError(f"{name}: expected an object, got {shown(value)}")
+        if not isinstance(value, kind):
+            raise ApiError(f"{name}: expected {expected}, got {shown(value)}")
         return value
 
     def stops(self, name: str = "stop") -> tuple[str, ...]:

@@ -12,9 +12,17 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from kimitui.server.params import ApiError, shown
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kimitui.engine.interface import ServingEngine
+from kimitui.server.chat import ChatEvent, ChatPath
+from kimitui.server.intake import read_body, require_ready
+from kimitui.server.params import ApiError, Fields, shown
+from kimitui.server.shapes import event_stream, timings
 
 RESPONSES_KEPT = 64
 # Fields of a Responses request that are not chat-completions fields: translated below or
@@ -289,3 +297,50 @@ async def events(shape: Shape, replies: AsyncIterator, extra: Callable[[Any], di
             # response.completed whatever the status, as llama-server ends it: the openai SDK's
             # stream helper waits for that event; a reply cut short says "incomplete" inside it.
             yield event("response.completed", response=shape.response(status, output, reply), **extra(reply))
+
+
+@dataclass(eq=False)
+class ResponsesRoutes:
+    """POST /v1/responses, and the responses kept for previous_response_id."""
+
+    engine: ServingEngine
+    chat: ChatPath
+    model_id: str
+    kept: Responses = field(default_factory=Responses)
+
+    async def respond(self, request: Request) -> Response:
+        require_ready(self.engine)
+        body = (await read_body(request)).body
+        chat, conversation = self.kept.chat_request(body)
+        fields = Fields(chat)
+        if fields.body.get("n") not in (None, 1):
+            raise ApiError("n: a response has one reply")
+        call = await self.chat.prepare_chat(request, fields)
+        shape = Shape(new_id(), self.model_id, body, body.get("previous_response_id"))
+        store = Fields(body).boolean("store", True)
+
+        def keep(text: str, end: ChatEvent) -> None:
+            if store:
+                self.kept.keep(shape.ident, conversation, text, end.calls)
+
+        if not fields.boolean("stream", False):
+            whole = await self.chat.chat_whole(request, call)
+            if whole is None:
+                return Response(status_code=499)
+            text, end = whole
+            keep(text, end)
+            return JSONResponse(shape.whole(text, end), headers=request.state.headers)
+        replies = await self.chat.chat_events(request, call)
+        if replies is None:
+            return Response(status_code=499)
+        per_token = fields.boolean("timings_per_token", False)
+
+        def extra(event: ChatEvent) -> dict:
+            """llama-server's own fields on the Responses stream: prompt progress, timings."""
+            if event.kind == "progress":
+                return {"prompt_progress": asdict(event.progress)}
+            if event.result is not None and (per_token or event.kind == "end"):
+                return {"timings": timings(event.result)}
+            return {}
+
+        return event_stream(events(shape, replies, extra, keep), request.state.headers)

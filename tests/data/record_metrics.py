@@ -28,7 +28,6 @@ def main() -> None:
         path = synth.write_model(spec, Path(tmp) / "k3-cut.gguf", seed=5, progress=False).paths[0]
         budget = minimum_budget(load_model_map(path)) + 8 * 2**20
         engine = Engine(path, n_ctx=256, budget=budget)
-        engine.metrics.budget_bytes = budget  # as engine_from_settings sets it
         engine.load()
         engine.pin()
         sampler = Sampler(engine.metrics, interval=0.25, model_path=path)

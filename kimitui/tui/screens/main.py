@@ -31,7 +31,7 @@ from kimitui.engine.state import EngineError
 from kimitui.tui.history_writer import HistoryWriter
 from kimitui.tui.messages import LoadFinished, LoadProgress, PinFinished, PinProgressed, ReplyFinished, SnapshotReady, TokenReceived
 from kimitui.tui.widgets.chat import ChatLog, MessageView, PromptInput
-from kimitui.tui.widgets.panels import NOT_STREAMING, PANEL_TYPES, ApiPanel, LatencyPanel, Panel
+from kimitui.tui.widgets.panels import NOT_STREAMING, PANEL_TYPES, ApiPanel, LatencyPanel, Panel, PanelColumn
 from kimitui.tui.widgets.status import StatusBar
 from kimitui.tui.widgets.trace_log import TokenBreakdown, TraceLog
 from kimitui.tui.widgets.tuning import TuningPanel
@@ -114,7 +114,6 @@ class MainScreen(Screen):
     idle_note = reactive(NOT_STREAMING)
     model_name = reactive("")
     model_bytes = reactive(0)
-    budget = reactive(0)
     engine_state = reactive("starting")
     status_detail = reactive("")
     sampling_line = reactive("")
@@ -141,6 +140,7 @@ class MainScreen(Screen):
         self._reply_ids = itertools.count(1)
         self._trace_error_shown = False
         self.terminal_gone = False  # the terminal closed (SIGHUP): the app ends once the reply has
+        self.status_bar = StatusBar(lambda: engine.metrics.budget_bytes, id="status")
         self.chat_log = ChatLog(id="chat-log")
         self.trace_log = TraceLog(id="trace-log")
         self.prompt = PromptInput(id="prompt")
@@ -150,8 +150,8 @@ class MainScreen(Screen):
     # -- layout --------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield StatusBar(id="status").data_bind(
-            MainScreen.model_name, MainScreen.model_bytes, MainScreen.budget, MainScreen.pinning, MainScreen.pinned,
+        yield self.status_bar.data_bind(
+            MainScreen.model_name, MainScreen.model_bytes, MainScreen.pinning, MainScreen.pinned,
             state=MainScreen.engine_state, detail=MainScreen.status_detail, sampling=MainScreen.sampling_line,
         )
         with Horizontal(id="main"):
@@ -160,14 +160,13 @@ class MainScreen(Screen):
                 yield self.trace_log
                 yield self.tuning_panel.data_bind(MainScreen.snapshot)
                 yield self.prompt
-            with Vertical(id="panels"):
-                for panel in self.panels.values():
-                    yield panel.data_bind(MainScreen.snapshot, MainScreen.idle_note)
+            yield PanelColumn(
+                *(panel.data_bind(MainScreen.snapshot, MainScreen.idle_note) for panel in self.panels.values()), id="panels",
+            )
         yield Footer()
 
     def on_mount(self) -> None:
         self._show_label()
-        self.budget = self.engine.metrics.budget_bytes or 0
         self.engine_state = "loading"
         self.tuning_panel.display = False
         # On a phone-sized terminal the chat needs the room: the pane starts hidden (key 9 shows it).
@@ -468,7 +467,7 @@ class MainScreen(Screen):
         except EngineError as exc:
             self.tuning_panel.applied(f"not applied: {exc}")
             return
-        self.budget = self.engine.metrics.budget_bytes or 0
+        self.status_bar.refresh()  # it reads the budget the engine has now
         self.tuning_panel.current = self.engine.tuning()
         self.tuning_panel.applied(f"{names}: {when}")
 

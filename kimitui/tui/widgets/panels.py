@@ -1,16 +1,18 @@
-"""The live panels. Each renders one metrics Snapshot; missing values show "—" with the reason."""
+"""The live panels and their column. Each panel renders one metrics Snapshot; missing values
+show "—" with the reason."""
 
 from __future__ import annotations
 
 from rich.console import Group
 from rich.progress_bar import ProgressBar
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import Sparkline, Static
 
-from kimitui.engine.metrics import Snapshot
+from kimitui.engine.metrics import Snapshot, StreamingCounters
 from kimitui.units import format_bytes, format_ms, format_rate
 
 # Why the streaming panels show "—"; the app sets it once it knows what was pinned.
@@ -78,17 +80,29 @@ class Panel(Vertical, can_focus=True):
             self.set_class(name == level, f"-{name}")
 
 
-class CachePanel(Panel):
+class StreamingPanel(Panel):
+    """A panel of the streamer's counters: while none streams, ``PLACEHOLDER`` and the reason."""
+
+    PLACEHOLDER = "—"
+
+    def render_snapshot(self, snap: Snapshot) -> None:
+        if snap.streaming is None:
+            self.body.update(self.PLACEHOLDER)
+            self.show_note(self.missing(snap))
+        else:
+            self.render_streaming(snap, snap.streaming)
+
+    def render_streaming(self, snap: Snapshot, s: StreamingCounters) -> None:
+        raise NotImplementedError
+
+
+class CachePanel(StreamingPanel):
     TITLE = "shard cache"
     KEY = "1"
     LABEL = "cache"
+    PLACEHOLDER = "hits — miss —\nhit rate —"
 
-    def render_snapshot(self, snap: Snapshot) -> None:
-        s = snap.streaming
-        if s is None:
-            self.body.update("hits — miss —\nhit rate —")
-            self.show_note(self.missing(snap))
-            return
+    def render_streaming(self, snap: Snapshot, s: StreamingCounters) -> None:
         rate = snap.cache_hit_rate
         experts = ""
         if s.expert_hits is not None:
@@ -100,16 +114,12 @@ class CachePanel(Panel):
         self.show_note("")
 
 
-class PrefetchPanel(Panel):
+class PrefetchPanel(StreamingPanel):
     TITLE = "prefetch"
     KEY = "2"
+    PLACEHOLDER = "queue —\nstall —\nused —\nwasted —"
 
-    def render_snapshot(self, snap: Snapshot) -> None:
-        s = snap.streaming
-        if s is None:
-            self.body.update("queue —\nstall —\nused —\nwasted —")
-            self.show_note(self.missing(snap))
-            return
+    def render_streaming(self, snap: Snapshot, s: StreamingCounters) -> None:
         self.body.update(
             f"queue {s.prefetch_queue_depth}, {format_bytes(s.prefetch_inflight_bytes)}\n"
             f"stall {format_ms(s.stall_s)}\n"
@@ -258,6 +268,7 @@ class ExpertPanel(Panel):
             lines.append("".join(HEAT[min(4, -(-4 * c // peak))] for c in cells))
             rate = rates[layer]
             lines.append(f" {'—' if rate is None else f'{rate:.0%}':>4}\n")
+        lines.rstrip()  # the last row's newline: no blank row under the map
         s = snap.streaming
         total = "—"
         if s is not None and s.expert_hits is not None and s.expert_hits + s.expert_misses:
@@ -300,3 +311,44 @@ class ApiPanel(Panel):
 PANEL_TYPES: tuple[type[Panel], ...] = (
     CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, LatencyPanel, ApiPanel, ResidencyPanel, ExpertPanel,
 )
+
+
+class PanelColumn(Vertical):
+    """The panels, one under another (two to a row on a phone). More panels than rows scroll
+    without a scrollbar: a thumb's block glyphs beside a panel pass for sparkline cells past its
+    border. While a panel is out of view, the last row says how many and how to see them."""
+
+    def __init__(self, *panels: Panel, **kwargs) -> None:
+        super().__init__(*panels, **kwargs)
+        self.more = Static("", classes="panels-more -empty")
+
+    def compose(self) -> ComposeResult:
+        yield self.more
+
+    def on_mount(self) -> None:
+        # The virtual size changes as a panel grows, shrinks, is shown or hidden.
+        for name in ("scroll_y", "virtual_size"):
+            self.watch(self, name, lambda: self.call_after_refresh(self.show_more), init=False)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.call_after_refresh(self.show_more)
+
+    def out_of_view(self) -> tuple[int, int]:
+        """The shown panels not wholly in view: above it, below it. The note's row is not in
+        view: the note covers it whenever a panel is out of view."""
+        top = self.scroll_offset.y
+        regions = [panel.virtual_region_with_margin for panel in self.query_children(Panel) if panel.display]
+        above = sum(region.y < top for region in regions)
+        for rows in (self.scrollable_content_region.height, self.scrollable_content_region.height - 1):
+            below = sum(region.y >= top and region.bottom > top + rows for region in regions)
+            if not above and not below:
+                break
+        return above, below
+
+    def show_more(self) -> None:
+        above, below = self.out_of_view()
+        hidden = above + below
+        where = "out of view" if above and below else "above" if above else "below"
+        noun = "panel" if hidden == 1 else "panels"
+        self.more.update(f"+{hidden} {noun} {where}: scroll or hide (1-8)" if hidden else "")
+        self.more.set_class(not hidden, "-empty")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from textual.reactive import reactive
 from textual.widgets import Static
 
@@ -9,18 +11,25 @@ from kimitui.units import format_bytes
 
 
 class StatusBar(Static):
+    """Fed by its screen (``data_bind``) but for the budget, which it reads from the engine as
+    it draws: the engine's is the one figure, whatever changed it."""
+
     model_name = reactive("")
     model_bytes = reactive(0)
-    budget = reactive(0)
     state = reactive("starting")
     detail = reactive("")
     sampling = reactive("")
     pinning = reactive("")  # progress while the pinned set is read
     pinned = reactive("")  # what was pinned, once it was
 
+    def __init__(self, budget: Callable[[], int | None], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.budget = budget
+
     def render(self) -> str:
         model = f"{self.model_name} ({format_bytes(self.model_bytes)})"
-        budget = f"budget {format_bytes(self.budget) if self.budget else '—'}"
+        budget_bytes = self.budget()
+        budget = f"budget {format_bytes(budget_bytes) if budget_bytes else '—'}"
         state = self.state + (f" {self.detail}" if self.detail else "")
         if self.size.width < 100:
             # Narrow terminals (a phone over SSH): two lines, the state first.

@@ -1,0 +1,137 @@
+"""llama.cpp's callbacks per graph node for a streamed model: the eval callback, which feeds
+the streamer (layer starts, routing, staged expert matrices) and points weights out of the
+bounded layout's phantom mappings, and the abort callback, which stops a token that cannot go
+on (a failed read, a cancelled reply).
+
+A C callback must not raise: whatever fails is handed to the streamer, whose error the abort
+callback then reports, so the token stops instead of computing on wrong weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from kimitui.engine.addressing import SRC_OFFSET
+from kimitui.engine.llama_glue import LAYER_ZERO_NODES, WATCHED_NODES, last_row_f32, numbered, topk_ids
+from kimitui.engine.state import EngineError
+
+if TYPE_CHECKING:
+    from kimitui.engine.addressing import WeightPointers
+    from kimitui.engine.llama_glue import CancelFlag
+    from kimitui.engine.streaming import Streamer
+
+
+class GraphHost(Protocol):
+    """What the callbacks read, each time: a re-pin replaces the streamer."""
+
+    streamer: Streamer | None
+    pointers: WeightPointers | None  # while weights still point into phantoms
+    cancel_flag: CancelFlag | None
+    space: object | None  # addressing's WholeFiles or Windows (``bounded``)
+
+
+class GraphWatch:
+    """The callbacks for one llama.cpp context; ``c_callbacks`` must live as long as it."""
+
+    def __init__(self, host: GraphHost, ggml) -> None:
+        self._host = host
+        self._ggml = ggml  # ggml's base library (llama_glue.ggml_base)
+        self._staged_nodes: dict[int, bytes] = {}  # graph node -> the staged routed tensor it computes with
+
+    def c_callbacks(self) -> tuple:
+        """(eval callback, abort callback), as llama.cpp's context parameters take them."""
+        import llama_cpp.llama_cpp as C
+
+        return C.ggml_backend_sched_eval_callback(self.on_eval), C.ggml_abort_callback(self.on_abort)
+
+    def on_eval(self, tensor, ask, _user) -> bool:
+        # ggml asks about every graph node, ~17,600 a token at Kimi K3's full size: what the
+        # asking costs (pure overhead) and what the observed nodes cost (the streaming work,
+        # stalls included) are counted apart (kimitui bench shows both per token).
+        started = time.perf_counter()
+        try:
+            name = self._ggml.ggml_get_name(tensor) or b""
+            return self._ask(tensor, name) if ask else self._observed(tensor, name)
+        finally:
+            streamer = self._host.streamer
+            if streamer is not None:
+                spent = time.perf_counter() - started
+                if ask:
+                    streamer.eval_asks += 1
+                    streamer.eval_ask_s += spent
+                else:
+                    streamer.eval_observed += 1
+                    streamer.eval_observe_s += spent
+
+    def _ask(self, tensor: int, name: bytes) -> bool:
+        """Whether to observe ``tensor`` once computed: the node before each layer (the
+        embeddings, then l_out-<i>), each router's top-k, and with router look-ahead each MoE
+        layer's FFN input. Only the nodes themselves, never views of them: ggml names a view
+        of l_out-5 "l_out-5 (reshaped)" (K3's residual attention makes one at each block
+        boundary). Before ggml computes a node, its weights are pointed and, in a staged layer,
+        each routed matrix's slices read."""
+        host = self._host
+        pointers = host.pointers
+        if pointers is not None and pointers.active:
+            if name in LAYER_ZERO_NODES:
+                pointers.graph_started()
+            elif name == b"result_output":
+                pointers.graph_ended()  # before its own weights: they were pointed in an earlier graph, or count now
+            try:
+                pointers.point(tensor)
+            except EngineError as exc:  # a phantom address outside every tensor: a bug, stopped here
+                if host.streamer is not None:
+                    host.streamer.fail(str(exc))
+        streamer = host.streamer
+        if streamer is not None and streamer.staging and self._staged(streamer, tensor, name):
+            return True
+        # Every node passes here: one builtin test first, the digits only for the few that match.
+        if name in LAYER_ZERO_NODES:
+            self._staged_nodes.clear()  # a graph cut short left its nodes here
+            return True
+        if name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit():
+            return True
+        return streamer is not None and streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
+
+    def _staged(self, streamer: Streamer, tensor: int, name: bytes) -> bool:
+        """A staged layer's routed matrix node: its experts' slices read just before it."""
+        try:
+            weight = ctypes.c_void_p.from_address(tensor + SRC_OFFSET).value
+            weight_name = self._ggml.ggml_get_name(weight) if weight else None
+            if weight_name and streamer.on_expert_matrix(weight_name):
+                self._staged_nodes[tensor] = weight_name
+                return True
+        except Exception as exc:  # noqa: BLE001 - a C callback must not raise: the token stops instead
+            streamer.fail(f"streaming failed before graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
+        return False
+
+    def _observed(self, tensor: int, name: bytes) -> bool:
+        """A watched node, computed: the streamer told. Always True: False would make ggml skip
+        the rest of the graph split (silently wrong logits); a failure stops the token through
+        the abort callback instead."""
+        streamer = self._host.streamer
+        if streamer is None:
+            return True
+        try:
+            if tensor in self._staged_nodes:
+                streamer.on_expert_matrix_done(self._staged_nodes.pop(tensor))
+            elif (layer := numbered(name, b"ffn_moe_topk-")) is not None:
+                streamer.on_experts(layer, topk_ids(self._ggml, tensor))
+            elif (layer := numbered(name, b"ffn_norm-")) is not None:
+                hidden = last_row_f32(self._ggml, tensor)
+                if hidden is not None:
+                    streamer.on_router_input(layer, hidden)
+            else:
+                streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else numbered(name, b"l_out-") + 1)
+        except Exception as exc:  # noqa: BLE001 - a C callback must not raise
+            streamer.fail(f"streaming failed at graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
+        return True
+
+    def on_abort(self, _user) -> bool:
+        host = self._host
+        streamer, flag, space = host.streamer, host.cancel_flag, host.space
+        if streamer is None and space is not None and space.bounded:
+            return True  # no streamer fills the slots (a pin that failed): nothing computes on them
+        return (streamer is not None and streamer.error is not None) or (flag is not None and flag.is_set)
