@@ -103,8 +103,9 @@ def resolve_model(settings: Settings) -> Path:
     return path
 
 
-def check_budget(settings: Settings, model_path: Path) -> None:
-    """A budget that cannot hold one layer is refused before llama.cpp is called."""
+def check_budget(settings: Settings, model_path: Path) -> int:
+    """The budget in bytes ("auto" worked out once, here); one that cannot hold one layer is
+    refused before llama.cpp is called."""
     from kimitui.engine.memory import SAFE_SHARE, resolve_budget
     from kimitui.engine.budget import budget_shortfall
     from kimitui.model import read_model_info
@@ -113,7 +114,7 @@ def check_budget(settings: Settings, model_path: Path) -> None:
     budget = settings["engine.budget"]
     resolved = resolve_budget(budget)
     if resolved >= read_model_info(model_path).tensor_bytes:
-        return  # it holds the whole model, so its working set too (and start-up skips a parse)
+        return resolved  # it holds the whole model, so its working set too (and start-up skips a parse)
     shortfall = budget_shortfall(load_model_map(model_path, shard_size=settings["engine.shard_size"]), resolved)
     if shortfall and budget == "auto":
         raise UserError(
@@ -122,6 +123,7 @@ def check_budget(settings: Settings, model_path: Path) -> None:
         )
     if shortfall:
         raise UserError(f"{settings.origin('engine.budget')}: {shortfall}")
+    return resolved
 
 
 def check_theme(settings: Settings) -> None:
@@ -162,7 +164,7 @@ def _build_app(args: argparse.Namespace):
         check_theme(settings)
         return make_app(settings, remote=(args.remote, api_key))
     model_path = resolve_model(settings)
-    check_budget(settings, model_path)
+    budget = check_budget(settings, model_path)
     api_socket, host = None, ""
     if args.serve:
         from kimitui.server.runner import bind_socket, check_bind
@@ -172,7 +174,7 @@ def _build_app(args: argparse.Namespace):
         api_socket = bind_socket(host, port)
     from kimitui.engine.session import engine_from_settings
 
-    engine = engine_from_settings(settings, model_path)
+    engine = engine_from_settings(settings, model_path, budget)
     engine.inspect()  # a damaged header is one line here, before any thread starts
     engine.start_loading()  # llama.cpp loads while Textual is imported and starts
     try:

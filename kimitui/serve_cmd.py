@@ -117,9 +117,9 @@ def _serve(settings, model_path, sockets: list, api_key: str, hosts: list[str]) 
     from kimitui.server.app import create_app
     from kimitui.server.runner import base_url, bound_names, uvicorn_server
 
-    check_budget(settings, model_path)
+    budget = check_budget(settings, model_path)
     # The same engine as the app's: budget, pinned set and streaming settings from the config.
-    engine = engine_from_settings(settings, model_path)
+    engine = engine_from_settings(settings, model_path, budget)
     from kimitui.trace import open_trace
 
     trace = open_trace(settings, list(engine.inspect().files))

@@ -147,7 +147,7 @@ def _trunk_shards(model: ModelMap) -> list[Shard]:
 def plan_memory(model: ModelMap, budget: int, prefetch_depth: int, n_batch: int) -> MemoryPlan:
     """Spend ``budget`` on ``model`` as the module says; ``budget`` is at least the minimum.
 
-    Long on purpose: its steps share one set of sums (the room left, the expert floor, the
+    One function: its steps share one set of sums (the room left, the expert floor, the
     trunk in pinning order) and read in the order the module's docstring gives them."""
     room = max(0, budget - SLACK_BYTES)
     shards = _trunk_shards(model)

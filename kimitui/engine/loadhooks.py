@@ -23,8 +23,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from kimitui.engine.elf import ElfSlotFinder, elf_base_address
-from kimitui.engine.macho import MachOSlotFinder, macho_base_address
 from kimitui.engine.platform import (
     F_GETPATH, HUGE_ALIGN, MAP_FAILED, MAP_FIXED, PROT_READ, PROT_WRITE, is_darwin, reserve_aligned,
 )
@@ -231,9 +229,14 @@ def rebind(
 ) -> LoadHooks:
     """Point ``library``'s imported mmap/posix_madvise/posix_fadvise at new wrappers."""
     if finder is None:
+        # Each OS's finder imported in its branch: start-up loads only the one it runs.
         if platform.startswith("linux"):
+            from kimitui.engine.elf import ElfSlotFinder, elf_base_address
+
             finder, base_address = CachedSlotFinder(ElfSlotFinder(), default_slot_cache()), base_address or elf_base_address
         elif is_darwin(platform):
+            from kimitui.engine.macho import MachOSlotFinder, macho_base_address
+
             finder, base_address = MachOSlotFinder(), base_address or macho_base_address
         else:
             raise HookUnavailable(f"no fast-start support on {platform}")

@@ -185,9 +185,6 @@ def mapped_resident_bytes(
     return total
 
 
-# The most address range pagemap_resident_bytes reads (8 bytes a page: 32 MiB of entries at
-# 16 GiB); beyond it smaps is cheaper, since a model that large has large experts and so
-# fewer areas.
 def tensor_data_spans(model, space) -> list[tuple[int, int]]:
     """What of each whole-file mapping in ``space`` (addressing.WholeFiles) stays mapped after
     llama.cpp's load: it unmaps the pages wholly before the first tensor and after the last
@@ -204,6 +201,9 @@ def tensor_data_spans(model, space) -> list[tuple[int, int]]:
     ]
 
 
+# The most address range pagemap_resident_bytes reads (8 bytes a page: 32 MiB of entries at
+# 16 GiB); beyond it smaps is cheaper, since a model that large has large experts and so
+# fewer areas.
 PAGEMAP_MOST = 16 * 2**30
 _PAGEMAP_CHUNK = 1 << 20  # entries per read
 

@@ -89,10 +89,6 @@ class EngineMetrics:
     def budget_bytes(self) -> int | None:
         return self.budget_source() if self.budget_source is not None else None
 
-    def set_window(self, size: int) -> None:
-        with self._lock:
-            self.latencies = deque(self.latencies, maxlen=size)
-
     def request_started(self) -> None:
         with self._lock:
             self.requests_total += 1

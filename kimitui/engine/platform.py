@@ -170,11 +170,6 @@ class PlatformIO:
         if is_darwin(self.platform):
             self.sys.fcntl(fd, F_RDADVISE, struct.pack("qi4x", offset, min(length, 2**31 - 1)))
 
-    def unmap_page(self, address: int) -> None:
-        """One file-backed page out of our page tables (it stays in the cache for whoever shares
-        it); a locked one refuses, which is fine."""
-        self.sys.madvise(address, self.page, MADV_DONTNEED)
-
     def uncache(self, fd: int, offset: int, length: int) -> None:
         """Whole pages of a file out of the page cache, where the OS can be asked (not Darwin:
         its drop invalidates through the mapping)."""

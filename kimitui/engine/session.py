@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # the streamer is imported when a model streams, not on the w
 
 
 @dataclass(frozen=True)
-class LoadWay:
+class LoadPlan:
     """How the model is held, decided before llama.cpp loads it."""
 
     files: tuple[Path, ...]
@@ -88,7 +88,7 @@ class Engine:
         ``state_quota`` bytes; None or 0: none kept. ``context_shift``: a reply that fills the
         context goes on, its older half dropped (where the model's memory can shift).
 
-        Long on purpose: every attribute the engine holds, one a line with what it is, in one
+        One function: every attribute the engine holds, one a line with what it is, in one
         place; the load and the pinned set fill them in."""
         self.model_path = Path(model_path)
         self.context_shift_asked = context_shift
@@ -223,7 +223,7 @@ class Engine:
             raise EngineError(self.load_error) from None
 
     def _load_steps(self) -> None:
-        """The load in its order: fast start's hooks, how the model is held (LoadWay), the
+        """The load in its order: fast start's hooks, how the model is held (LoadPlan), the
         llama.cpp model and context, the mappings fast start saw, what the load took."""
         self.inspect()
         started = time.perf_counter()
@@ -239,7 +239,7 @@ class Engine:
         # llama.cpp's log lines would tear a full-screen terminal UI; errors surface as exceptions.
         silence_llama_log(llama_cpp)
         hooks = self._fast_start_hooks()
-        way = self._load_way(hooks)
+        way = self._load_plan(hooks)
         process = psutil.Process()
         rss_before, vms_before = process.memory_info()[:2]
         self._rss_before_load = rss_before
@@ -282,7 +282,7 @@ class Engine:
             self.fast_load_note = f"fast start unavailable ({exc}); llama.cpp reads the whole model at load"
             return None
 
-    def _load_way(self, hooks) -> LoadWay:
+    def _load_plan(self, hooks) -> LoadPlan:
         """How the model is held, decided before llama.cpp is called: streamed or whole, in
         windows or mapped whole, in llama.cpp's own buffers; the context and micro-batch fitted
         to it. EngineError when the files pass the process's limits."""
@@ -294,7 +294,6 @@ class Engine:
         bounded = bound is not None and files_bytes > bound
         streams = self._may_stream() or bounded
         if streams:
-            self._stream_callbacks()
             # A prefill micro-batch needs the union of its tokens' experts at once: as many
             # tokens as the planned expert cache surely holds.
             self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch)
@@ -317,9 +316,9 @@ class Engine:
         refused = model_fits_limits(list(files), 0 if own_buffers or bounded else files_bytes)
         if refused:
             raise EngineError(f"cannot load {self.model_path.name}: {refused}")
-        return LoadWay(files, files_bytes, tensor_bytes, bounded, streams, own_buffers)
+        return LoadPlan(files, files_bytes, tensor_bytes, bounded, streams, own_buffers)
 
-    def _make_llama(self, llama_cpp, hooks, way: LoadWay, progress: Callable[[float], bool]) -> int:
+    def _make_llama(self, llama_cpp, hooks, way: LoadPlan, progress: Callable[[float], bool]) -> int:
         """llama.cpp's model and context (``_llm``), made the way ``way`` says; once more with
         its log kept where the first try fails, so the error says why. Returns the hooks' mark
         the mappings are claimed since. EngineError when it fails or is cancelled."""
@@ -337,7 +336,7 @@ class Engine:
             # a fraction of a second, so only the stock load, which reads the whole file, has one.
             # The hooks are process-wide once installed: a stock load must not go through them.
             stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
-            callbacks = self._callbacks if way.streams else (None, None)
+            callbacks = self._stream_callbacks() if way.streams else (None, None)
 
             def make():
                 with stock, llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks), templates_checked_later():
@@ -496,6 +495,11 @@ class Engine:
         # wholly pinned get it, so runs that fit the budget pay nothing.
         return self.fast_load and self.budget is not None and self.inspect().tensor_bytes > self.budget * 0.8
 
+    @property
+    def streams(self) -> bool:
+        """Its context has the streaming callbacks: a streamer feeds it."""
+        return self._callbacks is not None
+
     def _stream_callbacks(self) -> tuple:
         """A new context's per-node callbacks (graph_watch.py), kept alive as long as it."""
         import llama_cpp.llama_cpp as C
@@ -547,7 +551,7 @@ class Engine:
         if not self.mappings:
             return
         model = self.model_map()
-        streaming = self._callbacks is not None
+        streaming = self.streams
         pinned, hot, counts, settings = self._planned_pins(model, streaming)
         unpinned = 0  # planned for pinning, left out by the bounded layout's store: the window may take it
         if self.space.bounded:
@@ -749,7 +753,7 @@ class Engine:
         return schedule(
             self.pending,
             repin=repin,
-            streams=self._callbacks is not None,
+            streams=self.streams,
             fits=lambda: self.inspect().tensor_bytes <= (self.budget or 0) * 0.8,
             mapped=bool(self.mappings),
             ubatch_changes=lambda: self.model_map().is_moe and min(self.n_batch, self._memory_plan(self.model_map()).ubatch) != self.n_ubatch,
@@ -1166,8 +1170,9 @@ class Engine:
         return Generation(self, build, sampling, slot=slot, progress=progress)
 
 
-def engine_from_settings(settings, model_path: Path) -> Engine:
-    """The engine as configured (model, budget, streaming keys): one recipe for app and server."""
+def engine_from_settings(settings, model_path: Path, budget: int | None = None) -> Engine:
+    """The engine as configured (model, budget, streaming keys): one recipe for app and server.
+    ``budget``: engine.budget already worked out (``cli.check_budget``), else worked out here."""
     from kimitui.config import data_dir
     from kimitui.engine.memory import resolve_budget
 
@@ -1178,7 +1183,7 @@ def engine_from_settings(settings, model_path: Path) -> Engine:
         n_threads=settings["model.n_threads"],
         n_batch=settings["model.n_batch"],
         metrics=EngineMetrics(latency_window=settings["metrics.latency_window"]),
-        budget=resolve_budget(settings["engine.budget"]),
+        budget=resolve_budget(settings["engine.budget"]) if budget is None else budget,
         shard_size=settings["engine.shard_size"],
         chat_template=chat_template_file(settings["model.chat_template_file"]) or settings["model.chat_template"] or None,
         n_slots=settings["server.slots"],

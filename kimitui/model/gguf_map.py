@@ -397,17 +397,27 @@ def split_name(prefix: str, number: int, count: int) -> str:
     return f"{prefix}-{number:05d}-of-{count:05d}.gguf"
 
 
+def split_names(path: Path) -> list[str] | None:
+    """The names of every file of the split set `path` names, in order; None for a single file.
+    UserError where its numbering makes no sense."""
+    match = _SPLIT_RE.match(path.name)
+    if match is None:
+        return None
+    count = int(match["count"])
+    if count < 1 or not 1 <= int(match["no"]) <= count:
+        raise UserError(f"{path}: split number {match['no']} of {match['count']} makes no sense")
+    return [split_name(match["prefix"], i, count) for i in range(1, count + 1)]
+
+
 def split_set(path: Path) -> list[Path]:
     """All files of the split set `path` belongs to (just `path` for a single file)."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
-    match = _SPLIT_RE.match(path.name)
-    if match is None:
+    names = split_names(path)
+    if names is None:
         return [path]
-    count = int(match["count"])
-    if count < 1 or not 1 <= int(match["no"]) <= count:
-        raise UserError(f"{path}: split number {match['no']} of {match['count']} makes no sense")
-    files = [path.with_name(split_name(match["prefix"], i, count)) for i in range(1, count + 1)]
+    count = len(names)
+    files = [path.with_name(name) for name in names]
     missing = [f for f in files if not f.exists()]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

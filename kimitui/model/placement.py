@@ -17,7 +17,7 @@ from typing import Sequence
 
 from kimitui.config import cache_dir
 from kimitui.errors import UserError
-from kimitui.model.gguf_map import _SPLIT_RE
+from kimitui.model.gguf_map import _SPLIT_RE, split_names
 from kimitui.model.manifest import MANIFEST_NAME, locate, read_manifest
 
 
@@ -61,21 +61,17 @@ def assemble_split_set(path: Path, search_dirs: Sequence[Path] = ()) -> Path:
         path = model_in_directory(path)
     dirs = _search_dirs(path, search_dirs)
     looked = ", ".join(str(d) for d in dirs)
-    match = _SPLIT_RE.match(path.name)
-    if match is None:
+    names = split_names(path)
+    if names is None:
         found = locate(path.name, dirs)
         if found is None:
             raise UserError(f"model file not found: {path.name} (looked in {looked})")
         return found
-    count = int(match["count"])
-    if count < 1 or not 1 <= int(match["no"]) <= count:
-        raise UserError(f"{path}: split number {match['no']} of {match['count']} makes no sense")
-    names = [f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
     found = {name: locate(name, dirs) for name in names}
     missing = [name for name, p in found.items() if p is None]
     if missing:
         raise UserError(
-            f"split set of {count} files is incomplete: {', '.join(missing)} not found (looked in {looked})"
+            f"split set of {len(names)} files is incomplete: {', '.join(missing)} not found (looked in {looked})"
         )
     paths = [found[name] for name in names]
     if len({p.parent for p in paths}) == 1:

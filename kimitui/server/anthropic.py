@@ -22,12 +22,6 @@ from kimitui.server.intake import read_body, require_ready
 from kimitui.server.params import ApiError, Fields, shown
 from kimitui.server.shapes import event_stream
 
-# Anthropic's error types, by HTTP status (its SDK raises the matching exception class).
-ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
-    503: "overloaded_error",
-}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 # A Messages request's fields that are not chat-completions fields: translated below, or taken as
 # said (one model; no reasoning budget; metadata is the client's own).
@@ -35,14 +29,6 @@ OWN_FIELDS = frozenset({
     "messages", "system", "stop_sequences", "tools", "tool_choice", "model", "metadata", "thinking", "service_tier",
     "container", "mcp_servers", "output_config", "anthropic_version",
 })
-
-
-def is_anthropic(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 def _text_of(value: Any, where: str) -> str:

@@ -96,7 +96,7 @@ class ChatPath:
     async def prepare_chat(self, request: Request, fields: Fields) -> ChatCall:
         """A chat request's prompt tokens and sampling, checked: what /v1/chat/completions takes,
         and what the Anthropic and Responses requests are turned into."""
-        sampling = await self.intake.decoding(request, fields, openai=True)
+        sampling = await self.intake.checked_sampling(request, fields, openai=True)
         n = choices_of(fields)
         check_request_size(self.intake.limits, n, sampling)
         messages = chat_messages(fields.body.get("messages"))

@@ -7,14 +7,28 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kimitui.server import anthropic
 from kimitui.server.params import ApiError
+
+# Anthropic's error types, by HTTP status (its SDK raises the matching exception class).
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 def error_response(status: int, kind: str, message: str, headers: dict | None = None, path: str = "", **extra) -> JSONResponse:
     """An error as JSON: llama-server's (OpenAI's) shape, or Anthropic's on its routes."""
-    if anthropic.is_anthropic(path):
-        return JSONResponse(anthropic.error_body(status, message), status, headers=headers)
+    if is_anthropic(path):
+        return JSONResponse(anthropic_error_body(status, message), status, headers=headers)
     return JSONResponse({"error": {"code": status, "type": kind, "message": message, **extra}}, status, headers=headers)
 
 

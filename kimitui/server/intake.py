@@ -76,7 +76,7 @@ class Intake:
     def n_vocab(self) -> int:
         return self.engine.llm.n_vocab()
 
-    async def decoding(self, request: Request, fields: Fields, *, openai: bool) -> Sampling:
+    async def checked_sampling(self, request: Request, fields: Fields, *, openai: bool) -> Sampling:
         """What every request that decodes checks first: no field that is not offered, its slot
         and progress, then its sampling."""
         refuse_not_offered(fields)

@@ -29,7 +29,7 @@ from kimitui.server.shapes import dumps, event_stream, generation_settings, nati
 PIECES_PER_ENCODE = 4096  # /tokenize with_pieces: entries JSON-encoded at a time (see TextRoutes.tokenize)
 
 # One reply's llama-server result, given its index, generation, events and text.
-Final = Callable[[int, Generation, list[TokenEvent], str], dict]
+ResultWriter = Callable[[int, Generation, list[TokenEvent], str], dict]
 
 
 @dataclass(eq=False)
@@ -44,7 +44,7 @@ class CompletionRoute:
     async def completion(self, request: Request) -> Response:
         require_ready(self.engine)
         fields = await read_body(request)
-        sampling = await self.intake.decoding(request, fields, openai=False)
+        sampling = await self.intake.checked_sampling(request, fields, openai=False)
         stream = fields.boolean("stream", False)
         return_tokens = fields.boolean("return_tokens", False)
         per_token = fields.boolean("timings_per_token", False)
@@ -63,7 +63,7 @@ class CompletionRoute:
             return await self._whole(request, token_lists, sampling, final)
         return self._streamed(request, token_lists, sampling, per_token, final)
 
-    async def _whole(self, request: Request, token_lists: list[list[int]], sampling: Sampling, final: Final) -> Response:
+    async def _whole(self, request: Request, token_lists: list[list[int]], sampling: Sampling, final: ResultWriter) -> Response:
         done = await self.decoder.decode_each(request, token_lists, lambda _: sampling)
         if done is None:
             return Response(status_code=499)
@@ -75,7 +75,7 @@ class CompletionRoute:
 
         return await run_in_threadpool(respond)
 
-    def _streamed(self, request: Request, token_lists: list[list[int]], sampling: Sampling, per_token: bool, final: Final) -> Response:
+    def _streamed(self, request: Request, token_lists: list[list[int]], sampling: Sampling, per_token: bool, final: ResultWriter) -> Response:
         first, headers = self.decoder.start(request, token_lists[0], sampling)
 
         async def sse() -> AsyncIterator[str]:

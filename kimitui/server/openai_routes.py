@@ -67,7 +67,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         require_ready(self.engine)
         fields = await read_body(request)
-        sampling = await self.intake.decoding(request, fields, openai=True)
+        sampling = await self.intake.checked_sampling(request, fields, openai=True)
         fields.unsupported("echo", False)
         fields.unsupported("suffix", "")
         fields.unsupported("best_of", 1)

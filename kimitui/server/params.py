@@ -13,11 +13,12 @@ from typing import Any
 from kimitui.config import key_spec
 from kimitui.engine.generation import BANNED, Sampling
 
-# Sampling bounds. Temperature, probabilities and seed are the [sampling] config keys'; the
+# Sampling bounds. Temperature, top_p and seed are the [sampling] config keys'; the
 # others keep llama.cpp's samplers out of undefined territory (repeat_penalty divides logits,
 # so it may not be 0).
 TEMPERATURE = key_spec("sampling.temperature").bounds
-PROBABILITY = key_spec("sampling.top_p").bounds
+TOP_P = key_spec("sampling.top_p").bounds
+PROBABILITY = (0.0, 1.0)
 TOP_K = (0, 1 << 20)
 REPEAT_PENALTY = (0.1, 10.0)
 SEED = key_spec("sampling.seed").bounds
@@ -276,7 +277,7 @@ def sampling_from(fields: Fields, limits: Limits, *, openai: bool, n_vocab: int,
     grammar, _ = grammar_of(fields)
     return Sampling(
         temperature=fields.number("temperature", d.temperature, *TEMPERATURE),
-        top_p=fields.number("top_p", d.top_p, *PROBABILITY),
+        top_p=fields.number("top_p", d.top_p, *TOP_P),
         top_k=fields.integer("top_k", d.top_k, *TOP_K),
         min_p=fields.number("min_p", d.min_p, *PROBABILITY),
         repeat_penalty=fields.number("repeat_penalty", d.repeat_penalty, *REPEAT_PENALTY),
