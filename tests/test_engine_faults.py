@@ -321,3 +321,21 @@ async def test_the_apps_api_answers_requests_that_name_the_host_given_to_serve()
         async with httpx.AsyncClient() as client:
             response = await client.get(f"http://{address}:{port}/v1/models", headers={"Host": f"{name}:{port}", "Authorization": "Bearer k"})
     assert response.status_code == 200, response.text
+
+
+def test_a_stock_load_that_fails_twice_says_llama_cpps_reason(model_path, monkeypatch):
+    """The stock load (no fast start) is tried once more with llama.cpp's log kept; the retry
+    goes through the stock-load guard again, and the error is the load's, not the guard's."""
+    import llama_cpp
+
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(kwargs["model_path"])
+        raise ValueError("Failed to load model from file")
+
+    monkeypatch.setattr(llama_cpp, "Llama", failing)
+    engine = Engine(model_path, fast_load=False)
+    with pytest.raises(EngineError, match=r"could not load .*Failed to load model from file"):
+        engine.load()
+    assert len(tries) == 2

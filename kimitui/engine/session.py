@@ -335,11 +335,12 @@ class Engine:
             # GIL while the UI starts beside it; with fast start the load reads nothing and takes
             # a fraction of a second, so only the stock load, which reads the whole file, has one.
             # The hooks are process-wide once installed: a stock load must not go through them.
-            stock = loadhooks.stock_loads() if hooks is None else contextlib.nullcontext()
+            # A factory, not one context manager: the retry below enters it a second time.
+            stock = loadhooks.stock_loads if hooks is None else contextlib.nullcontext
             callbacks = self._stream_callbacks() if way.streams else (None, None)
 
             def make():
-                with stock, llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks), templates_checked_later():
+                with stock(), llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks), templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
                         n_ctx=self.slot_ctx,  # one slot's share: the others are parked (slots.py)
