@@ -88,8 +88,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--prefetch-depth: {depth.low:g}..{depth.high:g}")
     if args.rounds < 1:
         raise UserError("--rounds: at least 1")
-    if args.io_threads is not None and args.io_threads < 1:
-        raise UserError("--io-threads: at least 1")
+    io_threads = key_spec("engine.io_threads")
+    if args.io_threads is not None and not io_threads.low <= args.io_threads <= io_threads.high:
+        raise UserError(f"--io-threads: {io_threads.low:g}..{io_threads.high:g}")
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads: at least 1")
     if args.n_ctx is not None and args.n_ctx <= args.prompt_tokens + args.tokens:

@@ -16,12 +16,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
+from kimitui.config import key_spec
 from kimitui.errors import UserError
 from kimitui.units import format_bytes
 
-DEFAULT_SHARD_SIZE = 64 * 1024**2
-MIN_SHARD_SIZE = 4 * 1024**2
-MAX_SHARD_SIZE = 1024**3
+# engine.shard_size's default and bounds, as the config has them.
+DEFAULT_SHARD_SIZE = key_spec("engine.shard_size").default
+MIN_SHARD_SIZE, MAX_SHARD_SIZE = (int(b) for b in key_spec("engine.shard_size").bounds)
 
 ATTENTION = "attention"
 DENSE_FFN = "dense_ffn"
