@@ -12,6 +12,7 @@ from kimitui.engine.addressing import PHANTOM_BASE, Windows, plan_windows
 from kimitui.engine.generation import Sampling
 from kimitui.engine.platform import HUGE_ALIGN
 from kimitui.engine.session import Engine
+from kimitui.engine.settings import StreamSettings
 from kimitui.engine.state import EngineError
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
@@ -105,6 +106,32 @@ def test_a_dense_model_in_a_bound_smaller_than_it_gives_the_stock_greedy_tokens(
         assert not engine.pointers.active and engine.pointers.pointed >= len(engine.model_map().tensors)
         # The model's pages stay inside the budget: the store counted once, the windows' pages beside it.
         assert engine.metrics.model_resident_source() <= 450 * MIB
+    finally:
+        engine.close()
+
+
+def test_the_next_layers_slot_is_taken_over_beside_compute_with_the_stock_tokens(dense2, dense2_stock, monkeypatch):
+    """Mapping a slot again costs the kernel's tear-down of the layer that held it: done on the
+    slot lane while the layer before computes, the next layer finds its slot ready."""
+    import threading
+
+    claimed_on: list[str] = []
+    claim = Windows.claim
+
+    def recorded(self, layer):
+        claimed_on.append(threading.current_thread().name)
+        claim(self, layer)
+
+    monkeypatch.setattr(Windows, "claim", recorded)
+    engine = Engine(dense2, n_ctx=128, budget=450 * MIB, address_space=GIB, stream_settings=StreamSettings(prefetch_depth=0))
+    engine.load()
+    engine.pin()
+    try:
+        tokens = [e.token_id for e in engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=4)) if e.token_id >= 0]
+        assert tokens == dense2_stock and engine.streamer.error is None
+        on_lane = [name for name in claimed_on if name.startswith("kimitui-slot")]
+        # Only a graph's very first layers find their slot untaken: every later claim is the lane's.
+        assert len(on_lane) >= len(claimed_on) - engine.space.n_slots and engine.space.claims == len(claimed_on)
     finally:
         engine.close()
 

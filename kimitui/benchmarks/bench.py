@@ -560,6 +560,7 @@ def _table(report: dict, names: list[tuple[str, str]]) -> list[tuple[str, ...]]:
         row("address space", "windows_bytes", lambda v: "whole files" if v is None else f"windows {format_bytes(v)}"),
         row("  layer slots", "slots", _count),
         row("  slots taken over", "slot_claims", _count),
+        row("  compute waited for them", "slot_wait_s", _seconds),
         row("  peak of the process", "peak_address_space_bytes", lambda v: "—" if v is None else format_bytes(v)),
         row("RSS after load", "rss_after_load_bytes", format_bytes),
         row("prefill tok/s", "prefill_tok_s", _per_s),

@@ -343,6 +343,7 @@ def phase_engine(spec: dict) -> None:
         windows_bytes=engine.space.plan.total_bytes if engine.space is not None and engine.space.bounded else None,
         slots=engine.space.n_slots if engine.space is not None and engine.space.bounded else None,
         slot_claims=engine.space.claims if engine.space is not None and engine.space.bounded else None,
+        slot_wait_s=engine.streamer.slot_wait_s if engine.streamer is not None and engine.space is not None and engine.space.bounded else None,
         **prefill,
         **figures,
     )

@@ -131,6 +131,16 @@ class Dropper:
         with self._released:
             self._released.wait_for(lambda: not self._pending or next(iter(self._pending.values()))[2] > mark)
 
+    def settle(self, mark: int) -> bool:
+        """Wait until every release queued up to ``mark`` is done; False if the dropper is
+        paused first (a release failed: the rest wait for the end of the token)."""
+        with self._released:
+            while self._pending and next(iter(self._pending.values()))[2] <= mark:
+                if not self._open.is_set():
+                    return False
+                self._released.wait(0.05)
+        return True
+
     def pause(self) -> None:
         """Hold every release back (a release maps the file back in) until ``resume``; returns
         once none is under way."""
@@ -240,6 +250,10 @@ class Streamer:
             self._size_pool()
             self._hold_pinned_edges(pinned)
         self._dropper = Dropper(self._release, self.fail)
+        # Bounded layout: the next layer's slot is taken over here while a layer computes
+        # (mapping a slot again is the kernel tearing the old layer's pages down: 11-15 ms).
+        self._slot_lane = ThreadPoolExecutor(1, thread_name_prefix="kimitui-slot") if space.bounded else None
+        self._claiming: dict[int, tuple[int, Future]] = {}  # slot -> (the layer taking it, its claim)
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
@@ -252,6 +266,7 @@ class Streamer:
         self.eval_ask_s = self.eval_observe_s = 0.0
         self.hits = self.misses = 0
         self.stall_s = 0.0
+        self.slot_wait_s = 0.0  # of the stall: compute waiting for a slot taken over on the slot lane
         self.bytes_read = 0
         self.bytes_needed = 0  # streamed bytes compute used that were not resident before (read for it)
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
@@ -653,6 +668,7 @@ class Streamer:
             self.current_layer = None
             self._check_files(None)
             self._prefetch_from(0)
+            self._claim_ahead(0)
             return
         if layer == 0:
             self._check_files(None)
@@ -697,6 +713,8 @@ class Streamer:
             self._lru.move_to_end(i)
         self.stall_s += waited
         self._prefetch_from(layer + 1)
+        if layer + 1 < n:
+            self._claim_ahead(layer + 1)
 
     def _finish_layer(self, layer: int) -> None:
         if layer >= self.model.n_layers:
@@ -749,19 +767,70 @@ class Streamer:
         first everything placed there for the layer that held it. False while that layer is the
         one computing."""
         space = self.space
+        if self._claiming:
+            self._collect_claim(space.slot_of(layer))
         if space.owns(layer):
             return True
         held_by = space.occupant(layer)
         if held_by is not None:
             if held_by == self.current_layer:
                 return False
-            for shard in self.layer_shards[held_by]:
-                self._drop(shard)
-            if self.experts is not None:
-                self._park_experts(held_by)
+            self._vacate(held_by)
             self._dropper.flush()  # every release done: nothing placed for it is left in the slot
             if self.error is not None:
                 raise StreamAbort(self.error)  # a release failed: the slot is not taken over
+        self._claim(layer, held_by)
+        if self.experts is not None:
+            self._unpark_experts(layer)
+        return True
+
+    def _claim_ahead(self, layer: int) -> None:
+        """Bounded layout: take ``layer``'s slot over on the slot lane while the layer before it
+        computes, when the layer holding the slot has been computed; ``_take_slot`` collects it."""
+        space = self.space
+        if not space.bounded or self.error is not None or space.owns(layer):
+            return
+        slot = space.slot_of(layer)
+        held_by = space.occupant(layer)
+        if slot in self._claiming or (held_by is not None and held_by == self.current_layer):
+            return
+        if held_by is not None:
+            self._vacate(held_by)
+        mark = self._dropper.mark()  # the releases of what ``held_by`` had placed in the slot
+        self._claiming[slot] = (layer, self._slot_lane.submit(self._claim_when_released, layer, held_by, mark))
+
+    def _claim_when_released(self, layer: int, held_by: int | None, mark: int) -> bool:
+        """The slot lane's work: False where a release failed first (the slot is left as it was,
+        and taken over on the compute thread once the failed token is over)."""
+        if not self._dropper.settle(mark) or self.error is not None:
+            return False
+        self._claim(layer, held_by)
+        return True
+
+    def _collect_claim(self, slot: int) -> None:
+        """Wait for a claim under way on ``slot``; its layer's parked experts go back in place."""
+        layer, claim = self._claiming.pop(slot, (None, None))
+        if claim is None:
+            return
+        t0 = time.perf_counter()
+        claimed = claim.result()  # an OSError of its mapping is raised here, as on the compute thread
+        waited = time.perf_counter() - t0
+        self.stall_s += waited
+        self.slot_wait_s += waited
+        if claimed and self.experts is not None:
+            self._unpark_experts(layer)
+
+    def _vacate(self, held_by: int) -> None:
+        """``held_by`` is leaving its slot: its shards given back, its cached experts parked."""
+        for shard in self.layer_shards[held_by]:
+            self._drop(shard)
+        if self.experts is not None:
+            self._park_experts(held_by)
+
+    def _claim(self, layer: int, held_by: int | None) -> None:
+        """Map ``layer`` over its slot, once nothing placed there for ``held_by`` is left."""
+        space = self.space
+        if held_by is not None:
             for run in space.plan.layers[held_by]:
                 if self.placer is not None:  # records a failed read or release left: the claim clears their pages
                     self.placer.forget_within(run.file, run.lo, run.hi)
@@ -769,9 +838,6 @@ class Streamer:
                 # went through the page cache) leave the cache with it, as streamed ranges do.
                 self.io.uncache(self.fds[run.file], run.lo, run.hi - run.lo)
         space.claim(layer)
-        if self.experts is not None:
-            self._unpark_experts(layer)
-        return True
 
     def _own_pages(self, unit: ExpertUnit) -> list[tuple[int, int]]:
         """(file, offset) of each slice's own whole pages: what of it is placed in the bounded
@@ -993,6 +1059,7 @@ class Streamer:
             "hits": self.hits + (experts.hits if experts else 0),
             "misses": self.misses + (experts.misses if experts else 0),
             "stall_s": self.stall_s,
+            "slot_wait_s": self.slot_wait_s,
             "eval_asks": self.eval_asks,
             "eval_ask_s": self.eval_ask_s,
             "eval_observed": self.eval_observed,
@@ -1012,6 +1079,11 @@ class Streamer:
         again, and what the shield may have covered (bytes read through the page cache) is read
         again when next needed."""
         self._dropper.resume()
+        for slot in list(self._claiming):  # a slot's mapping changes on the slot lane until collected
+            try:
+                self._collect_claim(slot)
+            except OSError:
+                pass  # the slot is held by no one: the next layer to need it maps it again
         if self._blanked:
             # Reads under way when the shield went up may have placed pages inside it since:
             # everything streamed is given back first (reads waited for, releases done), so
@@ -1028,8 +1100,9 @@ class Streamer:
 
     def close(self) -> None:
         self._dropper.resume()  # reads waiting on a release must be able to finish
-        for pool in (self._pool, self._guess_pool, *self._retired_pools):
-            pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._pool, self._guess_pool, *self._retired_pools, self._slot_lane):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         self._dropper.close()
         if self.placer is not None:
             self.placer.close()  # the mapping is the file's again before llama.cpp unmaps it
