@@ -160,6 +160,63 @@ class Limits:
         self.soft = limits[0]
 
 
+def mach_stand_in(resident: int, footprint: int, answer: int = 0, count: int = memory.TASK_VM_INFO_REV1_COUNT):
+    """libSystem's task_info as Mach answers TASK_VM_INFO: the struct filled, its length in
+    natural_t; ``answer`` a kern_return_t."""
+
+    class LibSystem:
+        asked: list = []
+
+        @staticmethod
+        def task_info(task, flavor, out, count_out):
+            LibSystem.asked.append((task, flavor, count_out._obj.value))
+            raw = bytearray(4 * memory.TASK_VM_INFO_REV1_COUNT)
+            raw[16:24] = resident.to_bytes(8, "little")
+            raw[memory.PHYS_FOOTPRINT_OFFSET:memory.PHYS_FOOTPRINT_OFFSET + 8] = footprint.to_bytes(8, "little")
+            ctypes.memmove(out, bytes(raw), len(raw))
+            count_out._obj.value = count
+            return answer
+
+    return LibSystem
+
+
+def test_the_footprint_jetsam_weighs_comes_from_machs_task_info():
+    lib = mach_stand_in(3 * 2**30, 5 * 2**30)
+    assert memory.darwin_footprint("ios", lambda: lib, task=0x103) == (3 * 2**30, 5 * 2**30)
+    assert lib.asked == [(0x103, memory.TASK_VM_INFO, memory.TASK_VM_INFO_REV1_COUNT)]
+    assert memory.darwin_footprint("linux", lambda: lib, task=0x103) is None
+    assert memory.darwin_footprint("ios", lambda: mach_stand_in(1, 2, answer=5), task=0x103) is None  # KERN_FAILURE
+    assert memory.darwin_footprint("ios", lambda: mach_stand_in(1, 2, count=30), task=0x103) is None  # a kernel before rev1
+    assert memory.darwin_footprint("ios", lambda: object(), task=0x103) is None  # no such call
+    assert memory.jetsam_limit_bytes("ios", lambda: jetsam_stand_in(3072)) == 3072 * 2**20
+    assert memory.jetsam_limit_bytes("ios", lambda: jetsam_stand_in(-1)) is None
+    assert memory.jetsam_limit_bytes("linux", lambda: jetsam_stand_in(3072)) is None
+
+
+def test_where_psutil_refuses_the_memory_figures_come_from_mach():
+    import psutil
+
+    from kimitui.engine.metrics import EngineMetrics, Sampler
+
+    class Sandboxed:
+        pid = -1
+
+        def io_counters(self):
+            raise AttributeError("io_counters")
+
+        def memory_info(self):
+            raise psutil.AccessDenied(os.getpid())
+
+        def cpu_percent(self, interval):
+            return 0.0
+
+    sampler = Sampler(EngineMetrics(), process=Sandboxed(), device_of=lambda p: None,
+                      footprint=lambda: (3 * 2**30, 5 * 2**30), footprint_limit=6 * 2**30)
+    snap = sampler.sample()
+    assert snap.rss_bytes == 3 * 2**30
+    assert (snap.footprint_bytes, snap.footprint_limit_bytes) == (5 * 2**30, 6 * 2**30)
+
+
 def test_darwins_256_descriptors_are_raised_for_a_split_set():
     needed = plat.descriptors_needed(85)  # a K3 release split in 85 files
     limits = Limits(256, resource.RLIM_INFINITY)

@@ -88,6 +88,28 @@ async def test_sparklines_stay_inside_their_panels_and_start_empty():
             assert inside.x <= spark.region.x and spark.region.right <= inside.right, (spark.region, inside)
 
 
+async def test_on_ios_the_memory_panel_shows_the_footprint_against_jetsam_and_the_ssd_panel_says_why_no_drive():
+    from dataclasses import replace
+
+    from kimitui.tui.widgets.panels import MemoryPanel
+
+    phone = [
+        replace(snap, footprint_bytes=5 * 2**30, footprint_limit_bytes=6 * 2**30, disk_name=None, disk_rates={}, disk_note="drive rate: Linux only")
+        for snap in recorded_snapshots()
+    ]
+    app = fake_app(snapshots=phone)
+    async with app.run_test(size=(50, 30)) as pilot:
+        await settle(pilot, lambda: app.main.ready)
+        app.main.sampler.play()
+        await settle(pilot, lambda: app.main.snapshot is not None and app.main.snapshot.time == phone[-1].time)
+        await pilot.pause()
+        memory = app.query_one(MemoryPanel)
+        assert "footprint 5.0 GiB of 6.0 GiB" in memory.summary
+        assert memory.has_class("-warning") or memory.has_class("-error")  # 83% of jetsam's limit at least
+        disk = app.query_one(DiskPanel)
+        assert "disk —" in str(disk.body.render()) and str(disk.note.render()) == "drive rate: Linux only"
+
+
 def app_serving_the_api(engine: FakeEngine):
     """The fake app with its API on (a URL, no server): every panel is shown, the API's too."""
     from kimitui.tui.app import KimituiApp

@@ -117,6 +117,54 @@ def jetsam_headroom(platform: str = sys.platform, libsystem: Callable[[], ctypes
     return 0 if jetsam_limit_mb(lib) is not None else None
 
 
+TASK_VM_INFO = 22  # xnu osfmk/mach/task_info.h
+PHYS_FOOTPRINT_OFFSET = 144  # task_vm_info's rev1 field, after 2 + 17 eight-byte sizes (4-byte packed)
+TASK_VM_INFO_REV1_COUNT = 38  # its length in natural_t: what every iOS since 9 answers
+
+
+def darwin_footprint(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None,
+                     task: int | None = None) -> tuple[int, int] | None:
+    """(resident size, physical footprint) of this process from Mach's task_info (TASK_VM_INFO);
+    None off Darwin or where the call is refused. The footprint is what jetsam weighs against
+    its limit (anonymous and wired memory, compressed pages included; file pages that can be
+    dropped excluded), so on iOS it, not RSS, is the figure that ends a process."""
+    from kimitui.engine.platform import is_darwin
+
+    if not is_darwin(platform):
+        return None
+    try:
+        lib = (libsystem or (lambda: ctypes.CDLL(None)))()
+        call = lib.task_info
+        if task is None:  # mach_task_self() is a macro for this global: our own task's port
+            task = ctypes.c_uint.in_dll(lib, "mach_task_self_").value
+    except (OSError, AttributeError, ValueError):
+        return None
+    call.restype = ctypes.c_int
+    call.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint))
+    info = (ctypes.c_uint32 * TASK_VM_INFO_REV1_COUNT)()
+    count = ctypes.c_uint(TASK_VM_INFO_REV1_COUNT)
+    if call(task, TASK_VM_INFO, ctypes.addressof(info), ctypes.byref(count)) != 0 or count.value < TASK_VM_INFO_REV1_COUNT:
+        return None
+    raw = bytes(info)
+    resident = int.from_bytes(raw[16:24], "little")
+    return resident, int.from_bytes(raw[PHYS_FOOTPRINT_OFFSET:PHYS_FOOTPRINT_OFFSET + 8], "little")
+
+
+def jetsam_limit_bytes(platform: str = sys.platform, libsystem: Callable[[], ctypes.CDLL] | None = None,
+                       machine: str | None = None) -> int | None:
+    """This process's jetsam limit (iOS), None where it has none or off iOS."""
+    from kimitui.engine.platform import is_ios
+
+    if not is_ios(platform, machine):
+        return None
+    try:
+        lib = (libsystem or (lambda: ctypes.CDLL(None)))()
+    except OSError:
+        return None
+    limit = jetsam_limit_mb(lib)
+    return None if limit is None else limit * 2**20
+
+
 def memory_sources() -> list[tuple[str, int]]:
     """What each source says this process may still take: the OS's free memory, a cgroup's
     limit, jetsam's (iOS). The smallest is what the budget may use."""

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import psutil
 
+from kimitui.engine import memory
 from kimitui.engine.platform import is_darwin
 
 HISTORY_SAMPLES = 120
@@ -183,6 +184,12 @@ class Snapshot:
     # Who counted process_read_bytes: "process" (the OS's per-process counters), "engine" (the
     # engine's own reads, where the OS keeps no such counters), or None (neither).
     read_counted_by: str | None = "process"
+    # Darwin: what Mach's task_info says this process's footprint is (jetsam weighs it, not
+    # RSS) and, on iOS, the jetsam limit it is weighed against; None elsewhere.
+    footprint_bytes: int | None = None
+    footprint_limit_bytes: int | None = None
+    # Why there is no drive figure (disk_name None), said by the SSD panel.
+    disk_note: str | None = None
     # None: this process's own engine. Else the server the figures come from (remote mode):
     # what it does not report is None above, and the panels say so.
     reported_by: str | None = None
@@ -269,16 +276,25 @@ class Sampler:
         process: psutil.Process | None = None,
         disk_counters: Callable[[], dict] | None = None,
         device_of: Callable[[Path], str | None] | None = None,
+        footprint: Callable[[], tuple[int, int] | None] | None = None,
+        footprint_limit: int | None = None,
     ) -> None:
         """``model_paths``: the model's files; else ``model_path`` and the other files of its
-        split set. ``device_of`` maps a file to its disk's name in ``disk_counters``."""
+        split set. ``device_of`` maps a file to its disk's name in ``disk_counters``.
+        ``footprint``: (resident, footprint) from the OS's own call (Darwin's task_info), also
+        the resident figure where psutil has none; ``footprint_limit``: jetsam's (iOS)."""
         self.metrics = metrics
         self.interval = interval
         self.paused = False
         self._process = process or psutil.Process()
         self._disk_counters = disk_counters or (lambda: psutil.disk_io_counters(perdisk=True) or {})
+        self._footprint = footprint or memory.darwin_footprint
+        self._footprint_limit = footprint_limit if footprint is not None else memory.jetsam_limit_bytes()
+        linux = sys.platform.startswith("linux")
+        # Which drive holds a file is found on Linux only (iOS shows no drive counters at all).
+        self._disk_note = None if linux else "drive rate: Linux only"
         if device_of is None:
-            device_of = linux_block_device_of if sys.platform.startswith("linux") else (lambda path: None)
+            device_of = linux_block_device_of if linux else (lambda path: None)
         self._disks: list[str] = []
         for path in model_paths or _model_files(model_path):
             disk = device_of(path)
@@ -315,7 +331,13 @@ class Sampler:
 
     def sample(self) -> Snapshot:
         now = time.monotonic()
-        rss = int(self._process.memory_info().rss)
+        darwin = self._footprint()
+        try:
+            rss = int(self._process.memory_info().rss)
+        except (AttributeError, NotImplementedError, OSError, psutil.Error):
+            if darwin is None:
+                raise
+            rss = darwin[0]  # psutil refused (a sandboxed iOS process): Mach's own count
         self._peak_seen = max(self._peak_seen, rss, _peak_rss_bytes() if self._process.pid == os.getpid() else 0)
         read_bytes, read_counted_by = self._read_bytes()
         disk_bytes = self._disk_read_bytes()
@@ -360,6 +382,9 @@ class Sampler:
             read_rate_history=list(self._rate_history),
             disk_rates=disk_rates,
             read_counted_by=read_counted_by,
+            footprint_bytes=None if darwin is None else darwin[1],
+            footprint_limit_bytes=self._footprint_limit,
+            disk_note=self._disk_note if not self._disks else None,
             model_rss_bytes=self.metrics.model_resident_source() if self.metrics.model_resident_source else None,
             residency=self.metrics.residency_source() if self.metrics.residency_source else None,
             experts_resident=self.metrics.expert_residency_source() if self.metrics.expert_residency_source else None,

@@ -145,7 +145,10 @@ class DiskPanel(Panel):
             f"read{counted} {format_rate(snap.process_read_rate)}\n"
             f"total {format_bytes(snap.process_read_bytes)}\n{disk}"
         )
-        self.show_note(NOT_REPORTED if snap.reported_by is not None and snap.process_read_bytes is None else "")
+        if snap.reported_by is not None and snap.process_read_bytes is None:
+            self.show_note(NOT_REPORTED)
+        else:
+            self.show_note(snap.disk_note or "")
         self.show_spark(snap.read_rate_history)
 
 
@@ -175,12 +178,19 @@ class MemoryPanel(Panel):
                 f"model {format_bytes(model)}\nof {format_bytes(budget)}{share}\n"
                 f"other {format_bytes(max(0, snap.rss_bytes - model))}\npeak RSS {format_bytes(snap.rss_peak_bytes)}"
             )
+        # On Darwin jetsam weighs the footprint, not RSS: shown beside, against its limit on iOS.
+        footprint, limit = snap.footprint_bytes, snap.footprint_limit_bytes
+        level = fraction
+        if footprint is not None:
+            self.summary += f"\nfootprint {format_bytes(footprint)}" + (f" of {format_bytes(limit)}" if limit else "")
+            if limit:
+                level = max(fraction or 0.0, footprint / limit)
         text = Text(self.summary)
         # Rich's bar takes the width it is given at render time, whatever the layout.
         bar = ProgressBar(total=1.0, completed=min(1.0, fraction)) if fraction is not None else Text("—")
         self.body.update(Group(text, bar))
         self.show_note("")
-        self.set_level(_level(fraction))
+        self.set_level(_level(level))
 
 
 class LatencyPanel(Panel):
