@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kimitui.engine.addressing import Windows
 from kimitui.engine.budget import budget_shortfall, minimum_budget, plan_memory
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
@@ -444,5 +445,43 @@ def test_k3_in_two_layer_slots_gives_the_stock_greedy_tokens(k3_paged):
         # cache still hits across tokens, and the parked pages count as the model's.
         assert counters["expert_hits"] > 0 and streamer.parked_bytes > 0
         assert engine.metrics.model_resident_source() <= engine.budget
+    finally:
+        engine.close()
+
+
+def test_k3s_pinned_weights_are_read_from_the_store_and_a_re_pin_keeps_the_stock_tokens(k3_paged, monkeypatch):
+    """Weights the pinned store holds whole are pointed at the store itself, not at their
+    slot's copy. A budget change replaces the store in the same room while the graph llama.cpp
+    keeps for reuse still has views into it (K3 reshapes its recurrent weights): those are
+    pointed at their windows before anything points into the new store."""
+    expected = stock_reply(k3_paged)
+    model = load_model_map(k3_paged)
+    budget = minimum_budget(model) + 64 * MIB  # a micro-batch of 512 either side of the change: the context stays
+    engine = Engine(k3_paged, n_ctx=256, budget=budget, address_space=205 * MIB)
+    engine.load()
+    engine.pin()
+    try:
+        space, pointers = engine.space, engine.pointers
+        assert space.bounded and space.n_slots == 2
+        assert reply_tokens(engine) == expected
+        assert pointers.direct > 0 and not pointers.active
+        store = space.store
+        for tensor, (file, offset) in pointers._weights.items():  # a weight held whole points into the store
+            place = space.direct_at(file, offset)
+            if place is not None:
+                assert store.address <= place < store.address + store.size
+        got = []
+        for event in engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=16)):
+            got.append(event.token_id)
+            if len(got) == 4:  # mid-reply: the next token reuses the last one's graph
+                # The new store lays its pieces out the other way round: a view left pointing
+                # into the old one's room would read other bytes there.
+                within_runs = Windows.within_runs
+                monkeypatch.setattr(Windows, "within_runs", lambda self, ranges: within_runs(self, ranges)[::-1])
+                assert "next token" in engine.retune(budget=budget - 8 * MIB)
+        assert [t for t in got if t >= 0] == expected and engine.streamer.error is None
+        assert pointers.stale_pointed > 0  # the reused graph's views, pointed away from the old store's room
+        assert pointers._stale is None and not pointers.active and pointers.direct > 0
+        assert reply_tokens(engine) == expected
     finally:
         engine.close()

@@ -149,6 +149,7 @@ class WindowPlan:
     slot_bytes: int
     n_slots: int
     store_bytes: int  # room the pinned set may take (its own region)
+    tensors: tuple[tuple[int, int, int], ...] = ()  # (file, lo, hi) of each layer tensor, in file order
 
     @property
     def total_bytes(self) -> int:
@@ -185,7 +186,8 @@ def plan_windows(model: ModelMap, bound: int, budget: int, page: int | None = No
             f"the model's windows need at least {format_bytes(need)} ({format_bytes(fixed_bytes)} outside the "
             f"layers, two layers of {format_bytes(slot_bytes)}) and {format_bytes(bound)} may be taken"
         )
-    return WindowPlan(tuple(fixed), tuple(floating), tuple(layers), fixed_bytes, slot_bytes, n_slots, store_bytes)
+    tensors = tuple(sorted((t.file, t.offset, t.offset + t.n_bytes) for t in model.tensors if t.layer is not None))
+    return WindowPlan(tuple(fixed), tuple(floating), tuple(layers), fixed_bytes, slot_bytes, n_slots, store_bytes, tensors)
 
 
 class WholeFiles:
@@ -297,6 +299,8 @@ class Windows:
         self.owner: list[int | None] = [None] * plan.n_slots
         self.store: PinnedStore | None = None
         self._store_pieces: dict[int | None, list[tuple[ByteRange, ByteRange, int]]] = {}
+        self._direct: dict[tuple[int, int], int] = {}  # (file, offset) of a wholly pinned layer tensor -> its place in the store
+        self.pointers: WeightPointers | None = None  # told when the store changes
         self.claims = 0  # slots taken over, each one a window mapped again
         runs = list(plan.fixed) + [r for layer in plan.layers for r in layer]
         self._index: dict[int, tuple[list[int], list[Run]]] = {}
@@ -352,18 +356,41 @@ class Windows:
         """The layer holding ``layer``'s slot now."""
         return self.owner[self.slot_of(layer)]
 
+    def locate(self, phantom: int) -> tuple[int, int] | None:
+        """(file, offset) of an address in llama.cpp's phantom mappings; None if in none."""
+        for file, base in self.phantoms.items():
+            if base <= phantom < base + self._phantom_length(file):
+                return file, phantom - base
+        return None
+
     def real_address(self, phantom: int, tensor_offset: int | None = None) -> tuple[int, int | None] | None:
         """The real place of an address in llama.cpp's phantom mapping and the layer whose slot
         it is in (None: the fixed region); None if it is in no phantom. ``tensor_offset``: where
         in the tensor the address is, to find a FLOATING tensor's second place."""
-        for file, base in self.phantoms.items():
-            if base <= phantom < base + self._phantom_length(file):
-                offset = phantom - base
-                run = self._floating.get((file, offset - (tensor_offset or 0)))
-                if run is not None:
-                    return self._base(run) + offset - run.lo, None
-                return self.at(file, offset), self.layer_of(file, offset)
-        return None
+        found = self.locate(phantom)
+        if found is None:
+            return None
+        file, offset = found
+        run = self._floating.get((file, offset - (tensor_offset or 0)))
+        if run is not None:
+            return self._base(run) + offset - run.lo, None
+        return self.at(file, offset), self.layer_of(file, offset)
+
+    def window_at(self, file: int, offset: int) -> int:
+        """The place in the windows of a tensor's byte (a FLOATING tensor's second place)."""
+        tensors = self.plan.tensors
+        i = bisect.bisect_right(tensors, (file, offset, 1 << 62)) - 1
+        if i >= 0 and tensors[i][0] == file and tensors[i][1] <= offset < tensors[i][2]:
+            run = self._floating.get((file, tensors[i][1]))
+            if run is not None:
+                return self._base(run) + offset - run.lo
+        return self.at(file, offset)
+
+    def direct_at(self, file: int, offset: int) -> int | None:
+        """Where the layer tensor starting at ``offset`` is in the pinned store when the store
+        holds it whole: compute reads it there, from the store's own mapping, so taking a slot
+        over neither tears its pages down nor faults them in again. None otherwise."""
+        return self._direct.get((file, offset))
 
     def _phantom_length(self, file: int) -> int:
         return self._index[file][1][-1].hi if file in self._index else 0
@@ -432,11 +459,17 @@ class Windows:
     def set_store(self, store: PinnedStore | None) -> None:
         """A new pinned set: the fixed region gets its pages, and each slot is taken again on
         its next use (the pages of the set before leave with the old store)."""
+        if self.pointers is not None and self.store is not None:
+            self.pointers.store_leaving(self.store)
         old, self.store = self.store, store
         self._store_pieces = {}
+        self._direct = {}
         if store is not None:
             for piece in store.pieces:
-                self._store_pieces.setdefault(self.layer_of(piece[0].file, piece[0].offset), []).append(piece)
+                layer = self.layer_of(piece[0].file, piece[0].offset)
+                self._store_pieces.setdefault(layer, []).append(piece)
+                if layer is not None:
+                    self._direct.update(self._held_whole(piece))
         self._map_runs(self.plan.fixed + self.plan.floating)
         if store is not None:
             self._map_store(None)
@@ -445,6 +478,19 @@ class Windows:
             self._clear(slot)  # the old store's pages leave the slots, and with its close, memory
         if old is not None:
             old.close()
+        if self.pointers is not None and store is not None:
+            self.pointers.store_arrived()
+
+    def _held_whole(self, piece: tuple[ByteRange, ByteRange, int]) -> dict[tuple[int, int], int]:
+        r, pages, at = piece
+        tensors = self.plan.tensors
+        i = bisect.bisect_left(tensors, (r.file, r.offset, 0))
+        out = {}
+        while i < len(tensors) and tensors[i][0] == r.file and tensors[i][2] <= r.end:
+            file, lo, _hi = tensors[i]
+            out[(file, lo)] = self.store.address + at + lo - pages.offset
+            i += 1
+        return out
 
     def close(self) -> None:
         self.set_store(None)
@@ -474,7 +520,15 @@ class WeightPointers:
         self.hi = max(base + windows._phantom_length(f) for f, base in windows.phantoms.items())
         self.active = True
         self.pointed = 0
+        self.direct = 0  # weights pointed at the pinned store itself (Windows.direct_at)
+        self.stale_pointed = 0  # pointers found in a replaced store's room, pointed at their windows
         self._this_graph = 0
+        self._weights: dict[int, tuple[int, int]] = {}  # weight tensor -> (file, offset): pointed again when the store changes
+        # A store that was replaced while graphs llama.cpp keeps for reuse may still hold views
+        # pointing into it: (address, size, its pieces by place). The new store takes the same
+        # room, so until a whole graph finds none, no pointer goes into the new one.
+        self._stale: tuple[int, int, list] | None = None
+        windows.pointers = self
 
     def graph_started(self) -> None:
         self._this_graph = 0
@@ -483,6 +537,34 @@ class WeightPointers:
         """The output head is being asked about: this graph is a whole one."""
         if self._this_graph == 0 and self.pointed:
             self.active = False
+            if self._stale is not None:
+                self._stale = None
+                self.store_arrived()  # nothing points into the old store's room any more
+
+    def store_leaving(self, old: PinnedStore) -> None:
+        """The pinned store is about to go: weights pointed into it go to their windows, and
+        the check runs again until no graph holds a pointer into its room."""
+        if not old.size:
+            return
+        self._point_weights(lambda file, offset: None)
+        if self._stale is None:  # a store replaced before anything pointed into its successor: the first's pieces stand
+            self._stale = (old.address, old.size, sorted(((at, pages) for _, pages, at in old.pieces), key=lambda p: p[0]))
+        self.active = True
+
+    def store_arrived(self) -> None:
+        """Weights the new store holds whole point into it, once no graph points into the room
+        of one before it (the new store takes the same room)."""
+        if self._stale is None:
+            self._point_weights(self.windows.direct_at)
+
+    def _point_weights(self, store_place) -> None:
+        """Every weight pointed so far, at ``store_place(file, offset)`` or else its window."""
+        self.direct = 0
+        for tensor, (file, offset) in self._weights.items():
+            data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
+            place = store_place(file, offset)
+            data.value = place if place is not None else self.windows.window_at(file, offset)
+            self.direct += place is not None
 
     @staticmethod
     def check_layout(ggml) -> None:
@@ -529,10 +611,25 @@ class WeightPointers:
     def _point(self, tensor: int, check_owner: bool) -> None:
         data = ctypes.c_void_p.from_address(tensor + DATA_OFFSET)
         value = data.value
-        if value is None or not self.lo <= value < self.hi:
+        if value is None:
+            return
+        if not self.lo <= value < self.hi:
+            if self._stale is not None and self._stale[0] <= value < self._stale[0] + self._stale[1]:
+                self._point_stale(data, value, check_owner)
             return
         name = ctypes.string_at(tensor + NAME_OFFSET).decode(errors="replace")
         is_view = bool(ctypes.c_void_p.from_address(tensor + VIEW_SRC_OFFSET).value)
+        if not is_view:  # a weight: its place is kept, for when the store changes
+            found = self.windows.locate(value)
+            if found is not None:
+                self._weights[tensor] = found
+                place = self.windows.direct_at(*found) if self._stale is None else None
+                if place is not None:
+                    data.value = place
+                    self.pointed += 1
+                    self.direct += 1
+                    self._this_graph += 1
+                    return
         try:
             found = self.windows.real_address(value, ctypes.c_size_t.from_address(tensor + VIEW_OFFS_OFFSET).value if is_view else 0)
         except (ValueError, KeyError):
@@ -543,11 +640,26 @@ class WeightPointers:
         data.value = real
         self.pointed += 1
         self._this_graph += 1
+        self._check_owner(name, layer, check_owner)
+
+    def _check_owner(self, name: str, layer: int | None, check_owner: bool) -> None:
         if check_owner and not self.windows.owns(layer):
             raise EngineError(
                 f"graph tensor {name} of layer {layer} is read while layer {self.windows.occupant(layer)} holds its "
                 "slot: this model's graph reads a layer's weights outside it, which the bounded address space cannot stream"
             )
+
+    def _point_stale(self, data: ctypes.c_void_p, value: int, check_owner: bool) -> None:
+        """A pointer into a replaced store (a view in a graph llama.cpp reused) to its window."""
+        address, _size, pieces = self._stale
+        i = bisect.bisect_right(pieces, value - address, key=lambda p: p[0]) - 1
+        at, pages = pieces[i]
+        offset = pages.offset + value - address - at
+        data.value = self.windows.window_at(pages.file, offset)
+        self.pointed += 1
+        self.stale_pointed += 1
+        self._this_graph += 1
+        self._check_owner("a view of a pinned weight", self.windows.layer_of(pages.file, offset), check_owner)
 
 
 def address_bound(setting: int | str, working_bytes: int, platform: str = sys.platform) -> int | None:
