@@ -19,8 +19,9 @@ in a few real regions instead (``WeightPointers``):
   pages in it exactly as in a whole mapping. A slot is only claimed once every page placed for
   the layer before has been given back.
 - the pinned set in a store of its own (``PinnedStore``: memory that can be mapped twice, a
-  memfd on Linux, POSIX shared memory on Darwin), read and locked once, and mapped into a slot
-  each time its layer takes one: pinned bytes are never read twice.
+  memfd on Linux, POSIX shared memory on Darwin), read and locked once: pinned bytes are never
+  read twice. A weight the store holds whole is pointed at the store itself (its pages stay
+  mapped whoever holds its slot); the rest is mapped into a slot each time its layer takes one.
 
 Every run of consecutive same-layer tensors keeps its file offset modulo 2 MiB, so direct reads
 still move whole huge pages in. A routed expert tensor spans its slot whole, but only the routed

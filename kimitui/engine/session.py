@@ -859,6 +859,8 @@ class Engine:
                 self.streamer.close()
                 self.streamer = None
             self.pinned.release(self.mappings)
+            if self.space is not None and self.space.bounded:
+                self.space.pointers = None  # the weights it points go with the model, just below
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
