@@ -158,3 +158,33 @@ def test_a_live_budget_change_re_pins_into_a_new_store_and_keeps_the_stock_token
         assert engine.metrics.model_resident_source() <= 350 * MIB
     finally:
         engine.close()
+
+
+def test_experts_parked_while_the_windows_are_counted_are_counted_once(dense2, monkeypatch):
+    """smaps is read area by area while compute goes on: a cached expert parked meanwhile was
+    counted in its slot and again as parked (on the full-size K3, half a GiB over a budget the
+    cgroup never saw). The count is taken again when the parked bytes moved during it."""
+    from kimitui.engine import memory
+    from kimitui.engine.addressing import PinnedStore
+    from kimitui.engine.streaming import Streamer
+
+    real, scans, parked = memory.mapped_resident_bytes, [], [0]
+
+    def scanning(spans, **kw):
+        found = real(spans, **kw)
+        scans.append(found)
+        if len(scans) == 1:
+            parked[0] += 100 * MIB  # a layer's experts parked mid-scan
+        return found
+
+    monkeypatch.setattr(memory, "mapped_resident_bytes", scanning)
+    engine = Engine(dense2, n_ctx=128, budget=450 * MIB, address_space=GIB)
+    engine.load()
+    engine.pin()
+    try:
+        monkeypatch.setattr(Streamer, "parked_bytes", property(lambda self: parked[0]))
+        scans.clear()
+        counted = engine.metrics.model_resident_source._read()
+        assert len(scans) == 2 and counted == real(engine.space.spans(), shared_name=PinnedStore.NAME) + 100 * MIB
+    finally:
+        engine.close()

@@ -401,17 +401,26 @@ class Engine:
         shared = PinnedStore.NAME if space.bounded else None
         mapped_data: list = []  # the whole files' spans of tensor data, once first asked for
 
-        def model_resident() -> int | None:
+        def parked() -> int:
             streamer = self.streamer
-            found = None
+            return streamer.parked_bytes if streamer is not None else 0
+
+        def model_resident() -> int | None:
             if not space.bounded:
                 if not mapped_data:
                     mapped_data.extend(tensor_data_spans(self.model_map(), space))
                 if sum(end - start for start, end in mapped_data) <= PAGEMAP_MOST:
                     found = pagemap_resident_bytes(mapped_data)
-            if found is None:
+                    if found is not None:
+                        return found
+            # Experts parked while smaps is read were counted in their slot and would be again
+            # as parked (on K3, 0.5 GiB over the budget that was never there): read again then.
+            for _ in range(4):
+                before = parked()
                 found = mapped_resident_bytes(space.spans(), shared_name=shared)
-            return None if found is None else found + (streamer.parked_bytes if streamer is not None else 0)
+                if found is None or parked() == before:
+                    break
+            return None if found is None else found + parked()
 
         self.metrics.model_resident_source = DutyLimited(model_resident)
 
