@@ -208,13 +208,14 @@ def test_where_psutil_refuses_the_memory_figures_come_from_mach():
             raise psutil.AccessDenied(os.getpid())
 
         def cpu_percent(self, interval):
-            return 0.0
+            raise psutil.AccessDenied(os.getpid())
 
     sampler = Sampler(EngineMetrics(), process=Sandboxed(), device_of=lambda p: None,
                       footprint=lambda: (3 * 2**30, 5 * 2**30), footprint_limit=6 * 2**30)
     snap = sampler.sample()
     assert snap.rss_bytes == 3 * 2**30
     assert (snap.footprint_bytes, snap.footprint_limit_bytes) == (5 * 2**30, 6 * 2**30)
+    assert snap.cpu_percent is None
 
 
 def test_darwins_256_descriptors_are_raised_for_a_split_set():

@@ -311,7 +311,14 @@ class Sampler:
         self.errors = 0  # samples that failed (see _run)
         self.last_error: str | None = None
         self.latest: Snapshot | None = None
-        self._process.cpu_percent(None)  # first call primes psutil's CPU delta
+        self._cpu_percent()  # the first call primes psutil's CPU delta
+
+    def _cpu_percent(self) -> float | None:
+        """The process's CPU share, None where the OS refuses it (a sandboxed iOS process)."""
+        try:
+            return self._process.cpu_percent(None)
+        except (AttributeError, NotImplementedError, OSError, psutil.Error):
+            return None
 
     def _read_bytes(self) -> tuple[int | None, str | None]:
         """(bytes read, who counted them): the OS's count for the process where it keeps one,
@@ -363,7 +370,7 @@ class Sampler:
             time=now,
             rss_bytes=rss,
             rss_peak_bytes=self._peak_seen,
-            cpu_percent=self._process.cpu_percent(None),
+            cpu_percent=self._cpu_percent(),
             process_read_bytes=read_bytes,
             process_read_rate=proc_rate,
             disk_name=disk_name,
