@@ -240,6 +240,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kimitui.serve_cmd", "run the llama-server/OpenAI compatible HTTP API headless"),
     "bench-ui": ("kimitui.benchmarks.ui_latency", "time keypress echo in the app while a reply streams"),
     "shard": ("kimitui.model.shard", "rewrite a GGUF as a llama.cpp split set cut at layer boundaries, with a manifest"),
+    "requant": ("kimitui.model.requant", "rewrite a model's trunk as Q8_0 or Q4_0, its routed experts copied byte for byte"),
+    "quality": ("kimitui.benchmarks.quality", "what a lossy variant (a requantized copy) costs: KL divergence, top-1 agreement, perplexity"),
     "verify": ("kimitui.model.verify_cmd", "check a sharded model's files against its manifest, or a GGUF split set's structure"),
     "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
     "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),

@@ -7,6 +7,7 @@ two overlap (the kernel and hashlib both release the GIL). Memory stays at DEPTH
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import sys
@@ -69,6 +70,15 @@ def read_ahead(
         stop.set()
         free.put(bytearray(0))  # wakes a reader waiting for a buffer so it sees `stop`
         thread.join()
+
+
+def is_hole(fd: int, offset: int, length: int) -> bool:
+    """Whether `length` bytes at `offset` are all a hole of a sparse file: zeros with no data
+    to read. False where the filesystem cannot tell (no SEEK_DATA)."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
+    except OSError as exc:
+        return exc.errno == errno.ENXIO  # ENXIO: no data after `offset` at all
 
 
 class Progress:

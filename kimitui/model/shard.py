@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from kimitui.errors import UserError
-from kimitui.model.bulkio import Progress, read_ahead
+from kimitui.model.bulkio import CHUNK_BYTES, Progress, read_ahead
 from kimitui.model.gguf_map import _SPLIT_RE, ROUTED_EXPERTS, ModelMap, TensorInfo, _open_reader, load_model_map, split_name
 from kimitui.model.manifest import (
     CHECKSUMS,
@@ -168,20 +168,35 @@ class ShardResult:
         return self.n_bytes / max(self.seconds, 1e-9)
 
 
-def _write_one(
+@dataclass(frozen=True)
+class Zeros:
+    """A run of zero bytes in a tensor's data, written as a hole (seeked over) and hashed."""
+
+    n_bytes: int
+
+
+_ZEROS = bytes(CHUNK_BYTES)
+
+
+def write_gguf_file(
     path: Path,
     arch: str,
     alignment: int,
     kv: list,
-    tensors: Sequence[TensorInfo],
+    tensors: Sequence[tuple[str, tuple[int, ...], str, int]],
     number: int,
     count: int,
     n_tensors: int,
-    chunks: Iterator[memoryview],
-    progress: Progress,
+    chunks: Iterator[memoryview | Zeros],
+    progress: Progress | None,
     algorithm: str,
     hasher: ThreadPoolExecutor,
+    split: bool = True,
 ) -> FileEntry:
+    """Write file `number` of a `count`-file set: the header (every key in `kv` in the first
+    file only, the split keys where `split`), the infos of `tensors` ((name, ggml shape,
+    ggml type name, bytes)) and their data, taken from `chunks` in order. Returns the file's
+    manifest entry, its checksum computed on the way."""
     import numpy as np
     from gguf import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFWriter, Keys
 
@@ -192,13 +207,14 @@ def _write_one(
         if number == 0:
             for key, value, vtype, sub in kv:
                 writer.add_key_value(key, value, vtype, sub_type=sub)
-        writer.add_uint16(Keys.Split.LLM_KV_SPLIT_NO, number)
-        writer.add_uint16(Keys.Split.LLM_KV_SPLIT_COUNT, count)
-        writer.add_int32(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, n_tensors)
-        for t in tensors:
+        if split:
+            writer.add_uint16(Keys.Split.LLM_KV_SPLIT_NO, number)
+            writer.add_uint16(Keys.Split.LLM_KV_SPLIT_COUNT, count)
+            writer.add_int32(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, n_tensors)
+        for name, shape, ggml_type, n_bytes in tensors:
             # GGUFWriter takes numpy (outermost-first) order and writes it reversed
             writer.add_tensor_info(
-                t.name, tuple(reversed(t.shape)), np.dtype(np.float32), t.n_bytes, raw_dtype=GGMLQuantizationType[t.ggml_type]
+                name, tuple(reversed(shape)), np.dtype(np.float32), n_bytes, raw_dtype=GGMLQuantizationType[ggml_type]
             )
         writer.write_header_to_file(path)
         writer.write_kv_data_to_file()
@@ -216,22 +232,35 @@ def _write_one(
             digest.update(zeros)
 
         pad(out.tell())
-        for t in tensors:
-            left = t.n_bytes
+        for _name, _shape, _type, n_bytes in tensors:
+            left = n_bytes
             while left > 0:
                 view = next(chunks)
-                # hash on another core while this one writes (both release the GIL); done
-                # before the next chunk, as the buffer is then reused and the order kept
-                hashed = hasher.submit(digest.update, view)
-                out.write(view)
-                hashed.result()
-                left -= len(view)
-                progress.add(len(view))
-            pad(t.n_bytes)
+                if isinstance(view, Zeros):  # a hole in the source stays one: nothing to write
+                    n = view.n_bytes
+                    for at in range(0, n, len(_ZEROS)):
+                        digest.update(memoryview(_ZEROS)[: min(len(_ZEROS), n - at)])
+                    out.seek(n, os.SEEK_CUR)
+                else:
+                    n = len(view)
+                    # hash on another core while this one writes (both release the GIL); done
+                    # before the next chunk, as the buffer is then reused and the order kept
+                    hashed = hasher.submit(digest.update, view)
+                    out.write(view)
+                    hashed.result()
+                left -= n
+                if progress is not None:
+                    progress.add(n)
+            pad(n_bytes)
+        out.truncate(out.tell())  # a file that ends in a hole still has its full size
     finally:
         writer.close()
     size = path.stat().st_size
     return FileEntry(path.name, size, digest.hexdigest(), ends_digest(path, size, algorithm))
+
+
+def tensor_entries(tensors: Sequence[TensorInfo]) -> list[tuple[str, tuple[int, ...], str, int]]:
+    return [(t.name, t.shape, t.ggml_type, t.n_bytes) for t in tensors]
 
 
 def shard_model(
@@ -269,8 +298,9 @@ def shard_model(
     hasher = ThreadPoolExecutor(1, thread_name_prefix="kimitui-hash")
     try:
         entries = [
-            _write_one(
-                partial / f.name, arch, alignment, kv, f.tensors, i, count, len(m.tensors), chunks, progress, algorithm, hasher
+            write_gguf_file(
+                partial / f.name, arch, alignment, kv, tensor_entries(f.tensors), i, count, len(m.tensors), chunks,
+                progress, algorithm, hasher,
             )
             for i, f in enumerate(out_files)
         ]

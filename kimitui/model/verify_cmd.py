@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimitui.errors import UserError
-from kimitui.model.bulkio import Progress, read_ahead
+from kimitui.model.bulkio import Progress, is_hole, read_ahead
 from kimitui.model.manifest import MANIFEST_NAME, FileEntry, Manifest, locate, new_hash, read_manifest
 from kimitui.units import format_bytes, format_rate
 
@@ -156,12 +156,72 @@ def verify_gguf(path: Path) -> StructureResult:
     return StructureResult(len(files), n_bytes, n_tensors, time.perf_counter() - started, tuple(problems))
 
 
+@dataclass(frozen=True)
+class ExpertsResult:
+    tensors: int
+    n_bytes: int
+    holes: int  # bytes both sides have as holes: equal without a read
+    seconds: float
+    problems: tuple[Problem, ...]
+
+
+def same_experts(model: Path, source: Path, *, progress_stream=None) -> ExpertsResult:
+    """Compare every routed expert tensor of `model` with `source`'s of the same name, byte
+    for byte (what `kimitui requant` promises); ranges that are holes in both are equal unread."""
+    import time
+
+    from kimitui.model.gguf_map import ROUTED_EXPERTS, load_model_map
+
+    started = time.perf_counter()
+    ours, theirs = load_model_map(model), load_model_map(source)
+    by_name = {t.name: t for t in theirs.tensors if t.role == ROUTED_EXPERTS}
+    routed = [t for t in ours.tensors if t.role == ROUTED_EXPERTS]
+    problems: list[Problem] = []
+    names = {t.name for t in routed}
+    for name in sorted(set(by_name) - names):
+        problems.append(Problem(name, None, f"in {source.name} but not in {model.name}"))
+    pairs = []
+    for t in routed:
+        other = by_name.get(t.name)
+        if other is None:
+            problems.append(Problem(t.name, None, f"in {model.name} but not in {source.name}"))
+        elif (t.ggml_type, t.shape) != (other.ggml_type, other.shape):
+            problems.append(Problem(t.name, None, f"{t.ggml_type} {list(t.shape)} here, {other.ggml_type} {list(other.shape)} in {source.name}"))
+        else:
+            pairs.append((t, other))
+    fds_a = [os.open(f, os.O_RDONLY) for f in ours.files]
+    fds_b = [os.open(f, os.O_RDONLY) for f in theirs.files]
+    progress = Progress("verify experts", sum(t.n_bytes for t, _ in pairs), progress_stream)
+    holes = 0
+    try:
+        for t, other in pairs:
+            a, b = fds_a[t.file], fds_b[other.file]
+            step = 8 * 1024**2
+            for at in range(0, t.n_bytes, step):
+                n = min(step, t.n_bytes - at)
+                if is_hole(a, t.offset + at, n) and is_hole(b, other.offset + at, n):
+                    holes += n
+                elif os.pread(a, n, t.offset + at) != os.pread(b, n, other.offset + at):
+                    problems.append(Problem(t.name, None, f"differs from {source.name} within bytes {at}-{at + n} of the tensor"))
+                    break
+                progress.add(n)
+    finally:
+        progress.close()
+        for fd in fds_a + fds_b:
+            os.close(fd)
+    return ExpertsResult(len(pairs), sum(t.n_bytes for t, _ in pairs), holes, time.perf_counter() - started, tuple(problems))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "directory", type=Path, metavar="path",
         help=f"directory holding {MANIFEST_NAME} (written by kimitui shard), or a GGUF (any file of a split set)",
     )
     parser.add_argument("--config", type=Path, help="TOML config whose model.paths are searched too (default: the usual one)")
+    parser.add_argument(
+        "--same-experts-as", type=Path, metavar="MODEL",
+        help="also compare every routed expert tensor with MODEL's, byte for byte (after kimitui requant)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config, explicit=args.config is not None)
     search = [Path(p).expanduser() for p in settings["model.paths"]]
+    if args.same_experts_as is not None:
+        return _run_same_experts(args.directory, args.same_experts_as)
     if args.directory.is_file() and args.directory.name != MANIFEST_NAME:
         result = verify_gguf(args.directory)
         for p in result.problems:
@@ -191,4 +253,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(result.problems)} of {result.checked} files bad ({format_bytes(result.n_bytes)} hashed at {rate})")
         return 1
     print(f"all {result.checked} files good: {format_bytes(result.n_bytes)} checked in {result.seconds:.1f} s ({rate})")
+    return 0
+
+
+def _run_same_experts(path: Path, source: Path) -> int:
+    """First the files' own check, then the experts against `source`'s."""
+    model = path
+    if path.is_dir():
+        manifest_path = path / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise UserError(f"no {MANIFEST_NAME} in {path}: give the model's first file instead")
+        model = path / read_manifest(manifest_path).files[0].name
+        checked = verify(path, [])
+        for p in checked.problems:
+            print(p.line())
+        if checked.problems:
+            print(f"{len(checked.problems)} of {checked.checked} files bad; experts not compared")
+            return 1
+        print(f"all {checked.checked} files good against the manifest")
+    result = same_experts(model, source)
+    for p in result.problems:
+        print(p.line())
+    if result.problems:
+        print(f"{len(result.problems)} routed expert tensors differ from {source}")
+        return 1
+    if not result.tensors:
+        print(f"no routed expert tensors in {model.name} or {source.name}: nothing to compare")
+        return 0
+    holes = f" ({format_bytes(result.holes)} holes on both sides)" if result.holes else ""
+    print(
+        f"the routed experts are identical to {source}: {result.tensors} tensors, "
+        f"{format_bytes(result.n_bytes)}{holes} compared in {result.seconds:.1f} s"
+    )
     return 0
