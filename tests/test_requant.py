@@ -186,3 +186,19 @@ def test_quality_refuses_models_with_other_vocabularies(model_path, tmp_path, ca
     assert main(["quality", "--model", str(model_path), "--variant", str(other)]) == 2
     err = capsys.readouterr().err.strip()
     assert "its vocabulary differs from the model's" in err and len(err.splitlines()) == 1
+
+
+def test_inspect_plans_the_requantized_copy_before_it_is_written(k3_bf16, k3_q8):
+    from kimitui.engine.inspect_cmd import engine_plan, trunk_choices
+
+    source = load_model_map(k3_bf16)
+    budget = minimum_budget(source) + 4 * MIB
+    choices = {c["trunk"]: c for c in trunk_choices(source, budget)}
+    assert set(choices) == {None, "q8_0", "q4_0"} and choices[None]["types"] == ["BF16"]
+    written = load_model_map(k3_q8)
+    plan = engine_plan(written, budget)
+    assert choices["q8_0"]["trunk_bytes"] == written.trunk_bytes
+    assert choices["q8_0"]["tensor_bytes"] == written.tensor_bytes
+    assert choices["q8_0"]["bytes_per_token"] == plan["trunk_bytes_per_token"] + plan["expert_bytes_per_token"]
+    assert choices["q4_0"]["bytes_per_token"] < choices["q8_0"]["bytes_per_token"] < choices[None]["bytes_per_token"]
+    assert trunk_choices(written, budget)[0]["types"] == ["Q8_0"]

@@ -124,11 +124,33 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def trunk_choices(m: ModelMap, budget: int) -> list[dict]:
+    """The trunk as it is and as each `kimitui requant --trunk` would write it: its bytes and
+    what a token reads under the engine's plan at `budget` (empty where requant changes nothing)."""
+    from kimitui.model.requant import TRUNK_TYPES, requantized_map, requantizes
+
+    matrices = [t for t in m.tensors if requantizes(t)]
+    choices = []
+    for trunk in (None, *TRUNK_TYPES):
+        variant = m if trunk is None else requantized_map(m, trunk)
+        if trunk is not None and variant.tensor_bytes == m.tensor_bytes:
+            continue  # already that type, or rows that do not divide into its blocks
+        plan = engine_plan(variant, budget)
+        per_token = None if plan is None or "refused" in plan else plan["trunk_bytes_per_token"] + plan["expert_bytes_per_token"]
+        kept = {t.ggml_type for t in variant.tensors if t.index in {u.index for u in matrices}}
+        choices.append({
+            "trunk": trunk, "types": sorted(kept), "trunk_bytes": variant.trunk_bytes,
+            "tensor_bytes": variant.tensor_bytes, "bytes_per_token": per_token,
+        })
+    return choices if len(choices) > 1 else []
+
+
 def summarize(m: ModelMap, bandwidth: float, budget: int) -> dict:
     layout, cuts = file_layout(m)
     read = m.read_bytes_per_token(budget)
     return {
         "plan": engine_plan(m, budget),
+        "trunk_choices": trunk_choices(m, budget),
         "files": [str(f) for f in m.files],
         "file_bytes": list(m.file_sizes),
         "name": m.name,
@@ -233,6 +255,16 @@ def render(r: dict) -> str:
                 f"         a {plan['prompt_tokens']}-token prompt reads {fb(prompt)} in {_count(plan['prompt_chunks'], 'chunk')} "
                 f"(one token at a time: {fb(plan['prompt_bytes_one_token_at_a_time'])}): {waits}"
             )
+    for choice in r.get("trunk_choices", []):
+        label = "trunk as it is" if choice["trunk"] is None else f"requant --trunk {choice['trunk']}"
+        head = "requant  " if choice["trunk"] is None else "         "
+        per_token = choice["bytes_per_token"]
+        reads = (
+            "the plan refuses the budget" if per_token is None
+            else f"a token reads {fb(per_token)}: " + ", ".join(f"{rate / per_token:.3g} tok/s at {format_rate(rate)}" for rate in PLAN_BANDWIDTHS)
+            if per_token else "a token reads nothing"
+        )
+        lines.append(f"{head}{label} ({'/'.join(choice['types'])}, trunk {fb(choice['trunk_bytes'])}): {reads}")
     lines.append("")
     header = ("layer", "bytes", "trunk", "experts", "1 expert", "shards")
     rows = [("—", fb(r["nonlayer"]["bytes"]), fb(r["nonlayer"]["bytes"]), "—", "—", str(len(r["nonlayer"]["shards"])))]

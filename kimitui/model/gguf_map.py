@@ -210,6 +210,24 @@ class ModelMap:
         experts = sum(self.n_expert_used * layer.expert_bytes for layer in self.layers if layer.is_moe)
         return self.trunk_bytes - table + row + experts
 
+    def retyped(self, types: dict[int, tuple[str, int]]) -> ModelMap:
+        """This model with some tensors in other types ({tensor index: (ggml type, bytes)}),
+        laid out as rewriting the same files would place them: a requantized copy's map,
+        planned before it is written."""
+        tensors: list[TensorInfo] = []
+        sizes: list[int] = []
+        for file in range(len(self.files)):
+            in_file = sorted((t for t in self.tensors if t.file == file), key=lambda t: t.offset)
+            start = at = min((t.offset for t in in_file), default=self.file_sizes[file])
+            for t in in_file:
+                ggml_type, n_bytes = types.get(t.index, (t.ggml_type, t.n_bytes))
+                tensors.append(replace(t, offset=at, ggml_type=ggml_type, n_bytes=n_bytes))
+                at += -(-n_bytes // self.alignment) * self.alignment
+            sizes.append(at if in_file else self.file_sizes[file])
+        frozen = tuple(sorted(tensors, key=lambda t: t.index))
+        shards = group_shards(frozen, self.shard_size)
+        return replace(self, tensors=frozen, file_sizes=tuple(sizes), shards=shards, layers=_layer_infos(frozen, shards, self.n_layers))
+
     def read_bytes_per_token(self, budget: int) -> int:
         """Bytes a token must read from storage when `budget` bytes stay pinned."""
         return sum(self.read_split_per_token(budget))

@@ -94,6 +94,13 @@ def output_bytes(t: TensorInfo, type_name: str) -> int:
     return rows * t.shape[0] // block * size
 
 
+def requantized_map(m: ModelMap, trunk: str) -> ModelMap:
+    """The map `kimitui requant --trunk TRUNK` would write (a TRUNK_TYPES key)."""
+    target = TRUNK_TYPES[trunk][0]
+    types = {t.index: (output_type(t, target), output_bytes(t, output_type(t, target))) for t in m.tensors}
+    return m.retyped(types)
+
+
 def _row_bytes(t: TensorInfo) -> int:
     block, size = _block(t.ggml_type)
     return t.shape[0] // block * size
