@@ -126,7 +126,8 @@ def _count(n: int, noun: str) -> str:
 
 def trunk_choices(m: ModelMap, budget: int) -> list[dict]:
     """The trunk as it is and as each `kimitui requant --trunk` would write it: its bytes and
-    what a token reads under the engine's plan at `budget` (empty where requant changes nothing)."""
+    what a token reads under the engine's plan at `budget` (empty where requant changes nothing
+    or the budget cannot start the model as it is)."""
     from kimitui.model.requant import TRUNK_TYPES, requantized_map, requantizes
 
     matrices = [t for t in m.tensors if requantizes(t)]
@@ -136,7 +137,12 @@ def trunk_choices(m: ModelMap, budget: int) -> list[dict]:
         if trunk is not None and variant.tensor_bytes == m.tensor_bytes:
             continue  # already that type, or rows that do not divide into its blocks
         plan = engine_plan(variant, budget)
-        per_token = None if plan is None or "refused" in plan else plan["trunk_bytes_per_token"] + plan["expert_bytes_per_token"]
+        if plan is None or "refused" in plan:
+            if trunk is None:
+                return []  # the plan line already says why the budget cannot start it
+            per_token = None
+        else:
+            per_token = plan["trunk_bytes_per_token"] + plan["expert_bytes_per_token"]
         kept = {t.ggml_type for t in variant.tensors if t.index in {u.index for u in matrices}}
         choices.append({
             "trunk": trunk, "types": sorted(kept), "trunk_bytes": variant.trunk_bytes,
