@@ -68,3 +68,25 @@ def test_on_the_phone_the_platform_line_says_ios_arm64_beside_the_machine_name(m
     monkeypatch.setattr(doctor.host, "machine", lambda: "iPhone17,1")
     check = doctor.check_platform()
     assert check.text.startswith("ios arm64 (iPhone17,1), CPython ")
+
+
+def test_on_the_phone_the_address_space_line_weighs_the_windows_against_the_jumbo_ceiling(tmp_path, model_path):
+    """A K3 cut larger than iOS's 63 GiB (sparse): doctor names the ceiling, the entitlement that
+    reaches it and the iOS 18 one no user can sign for, and the windows that fit under it."""
+    from kimitui import doctor
+    from kimitui.engine.platform import EXTENDED_VA_ENTITLEMENT, IOS_ADDRESS_CEILING, IOS_LARGE_FILE_ENTITLEMENT
+    from kimitui.model import synth
+    from kimitui.model.gguf_map import load_model_map
+
+    spec = synth.plan_like("kimi-k3", None, 1.0, None, synth.default_tokenizer(), synth.Cut(layers=6))
+    path = synth.write_model(spec, tmp_path / "k3.gguf", seed=1, progress=False, sparse=True).paths[0]
+    assert path.stat().st_size > IOS_ADDRESS_CEILING
+    fits = lambda n: n <= IOS_ADDRESS_CEILING  # noqa: E731 - the phone's reservation, injected
+    check = doctor.check_address_space([path], load_model_map(path), budget=6 * 2**30, platform="ios", reserve=fits)
+    assert check.ok and "streams through windows of" in check.text, check.text
+    assert f"iOS's ceiling {IOS_ADDRESS_CEILING / 2**30:.1f} GiB" in check.text
+    assert EXTENDED_VA_ENTITLEMENT in check.text and IOS_LARGE_FILE_ENTITLEMENT in check.text
+    small = doctor.check_address_space([model_path], platform="ios", reserve=fits)
+    assert small.ok and "can be mapped at once (iOS's ceiling" in small.text
+    refused = doctor.check_address_space([path], platform="ios", reserve=lambda n: False)
+    assert not refused.ok and "63 GiB at most" in refused.text and "ldid -S" in refused.text
