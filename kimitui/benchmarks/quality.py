@@ -70,11 +70,12 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
     from llama_cpp import Llama
 
     from kimitui.engine.llama_glue import llama_params
+    from kimitui.model.gguf_map import split_set
 
     try:
         with llama_params(None, repack=False):
-            llm = Llama(
-                str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), logits_all=True,
+            llm = Llama(  # llama.cpp opens a split set at its first file only
+                str(split_set(path)[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), logits_all=True,
                 n_threads=threads, verbose=False,
             )
     except ValueError as exc:
@@ -88,8 +89,11 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
             )
         if len(own) < 2:
             raise UserError("the text is shorter than two tokens: nothing to predict")
-        llm.eval(own)
-        return own, np.array(llm.scores[: len(own) - 1], dtype=np.float32), llm.n_vocab()
+        try:
+            llm.eval(own)
+            return own, np.array(llm.scores[: len(own) - 1], dtype=np.float32), llm.n_vocab()
+        except (RuntimeError, MemoryError) as exc:
+            raise UserError(f"{path}: scoring {len(own)} tokens failed ({type(exc).__name__}: {exc}); try a smaller --n-ctx") from None
     finally:
         llm.close()
 

@@ -130,7 +130,7 @@ def trunk_choices(m: ModelMap, budget: int) -> list[dict]:
     or the budget cannot start the model as it is)."""
     from kimitui.model.requant import TRUNK_TYPES, requantized_map, requantizes
 
-    matrices = [t for t in m.tensors if requantizes(t)]
+    matrices = {t.index for t in m.tensors if requantizes(t)}
     choices = []
     for trunk in (None, *TRUNK_TYPES):
         variant = m if trunk is None else requantized_map(m, trunk)
@@ -143,9 +143,9 @@ def trunk_choices(m: ModelMap, budget: int) -> list[dict]:
             per_token = None
         else:
             per_token = plan["trunk_bytes_per_token"] + plan["expert_bytes_per_token"]
-        kept = {t.ggml_type for t in variant.tensors if t.index in {u.index for u in matrices}}
+        types = {t.ggml_type for t in variant.tensors if t.index in matrices}
         choices.append({
-            "trunk": trunk, "types": sorted(kept), "trunk_bytes": variant.trunk_bytes,
+            "trunk": trunk, "types": sorted(types), "trunk_bytes": variant.trunk_bytes,
             "tensor_bytes": variant.tensor_bytes, "bytes_per_token": per_token,
         })
     return choices if len(choices) > 1 else []

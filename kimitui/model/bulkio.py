@@ -75,8 +75,11 @@ def read_ahead(
 def is_hole(fd: int, offset: int, length: int) -> bool:
     """Whether `length` bytes at `offset` are all a hole of a sparse file: zeros with no data
     to read. False where the filesystem cannot tell (no SEEK_DATA)."""
+    seek_data = getattr(os, "SEEK_DATA", None)
+    if seek_data is None:
+        return False
     try:
-        return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
+        return os.lseek(fd, offset, seek_data) >= offset + length
     except OSError as exc:
         return exc.errno == errno.ENXIO  # ENXIO: no data after `offset` at all
 

@@ -212,13 +212,14 @@ class ModelMap:
 
     def retyped(self, types: dict[int, tuple[str, int]]) -> ModelMap:
         """This model with some tensors in other types ({tensor index: (ggml type, bytes)}),
-        laid out as rewriting the same files would place them: a requantized copy's map,
-        planned before it is written."""
+        each file's tensors packed from where its data starts now: a requantized copy's map,
+        planned before it is written (the copy's header may differ by a few bytes, so its
+        offsets may too; sizes, shards and layers are what the plan reads)."""
         tensors: list[TensorInfo] = []
         sizes: list[int] = []
         for file in range(len(self.files)):
             in_file = sorted((t for t in self.tensors if t.file == file), key=lambda t: t.offset)
-            start = at = min((t.offset for t in in_file), default=self.file_sizes[file])
+            at = min((t.offset for t in in_file), default=self.file_sizes[file])
             for t in in_file:
                 ggml_type, n_bytes = types.get(t.index, (t.ggml_type, t.n_bytes))
                 tensors.append(replace(t, offset=at, ggml_type=ggml_type, n_bytes=n_bytes))

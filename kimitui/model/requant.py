@@ -14,8 +14,7 @@ are written under `OUTDIR/.kimitui-requant.partial/` one at a time; each finishe
 recorded there with its checksum, so an interrupted run resumes at the first file not finished
 (a finished file whose size or ends no longer match its record is written again). Holes in a
 sparse source stay holes. The matrices are quantized by ggml-cpu's own row quantizers (those
-llama.cpp quantizes activations with), on every core, while the next chunk is read and the
-last one hashed.
+llama.cpp quantizes activations with), on every core, while the next chunks are read.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import ctypes
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -123,9 +122,17 @@ def _from_float(type_name: str):
     SIMD where ggml has it (Q8_0: about 20x ggml_quantize_chunk's scalar loop here), so that
     quantizing keeps up with the disk. Ties may round the other way than llama-quantize's."""
     from gguf import GGMLQuantizationType
-    from llama_cpp._ggml import libggml_base_path
 
-    cpu = ctypes.CDLL(str(next(libggml_base_path.glob("libggml-cpu.*"))))
+    try:
+        from llama_cpp._ggml import libggml_base_path
+
+        found = next(iter(sorted(libggml_base_path.glob("libggml-cpu*"))), None)
+        if found is None:
+            raise OSError(f"no libggml-cpu in {libggml_base_path}")
+        cpu = ctypes.CDLL(str(found))
+        cpu.ggml_get_type_traits_cpu  # noqa: B018 - an AttributeError here, not at the first call
+    except (ImportError, OSError, AttributeError) as exc:
+        raise UserError(f"requant needs ggml-cpu's quantizers from llama-cpp-python, which this install lacks ({exc})") from None
     cpu.ggml_cpu_init.restype = None
     cpu.ggml_cpu_init()
     cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TypeTraitsCpu)
@@ -174,8 +181,11 @@ def quantize_rows(rows, type_name: str, pool: ThreadPoolExecutor, parts: int) ->
         pool.submit(fn, src + first * n_per_row * 4, at + first * row_out, min(step, n_rows - first) * n_per_row)
         for first in range(0, n_rows, step)
     ]
-    for job in jobs:
-        job.result()
+    try:
+        for job in jobs:
+            job.result()
+    finally:
+        wait(jobs)  # an interrupt must not free `rows` or `out` while a thread still writes through them
     del dst  # the buffer export ends before the bytes are handed on
     return out
 
@@ -276,7 +286,10 @@ def _finished_files(partial: Path, identity: dict, names: list[str], say) -> dic
         state = None
     if isinstance(state, dict) and all(state.get(k) == v for k, v in identity.items()):
         for raw in state.get("done", []):
-            entry = FileEntry(**raw)
+            try:
+                entry = FileEntry(**raw)
+            except TypeError:
+                continue  # a damaged record: that file is written again
             path = partial / entry.name
             if entry.name not in names or not path.is_file():
                 continue
@@ -310,11 +323,13 @@ def _clashes(outdir: Path, names: list[str], force: bool) -> list[Path]:
     return existing
 
 
-def _needed_bytes(m: ModelMap, out_types: dict[int, str]) -> int:
-    """The output's bytes on disk: its tensors' bytes, scaled by how much of the source is
-    allocated (a sparse source gives a sparse output)."""
+def _needed_bytes(m: ModelMap, out_types: dict[int, str], skip: set[str]) -> int:
+    """The bytes on disk the files not yet written (not in `skip`) will take: their tensors'
+    bytes, scaled by how much of the source is allocated (a sparse source gives a sparse copy)."""
     total = 0
     for i, f in enumerate(m.files):
+        if f.name in skip:
+            continue
         st = os.stat(f)
         allocated = min(1.0, st.st_blocks * 512 / max(st.st_size, 1))
         total += int(allocated * sum(output_bytes(t, out_types[t.index]) for t in m.tensors if t.file == i))
@@ -334,7 +349,7 @@ def requant_model(
 ) -> RequantResult:
     """Write `source` (a GGUF or any file of a split set) to `outdir` with its trunk as
     `trunk` (a TRUNK_TYPES key), resuming an interrupted run. UserError for what the user can fix."""
-    from gguf import LlamaFileType
+    from gguf import GGUFValueType, LlamaFileType
 
     if trunk not in TRUNK_TYPES:
         raise UserError(f"--trunk {trunk}: choose one of {', '.join(TRUNK_TYPES)}")
@@ -349,14 +364,6 @@ def requant_model(
     if not changed:
         raise UserError(f"{source}: no trunk matrix to rewrite as {target} (already {target}, or no rows that divide into its blocks)")
     outdir.mkdir(parents=True, exist_ok=True)
-    needed = _needed_bytes(m, out_types)
-    free = shutil.disk_usage(outdir).free
-    if free < needed:
-        raise UserError(f"{outdir}: {format_bytes(free)} free, the requantized copy needs about {format_bytes(needed)}")
-    arch, alignment, kv = _kv_items(m.files[0])
-    kv = [(k, int(LlamaFileType[file_type]), vt, sub) if k == "general.file_type" else (k, v, vt, sub) for k, v, vt, sub in kv]
-    split = split_names(m.files[0]) is not None
-
     partial = outdir / PARTIAL_DIR
     partial.mkdir(exist_ok=True)
     identity = _source_identity(m, trunk, algorithm)
@@ -364,11 +371,20 @@ def requant_model(
     resumed = len(done)
     if done:
         say(f"requant: resuming; {len(done)} of {len(names)} files were finished by an earlier run")
+    needed = _needed_bytes(m, out_types, skip=set(done))
+    free = shutil.disk_usage(outdir).free
+    if free < needed:
+        raise UserError(f"{outdir}: {format_bytes(free)} free, the requantized copy needs about {format_bytes(needed)} more")
+    arch, alignment, kv = _kv_items(m.files[0])
+    file_type_kv = ("general.file_type", int(LlamaFileType[file_type]), GGUFValueType.UINT32, None)
+    kv = [item for item in kv if item[0] != "general.file_type"] + [file_type_kv]
+    split = split_names(m.files[0]) is not None
     todo_bytes = sum(t.n_bytes for t in m.tensors if m.files[t.file].name not in done)
     progress = Progress("requant", todo_bytes, progress_stream)
     workers = threads or os.cpu_count() or 1
     hasher = ThreadPoolExecutor(1, thread_name_prefix="kimitui-hash")
     pool = ThreadPoolExecutor(workers, thread_name_prefix="kimitui-quantize")
+    moving = False
     try:
         for i, path in enumerate(m.files):
             if path.name in done:
@@ -376,35 +392,40 @@ def requant_model(
             in_file = [t for t in m.tensors if t.file == i]
             infos = [(t.name, t.shape, out_types[t.index], output_bytes(t, out_types[t.index])) for t in in_file]
             fd = os.open(path, os.O_RDONLY)
+            tmp = partial / f".{path.name}.tmp"
             try:
                 chunks = converted_chunks(fd, [(t, out_types[t.index]) for t in in_file], pool, workers, progress)
-                tmp = partial / f".{path.name}.tmp"
                 try:
                     entry = write_gguf_file(
                         tmp, arch, alignment, kv, infos, i, len(m.files), len(m.tensors), chunks, None, algorithm, hasher, split
                     )
                 finally:
                     chunks.close()
+                _fsync(tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a half-written file only holds space the user may need
+                raise
             finally:
                 os.close(fd)
-            _fsync(tmp)
             os.replace(tmp, partial / path.name)
             done[path.name] = FileEntry(path.name, entry.bytes, entry.checksum, entry.ends)
             _save_state(partial, identity, done)
         progress.close()
-        (partial / STATE_NAME).unlink()
         manifest = Manifest(
             model=m.name, checksum=algorithm, files=tuple(done[n] for n in names),
             shard_size=max(e.bytes for e in done.values()), trunk_first=False,
         )
+        moving = True
+        (partial / STATE_NAME).unlink()
         _move_into_place(partial, outdir, names, old, manifest)
     except OSError as exc:  # a full disk, a drive gone: the user's to fix, in one line
         progress.close()
         where = f" ({exc.filename})" if exc.filename else ""
-        raise UserError(
-            f"requant into {outdir} failed: {exc.strerror or exc}{where}; "
-            f"{len(done)} finished files kept in {partial}, run the same command again to resume"
-        ) from None
+        left = (
+            f"the files were being moved into {outdir}: run the same command with --force to write them again"
+            if moving else f"{len(done)} finished files kept in {partial}, run the same command again to resume"
+        )
+        raise UserError(f"requant into {outdir} failed: {exc.strerror or exc}{where}; {left}") from None
     finally:
         progress.close()
         pool.shutdown()

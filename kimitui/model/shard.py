@@ -251,6 +251,8 @@ def write_gguf_file(
                 left -= n
                 if progress is not None:
                     progress.add(n)
+            if left:  # a chunk ran past its tensor: what follows would be misplaced
+                raise ValueError(f"tensor {_name}: its chunks were {-left} bytes longer than its {n_bytes}")
             pad(n_bytes)
         out.truncate(out.tell())  # a file that ends in a hole still has its full size
     finally:

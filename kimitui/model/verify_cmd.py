@@ -256,26 +256,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_same_experts(path: Path, source: Path) -> int:
-    """First the files' own check, then the experts against `source`'s."""
-    model = path
+def _model_file(path: Path) -> Path:
+    """A model's first file, from the file itself, its directory or its manifest."""
+    if path.is_file() and path.name == MANIFEST_NAME:
+        path = path.parent
     if path.is_dir():
         manifest_path = path / MANIFEST_NAME
         if not manifest_path.is_file():
             raise UserError(f"no {MANIFEST_NAME} in {path}: give the model's first file instead")
-        model = path / read_manifest(manifest_path).files[0].name
+        return path / read_manifest(manifest_path).files[0].name
+    return path
+
+
+def _run_same_experts(path: Path, source: Path) -> int:
+    """First the files' own check (against the manifest, or their structure), then the experts
+    against `source`'s."""
+    model, source = _model_file(path), _model_file(source)
+    if path.is_dir() or path.name == MANIFEST_NAME:
         checked = verify(path, [])
-        for p in checked.problems:
-            print(p.line())
-        if checked.problems:
-            print(f"{len(checked.problems)} of {checked.checked} files bad; experts not compared")
-            return 1
-        print(f"all {checked.checked} files good against the manifest")
+        own = "against the manifest"
+    else:
+        checked = verify_gguf(path)
+        own = "in their structure"
+    for p in checked.problems:
+        print(p.line())
+    if checked.problems:
+        print(f"{len(checked.problems)} of {checked.checked} files bad; experts not compared")
+        return 1
+    print(f"all {checked.checked} files good {own}")
     result = same_experts(model, source)
     for p in result.problems:
         print(p.line())
     if result.problems:
-        print(f"{len(result.problems)} routed expert tensors differ from {source}")
+        print(f"{len(result.problems)} routed expert tensors differ from {source}'s or are missing from one side")
         return 1
     if not result.tensors:
         print(f"no routed expert tensors in {model.name} or {source.name}: nothing to compare")
