@@ -226,3 +226,46 @@ def test_quality_opens_a_split_set_at_any_of_its_files(model_path, tmp_path):
     second = sorted(tmp_path.glob("*-00002-of-*.gguf"))[0]
     same = compare(model_path, second, BUILT_IN_TEXT, n_ctx=96)
     assert same.tokens == 95 and same.kl_max == 0.0 and same.top1_agreement == 1.0
+
+
+def test_a_quantized_trunk_is_rewritten_byte_for_byte_as_llama_quantize_writes_it(model_path, tmp_path):
+    """The embedded model (Q4_1) as Q8_0: every matrix requant rewrites holds llama.cpp's own
+    llama_model_quantize bytes."""
+    import llama_cpp as C
+
+    params = C.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = C.LLAMA_FTYPE_MOSTLY_Q8_0, True, 2
+    reference = tmp_path / "reference.gguf"
+    assert C.llama_model_quantize(str(model_path).encode(), str(reference).encode(), C.byref(params)) == 0
+    requant_model(model_path, tmp_path / "ours", trunk="q8_0", say=lambda line: None)
+    ours, theirs = load_model_map(tmp_path / "ours" / model_path.name), load_model_map(reference)
+    by_name = {t.name: t for t in theirs.tensors}
+    compared = 0
+    with open(ours.files[0], "rb") as a, open(theirs.files[0], "rb") as b:
+        for t in ours.tensors:
+            other = by_name[t.name]
+            if t.ggml_type == other.ggml_type == "Q8_0":
+                a.seek(t.offset)
+                b.seek(other.offset)
+                assert a.read(t.n_bytes) == b.read(other.n_bytes), t.name
+                compared += 1
+    assert compared > 200
+
+
+def test_bf16_rows_quantize_as_the_reference_but_for_ties(tmp_path):
+    """The SIMD quantizer BF16 sources take: the same scales, every value within one step of
+    ggml's reference, and nearly every value identical."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from kimitui.model.requant import quantize_rows, to_float32
+
+    bf16 = (np.random.default_rng(0).standard_normal(256 * 4096).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    rows = to_float32(bf16.tobytes(), "BF16", 4096)
+    with ThreadPoolExecutor(2) as pool:
+        fast = np.frombuffer(bytes(quantize_rows(rows, "Q8_0", pool, 2)), np.uint8).reshape(-1, 34)
+        exact = np.frombuffer(bytes(quantize_rows(rows, "Q8_0", pool, 2, exact=True)), np.uint8).reshape(-1, 34)
+    assert (fast[:, :2] == exact[:, :2]).all()
+    steps = np.abs(fast[:, 2:].view(np.int8).astype(int) - exact[:, 2:].view(np.int8).astype(int))
+    assert steps.max() <= 1 and steps.mean() < 0.002  # 0.07% of the values here, at (near-)ties

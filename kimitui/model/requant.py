@@ -13,8 +13,9 @@ same tensors) and gets a kimitui manifest, so `verify` and the load-time check w
 are written under `OUTDIR/.kimitui-requant.partial/` one at a time; each finished file is
 recorded there with its checksum, so an interrupted run resumes at the first file not finished
 (a finished file whose size or ends no longer match its record is written again). Holes in a
-sparse source stay holes. The matrices are quantized by ggml-cpu's own row quantizers (those
-llama.cpp quantizes activations with), on every core, while the next chunks are read.
+sparse source stay holes. The matrices are quantized by ggml on every core while the next chunks
+are read: BF16, F16 and F32 by ggml-cpu's SIMD row quantizers, already quantized ones by ggml's
+reference, byte for byte what llama-quantize writes (see _quantizer).
 """
 
 from __future__ import annotations
@@ -117,30 +118,43 @@ _FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 
 
 @lru_cache(maxsize=None)
-def _from_float(type_name: str):
-    """ggml-cpu's row quantizer for `type_name`, the one llama.cpp quantizes activations with:
-    SIMD where ggml has it (Q8_0: about 20x ggml_quantize_chunk's scalar loop here), so that
-    quantizing keeps up with the disk. Ties may round the other way than llama-quantize's."""
+def _quantizer(type_name: str, exact: bool):
+    """A row quantizer for `type_name`, called as (src, dst, n_rows, n_per_row).
+
+    Exact: ggml's reference (`ggml_quantize_chunk`, what llama-quantize writes), byte for byte.
+    Else ggml-cpu's `from_float`, the SIMD routine llama.cpp quantizes activations with (Q8_0:
+    about 25x the reference's scalar loop a core here). It takes 127/max where the reference
+    takes 1/(max/127) and rounds ties to even, not away from zero, so a value at or next to a
+    tie may land one step over: 0.07% of the values of BF16 weights, each as near the one as the
+    other. Values dequantized from another grid sit on ties often (the embedded Q4_1 model's
+    perplexity rose 1.42% this way against llama-quantize's 0.87%), so those take the exact one."""
     from gguf import GGMLQuantizationType
 
+    kind = int(GGMLQuantizationType[type_name])
     try:
-        from llama_cpp._ggml import libggml_base_path
+        from llama_cpp._ggml import libggml, libggml_base_path
 
+        if exact:
+            chunk = libggml.ggml_quantize_chunk
+            chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+            chunk.restype = ctypes.c_size_t
+            return lambda src, dst, n_rows, n_per_row: chunk(kind, src, dst, 0, n_rows, n_per_row, None)
         found = next(iter(sorted(libggml_base_path.glob("libggml-cpu*"))), None)
         if found is None:
             raise OSError(f"no libggml-cpu in {libggml_base_path}")
         cpu = ctypes.CDLL(str(found))
         cpu.ggml_get_type_traits_cpu  # noqa: B018 - an AttributeError here, not at the first call
     except (ImportError, OSError, AttributeError) as exc:
-        raise UserError(f"requant needs ggml-cpu's quantizers from llama-cpp-python, which this install lacks ({exc})") from None
+        raise UserError(f"requant needs ggml's quantizers from llama-cpp-python, which this install lacks ({exc})") from None
     cpu.ggml_cpu_init.restype = None
     cpu.ggml_cpu_init()
     cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TypeTraitsCpu)
     cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-    traits = cpu.ggml_get_type_traits_cpu(int(GGMLQuantizationType[type_name])).contents
+    traits = cpu.ggml_get_type_traits_cpu(kind).contents
     if not traits.from_float:
         raise UserError(f"this llama.cpp cannot quantize to {type_name}")
-    return _FROM_FLOAT(traits.from_float)
+    from_float = _FROM_FLOAT(traits.from_float)
+    return lambda src, dst, n_rows, n_per_row: from_float(src, dst, n_rows * n_per_row)
 
 
 def to_float32(raw, type_name: str, n_per_row: int):
@@ -167,18 +181,18 @@ def _row_bytes_of(type_name: str, n_per_row: int) -> int:
     return n_per_row // block * size
 
 
-def quantize_rows(rows, type_name: str, pool: ThreadPoolExecutor, parts: int) -> bytearray:
-    """`rows` (float32, rows x n_per_row) as `type_name`, by ggml, split over `parts` threads
-    (ctypes lets go of the GIL during each call)."""
+def quantize_rows(rows, type_name: str, pool: ThreadPoolExecutor, parts: int, exact: bool = False) -> bytearray:
+    """`rows` (float32, rows x n_per_row) as `type_name`, by ggml (`exact`: its reference, see
+    _quantizer), split over `parts` threads (ctypes lets go of the GIL during each call)."""
     n_rows, n_per_row = rows.shape
     row_out = _row_bytes_of(type_name, n_per_row)
     out = bytearray(n_rows * row_out)
     dst = (ctypes.c_char * len(out)).from_buffer(out)
     src, at = rows.ctypes.data, ctypes.addressof(dst)
-    fn = _from_float(type_name)
+    fn = _quantizer(type_name, exact)
     step = -(-n_rows // max(1, parts))
     jobs = [
-        pool.submit(fn, src + first * n_per_row * 4, at + first * row_out, min(step, n_rows - first) * n_per_row)
+        pool.submit(fn, src + first * n_per_row * 4, at + first * row_out, min(step, n_rows - first), n_per_row)
         for first in range(0, n_rows, step)
     ]
     try:
@@ -244,7 +258,8 @@ def converted_chunks(
                     yield view
                 else:
                     rows = to_float32(view, p.tensor.ggml_type, n_per_row)
-                    yield memoryview(quantize_rows(rows, p.out_type, pool, parts))
+                    exact = p.tensor.ggml_type not in FLOAT_TYPES  # a dequantized grid: ties are common
+                    yield memoryview(quantize_rows(rows, p.out_type, pool, parts, exact))
             progress.add(p.length)
     finally:
         data.close()
