@@ -33,13 +33,20 @@ from typing import Iterator, Sequence
 
 from kimitui.errors import UserError
 from kimitui.model.bulkio import CHUNK_BYTES, Progress, is_hole, read_ahead
-from kimitui.model.gguf_map import NORM, ROUTED_EXPERTS, ROUTER, ModelMap, TensorInfo, load_model_map, split_names
+from kimitui.model.gguf_map import EMBEDDING, NORM, OUTPUT, ROUTED_EXPERTS, ROUTER, ModelMap, TensorInfo, load_model_map, split_names
 from kimitui.model.manifest import CHECKSUMS, DEFAULT_CHECKSUM, MANIFEST_NAME, FileEntry, Manifest, ends_digest
 from kimitui.model.shard import Zeros, _fsync, _kv_items, _move_into_place, write_gguf_file
 from kimitui.units import format_bytes, format_rate
 
-# --trunk's choices: the ggml type each names, and the file type llama.cpp reports for it.
-TRUNK_TYPES = {"q8_0": ("Q8_0", "MOSTLY_Q8_0"), "q4_0": ("Q4_0", "MOSTLY_Q4_0")}
+@dataclass(frozen=True)
+class TrunkType:
+    matrices: str  # the ggml type of the trunk's matrices
+    head: str  # of the embeddings and the output head: as llama-quantize does, a 4-bit trunk keeps them at 8
+    file_type: str  # the file type llama.cpp reports
+
+
+# --trunk's choices.
+TRUNK_TYPES = {"q8_0": TrunkType("Q8_0", "Q8_0", "MOSTLY_Q8_0"), "q4_0": TrunkType("Q4_0", "Q8_0", "MOSTLY_Q4_0")}
 DEFAULT_TRUNK = "q8_0"
 PARTIAL_DIR = ".kimitui-requant.partial"
 STATE_NAME = "requant-state.json"
@@ -76,9 +83,11 @@ def _readable(type_name: str) -> bool:
     return GGMLQuantizationType[type_name] in _type_traits
 
 
-def output_type(t: TensorInfo, target: str) -> str:
-    """The ggml type `t` gets: `target` for a trunk matrix whose rows divide into its blocks,
-    else its own (copied as it is)."""
+def output_type(t: TensorInfo, trunk: str) -> str:
+    """The ggml type `t` gets with `--trunk trunk`: the trunk type's for a trunk matrix whose rows
+    divide into its blocks, else its own (copied as it is)."""
+    spec = TRUNK_TYPES[trunk]
+    target = spec.head if t.role in (OUTPUT, EMBEDDING) else spec.matrices
     if not requantizes(t) or t.ggml_type == target:
         return t.ggml_type
     if t.shape[0] % _block(target)[0] or not _readable(t.ggml_type):
@@ -96,8 +105,7 @@ def output_bytes(t: TensorInfo, type_name: str) -> int:
 
 def requantized_map(m: ModelMap, trunk: str) -> ModelMap:
     """The map `kimitui requant --trunk TRUNK` would write (a TRUNK_TYPES key)."""
-    target = TRUNK_TYPES[trunk][0]
-    types = {t.index: (output_type(t, target), output_bytes(t, output_type(t, target))) for t in m.tensors}
+    types = {t.index: (output_type(t, trunk), output_bytes(t, output_type(t, trunk))) for t in m.tensors}
     return m.retyped(types)
 
 
@@ -368,16 +376,18 @@ def requant_model(
 
     if trunk not in TRUNK_TYPES:
         raise UserError(f"--trunk {trunk}: choose one of {', '.join(TRUNK_TYPES)}")
-    target, file_type = TRUNK_TYPES[trunk]
+    spec = TRUNK_TYPES[trunk]
     m = load_model_map(source)
     names = [f.name for f in m.files]
     if outdir.exists() and any(os.path.samefile(outdir, f.parent) for f in m.files):
         raise UserError(f"{outdir} holds the source itself; write the requantized copy to another directory")
     old = _clashes(outdir, names, force)
-    out_types = {t.index: output_type(t, target) for t in m.tensors}
+    out_types = {t.index: output_type(t, trunk) for t in m.tensors}
     changed = [t for t in m.tensors if out_types[t.index] != t.ggml_type]
     if not changed:
-        raise UserError(f"{source}: no trunk matrix to rewrite as {target} (already {target}, or no rows that divide into its blocks)")
+        raise UserError(
+            f"{source}: no trunk matrix to rewrite as {spec.matrices} (already {spec.matrices}, or no rows that divide into its blocks)"
+        )
     outdir.mkdir(parents=True, exist_ok=True)
     partial = outdir / PARTIAL_DIR
     partial.mkdir(exist_ok=True)
@@ -391,7 +401,7 @@ def requant_model(
     if free < needed:
         raise UserError(f"{outdir}: {format_bytes(free)} free, the requantized copy needs about {format_bytes(needed)} more")
     arch, alignment, kv = _kv_items(m.files[0])
-    file_type_kv = ("general.file_type", int(LlamaFileType[file_type]), GGUFValueType.UINT32, None)
+    file_type_kv = ("general.file_type", int(LlamaFileType[spec.file_type]), GGUFValueType.UINT32, None)
     kv = [item for item in kv if item[0] != "general.file_type"] + [file_type_kv]
     split = split_names(m.files[0]) is not None
     todo_bytes = sum(t.n_bytes for t in m.tensors if m.files[t.file].name not in done)
@@ -480,7 +490,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--threads {args.threads}: give 1 or more")
     result = requant_model(args.model, args.outdir, trunk=args.trunk, force=args.force, algorithm=args.checksum, threads=args.threads)
     n = len(result.files)
-    target = TRUNK_TYPES[args.trunk][0]
+    spec = TRUNK_TYPES[args.trunk]
+    target = spec.matrices if spec.head == spec.matrices else f"{spec.matrices} (embeddings and head {spec.head})"
     print(
         f"wrote {n} file{'s' if n > 1 else ''} to {result.directory}: {result.requantized} trunk matrices "
         f"{format_bytes(result.trunk_before)} -> {format_bytes(result.trunk_after)} as {target}, "
