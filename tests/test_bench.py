@@ -156,6 +156,20 @@ def test_bench_load_times_the_app_and_the_stock_load(small_model, tmp_path):
     assert report["targets"]["share_of_baseline"] == pytest.approx(app["ready_s"] / base["ready_s"])
 
 
+def test_bench_load_passes_the_address_space_on_and_can_leave_the_stock_load_out(small_model, tmp_path):
+    out = tmp_path / "load.json"
+    done = run_cli(
+        "bench-load", "--model", str(small_model), "--n-ctx", "256", "--repeat", "1", "--address-space", "2GiB",
+        "--no-baseline", "--json", str(out),
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(out.read_text())
+    argv = report["settings"]["app_argv"]
+    assert argv[argv.index("--address-space") + 1] == "2GiB"
+    assert report["runs"]["kimitui"][0]["error"] is None and report["runs"]["baseline"] == []
+    assert "start to ready" in done.stdout
+
+
 def test_bench_resume_compares_a_saved_state_with_evaluating_again(model_path, tmp_path):
     """The real engine, three fresh processes: the saved state's side evaluates only the new
     message, the other side the whole conversation, and both give the same greedy token."""

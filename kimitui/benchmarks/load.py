@@ -35,12 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cgroup-limit", help="run each start in a fresh memory cgroup of this size, e.g. 2GiB (root)")
     parser.add_argument("--repeat", type=int, default=3, help="starts of each kind (default 3)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure to FILE as JSON")
+    parser.add_argument(
+        "--no-baseline", action="store_true",
+        help="kimitui's starts only (plain llama-cpp-python reads a model at load: minutes for a huge one)",
+    )
 
 
 def _argv(args: argparse.Namespace, model: Path) -> list[str]:
     """The app's own command line: the flags given here, passed on unchanged."""
     argv = ["--model", str(model)]
-    for flag, value in (("--config", args.config), ("--budget", args.budget), ("--n-ctx", args.n_ctx), ("--threads", args.threads)):
+    flags = (
+        ("--config", args.config), ("--budget", args.budget), ("--address-space", args.address_space),
+        ("--n-ctx", args.n_ctx), ("--threads", args.threads),
+    )
+    for flag, value in flags:
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -94,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     app_runs, base_runs = [], []
     for _ in range(args.repeat):
         app_runs.append(_figures(run_child("app-load", app_spec, path, cgroups=cgroups, limit=limit, stop_after="result")))
-        base_runs.append(_figures(run_child("llama-load", base_spec, path, cgroups=cgroups, limit=limit, stop_after="result")))
+        if not args.no_baseline:
+            base_runs.append(_figures(run_child("llama-load", base_spec, path, cgroups=cgroups, limit=limit, stop_after="result")))
     file_bytes = sum(model_map.file_sizes)
     metadata = _metadata_bytes(model_map)
     summary = {}
