@@ -138,6 +138,7 @@ class Engine:
         self.load_s: float | None = None
         self.info: ModelInfo | None = None
         self._map = None  # the GGUF map at the current shard size, once pinning needs it
+        self._plan_made = None  # (model map, the settings it was made for, the memory plan)
         self.turns = TurnQueue()
         cap_malloc_arenas()  # before the engine's threads start: see memory.py
         self._llm = None
@@ -655,11 +656,18 @@ class Engine:
         self.set_tracer(self.tracer)
 
     def _memory_plan(self, model):
+        """The memory plan for these settings, made once: a load asks for it up to four times
+        (the address bound before and after llama.cpp's load, the micro-batch, the pin), and
+        it takes 64 ms on the full-size K3."""
         from kimitui.engine.budget import plan_memory
         from kimitui.engine.memory import default_budget
 
         budget = self.budget if self.budget is not None else default_budget()
-        return plan_memory(model, budget, self.stream_settings.prefetch_depth, self.n_batch)
+        key = (budget, self.stream_settings.prefetch_depth, self.n_batch)
+        cached = self._plan_made
+        if cached is None or cached[0] is not model or cached[1] != key:
+            cached = self._plan_made = (model, key, plan_memory(model, budget, *key[1:]))
+        return cached[2]
 
     def check_files(self) -> None:
         """A model held whole has no per-layer check (no eval callback): before each reply, make
