@@ -26,6 +26,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address-space", help="address space the model's weights may take, e.g. 40GiB, or 'auto'")
     parser.add_argument("--n-ctx", help="context length in tokens")
     parser.add_argument("--threads", help="compute threads (0 = one per physical core)")
+    parser.add_argument("--expert-trim-below", metavar="SHARE",
+                        help="MoE, lossy: skip a routed expert not in memory whose share of the token's routing weight is below SHARE")
+    parser.add_argument("--expert-trim-cumulative", metavar="SHARE",
+                        help="MoE, lossy: skip routed experts not in memory past those whose shares reach SHARE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +66,8 @@ FLAG_KEYS = {
     "address_space": ("engine.address_space", "--address-space"),
     "n_ctx": ("model.n_ctx", "--n-ctx"),
     "threads": ("model.n_threads", "--threads"),
+    "expert_trim_below": ("engine.expert_trim_below", "--expert-trim-below"),
+    "expert_trim_cumulative": ("engine.expert_trim_cumulative", "--expert-trim-cumulative"),
     "theme": ("ui.theme", "--theme"),
     "trace": ("trace.path", "--trace"),
 }

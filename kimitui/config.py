@@ -69,6 +69,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "io_threads": Key("int", 4, 1, 64),
         "expert_policy": Key("str", "lfu", choices=("lfu", "lru")),
         "expert_lookahead": Key("bool", False),
+        # Lossy, off by default (engine/trimming.py): skip a routed expert that is not in memory
+        # when its share of the token's routing weight is below expert_trim_below, or past the
+        # token's experts whose shares reach expert_trim_cumulative.
+        "expert_trim_below": Key("float", 0.0, 0.0, 0.5),
+        "expert_trim_cumulative": Key("float", 1.0, 0.05, 1.0),
         # The address space the model's weights may take: "auto" (under iOS's 63 GiB ceiling
         # or `ulimit -v`, what the process leaves) or a size; a model larger streams through windows.
         "address_space": Key("size_or_auto", "auto"),

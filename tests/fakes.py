@@ -68,6 +68,7 @@ class FakeEngine:
         self.retuned: list[dict] = []
         self.asked: list[list[dict]] = []
         self.kept: set[str] = set()  # conversations whose state it would resume
+        self.lossy: str | None = None  # what lossy_setting() says (a test sets it)
 
     def label(self):
         return "k3-cut.gguf", 210 * MIB
@@ -107,6 +108,9 @@ class FakeEngine:
 
     def tuning(self) -> TuningValues:
         return self.values
+
+    def lossy_setting(self) -> str | None:
+        return self.lossy
 
     def retune(self, **changes) -> str:
         if changes.get("budget", self.values.budget) < 46 * MIB:

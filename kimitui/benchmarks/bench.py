@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-depth", type=int, help="layers read ahead when the engine streams (default: the engine's)")
     parser.add_argument("--io-threads", type=int, help="the engine's I/O threads when it streams (default: the engine's)")
     parser.add_argument("--expert-lookahead", action="store_true", default=None, help="MoE: read the experts the next layer chose last token ahead")
+    parser.add_argument("--expert-trim-below", type=float, metavar="SHARE",
+                        help="MoE, lossy: skip a routed expert not in memory whose share of the token's routing weight is below SHARE (kimitui quality --trim-below shows the cost)")
+    parser.add_argument("--expert-trim-cumulative", type=float, metavar="SHARE",
+                        help="MoE, lossy: skip routed experts not in memory past those whose shares reach SHARE")
     parser.add_argument("--n-batch", type=int, help="the engine's prompt batch (model.n_batch; 1 evaluates a prompt one token at a time, for comparison)")
     parser.add_argument("--threads", type=int, help="compute threads for every run (default: one per physical core)")
     parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
@@ -91,6 +95,10 @@ def _check(args: argparse.Namespace) -> None:
     io_threads = key_spec("engine.io_threads")
     if args.io_threads is not None and not io_threads.low <= args.io_threads <= io_threads.high:
         raise UserError(f"--io-threads: {io_threads.low:g}..{io_threads.high:g}")
+    for flag, key in (("--expert-trim-below", "expert_trim_below"), ("--expert-trim-cumulative", "expert_trim_cumulative")):
+        spec, value = key_spec(f"engine.{key}"), getattr(args, key)
+        if value is not None and not spec.low <= value <= spec.high:
+            raise UserError(f"{flag}: {spec.low:g}..{spec.high:g}")
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads: at least 1")
     if args.n_ctx is not None and args.n_ctx <= args.prompt_tokens + args.tokens:
@@ -283,6 +291,8 @@ def _spec(args: argparse.Namespace, path: Path, budget: int | None, threads: int
         "prefetch_depth": args.prefetch_depth,
         "io_threads": args.io_threads,
         "expert_lookahead": args.expert_lookahead,
+        "expert_trim_below": args.expert_trim_below,
+        "expert_trim_cumulative": args.expert_trim_cumulative,
         "n_batch": args.n_batch,
         "trace": str(args.trace) if args.trace else None,
         "address_space": size_option(args.address_space, "--address-space") if args.address_space else "auto",
@@ -660,7 +670,10 @@ def _notes(report: dict, names: list[tuple[str, str]]) -> list[str]:
     if s["cgroup_limit_bytes"] is None:
         notes.append("peak cgroup: — (no --cgroup-limit: the runs share the caller's cgroup)")
     if runs["kimitui"].get("streaming"):
-        lookahead = ", expert look-ahead on" if runs["kimitui"].get("expert_lookahead") else ""
+        extras = ", expert look-ahead on" if runs["kimitui"].get("expert_lookahead") else ""
+        if runs["kimitui"].get("expert_trim"):
+            skipped = runs["kimitui"].get("expert_routes_skipped")
+            extras += f", expert {runs['kimitui']['expert_trim']} (lossy" + (f": {skipped:.1%} of decode's routes skipped)" if skipped is not None else ")")
         k = runs["kimitui"]
         placement = k.get("placement")
         if placement is None:
@@ -674,7 +687,7 @@ def _notes(report: dict, names: list[tuple[str, str]]) -> list[str]:
                 )
         notes.append(
             f"kimitui streams with policy {k['policy']}, prefetch depth {k['prefetch_depth']}, "
-            f"{k.get('io_threads')} I/O threads{lookahead}{reads}, prefill micro-batches of {k.get('n_ubatch')} tokens"
+            f"{k.get('io_threads')} I/O threads{extras}{reads}, prefill micro-batches of {k.get('n_ubatch')} tokens"
         )
         if k.get("plan_note"):
             notes.append(f"kimitui: {k['plan_note']}")

@@ -115,6 +115,9 @@ def measure_decode(token_ids, n_prompt: int, streaming=None) -> dict:
             seen = expert_hits + expert_misses
             streamed["expert_hit_rate"] = expert_hits / seen if seen else None
             streamed["expert_prefetch_wasted_bytes_per_token"] = delta("expert_prefetch_wasted_bytes") / n_decode
+        routes = delta("expert_routes")
+        if routes:  # expert trimming on: the share of decode's routes it skipped
+            streamed["expert_routes_skipped"] = delta("expert_routes_skipped") / routes
         streamed["shard_prefetch_wasted_per_token"] = delta("prefetch_wasted") / n_decode
         fallback = delta("page_cache_fallback_bytes")
         streamed["placement"] = stream_end.get("placement")
@@ -267,7 +270,11 @@ def _engine(spec: dict):
 
     # "auto" is sized here, inside the run's cgroup, exactly as the app sizes it.
     budget = spec["budget"] if spec["budget"] is not None else default_budget()
-    stream = StreamSettings(**{k: spec[k] for k in ("policy", "prefetch_depth", "io_threads", "expert_lookahead") if spec.get(k) is not None})
+    stream = StreamSettings(**{
+        k: spec[k]
+        for k in ("policy", "prefetch_depth", "io_threads", "expert_lookahead", "expert_trim_below", "expert_trim_cumulative")
+        if spec.get(k) is not None
+    })
     return Engine(
         spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], budget=budget, stream_settings=stream,
         address_space=spec.get("address_space", "auto"), **({"n_batch": spec["n_batch"]} if spec.get("n_batch") else {}),
@@ -331,6 +338,7 @@ def phase_engine(spec: dict) -> None:
         prefetch_depth=stream.prefetch_depth,
         io_threads=stream.io_threads,
         expert_lookahead=stream.expert_lookahead,
+        expert_trim=stream.trim_rule.label() or None,
         pinned_bytes=engine.pinned.bytes,
         hot_expert_bytes=engine.pinned.hot_expert_bytes,
         pin_note=engine.pinned.note,

@@ -1,10 +1,13 @@
 """`kimitui quality --variant FILE`: what a lossy setting costs, measured before it is used.
 
 One text is fed teacher-forced through the model as it is and through the variant (a
-requantized copy, say); at every position both next-token distributions are compared: the KL
-divergence of the variant from the model, whether their top choices agree, and each one's
-perplexity on the text's actual next tokens. A model against itself gives KL 0 and 100%
-agreement; anything lossy shows up as KL above 0.
+requantized copy, or the model with expert trimming, or both); at every position both next-token
+distributions are compared: the KL divergence of the variant from the model, whether their top
+choices agree, and each one's perplexity on the text's actual next tokens. A model against itself
+gives KL 0 and 100% agreement; anything lossy shows up as KL above 0.
+
+Expert trimming skips only experts that are not in memory, so what it costs depends on the
+budget; here every routed expert counts as a miss, which is the most a rule can cost.
 
 Both run on stock llama-cpp-python (plain mmap, no repacking, as every baseline here), one at a
 time, each scoring the whole text in one pass with its logits kept.
@@ -51,6 +54,43 @@ telephone or online, unless another reader has reserved them.
 """
 
 
+class _TrimEverything:
+    """An eval callback that trims every MoE layer's routing by ``rule`` as if no routed expert
+    were in memory (trimming.py does the rewriting, as in the engine)."""
+
+    def __init__(self, rule, architecture: str) -> None:
+        import llama_cpp.llama_cpp as C
+
+        from kimitui.engine.llama_glue import ggml_base
+        from kimitui.engine.trimming import SOFTMAX_WEIGHTED_ARCHS, RouteTrimmer
+
+        self._ggml = ggml_base(C._lib._name)
+        self.trimmer = RouteTrimmer(rule, softmax_weighted=architecture in SOFTMAX_WEIGHTED_ARCHS)
+        self._routes: dict[int, int] = {}
+        self.error: str | None = None
+        self.c_callback = C.ggml_backend_sched_eval_callback(self._on_eval)
+
+    def _on_eval(self, tensor, ask, _user) -> bool:
+        import numpy as np
+
+        from kimitui.engine.llama_glue import numbered
+        from kimitui.engine.trimming import routing_views
+
+        name = self._ggml.ggml_get_name(tensor) or b""
+        topk, weights = numbered(name, b"ffn_moe_topk-"), numbered(name, b"ffn_moe_weights-")
+        if ask:
+            return topk is not None or weights is not None
+        try:  # a C callback must not raise: the error is reported once the pass returns
+            if topk is not None:
+                self._routes[topk] = tensor
+            elif weights is not None and weights in self._routes:
+                ids, gathered = routing_views(self._ggml, self._routes.pop(weights), tensor)
+                self.trimmer.trim(ids, gathered, lambda experts: np.zeros(len(experts), dtype=bool))
+        except Exception as exc:  # noqa: BLE001
+            self.error = self.error or f"{type(exc).__name__}: {exc}"
+        return True
+
+
 @dataclass(frozen=True)
 class QualityResult:
     tokens: int  # positions compared (each predicts the next token)
@@ -61,11 +101,14 @@ class QualityResult:
     top1_agreement: float
     ppl_model: float
     ppl_variant: float
+    routes_skipped: float | None = None  # expert trimming: the share of (token, expert) routes it skipped
 
 
-def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tuple[list[int], int] | None = None):
+def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tuple[list[int], int] | None = None,
+            trim: _TrimEverything | None = None):
     """(the text's tokens, the model's logits at every position but the last, its vocabulary
-    size). `expected`: the first model's tokens and vocabulary size, which this one must match."""
+    size). `expected`: the first model's tokens and vocabulary size, which this one must match;
+    `trim`: expert trimming applied while it computes."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -73,7 +116,7 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
     from kimitui.model.gguf_map import split_set
 
     try:
-        with llama_params(None, repack=False):
+        with llama_params(None, repack=False, eval_cb=trim.c_callback if trim is not None else None):
             llm = Llama(  # llama.cpp opens a split set at its first file only
                 str(split_set(path)[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), logits_all=True,
                 n_threads=threads, verbose=False,
@@ -91,6 +134,8 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
             raise UserError("the text is shorter than two tokens: nothing to predict")
         try:
             llm.eval(own)
+            if trim is not None and trim.error is not None:
+                raise UserError(f"{path}: expert trimming failed ({trim.error})")
             return own, np.array(llm.scores[: len(own) - 1], dtype=np.float32), llm.n_vocab()
         except (RuntimeError, MemoryError) as exc:
             raise UserError(f"{path}: scoring {len(own)} tokens failed ({type(exc).__name__}: {exc}); try a smaller --n-ctx") from None
@@ -98,11 +143,16 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
         llm.close()
 
 
-def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads: int | None = None) -> QualityResult:
+def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads: int | None = None,
+            trim=None) -> QualityResult:
+    """``trim``: a TrimRule the variant runs with, every routed expert counted as a miss."""
     import numpy as np
 
+    from kimitui.model import read_model_info
+
+    trimming = _TrimEverything(trim, read_model_info(variant).architecture) if trim is not None and trim.on else None
     tokens, base, n_vocab = _logits(model, text, n_ctx, threads)
-    _, other, _ = _logits(variant, text, n_ctx, threads, expected=(tokens, n_vocab))
+    _, other, _ = _logits(variant, text, n_ctx, threads, expected=(tokens, n_vocab), trim=trimming)
     targets = np.array(tokens[1:])
     kl = np.empty(len(targets))
     nll_base = np.empty(len(targets))
@@ -126,6 +176,7 @@ def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads:
         top1_agreement=agree / len(targets),
         ppl_model=float(np.exp(nll_base.mean())),
         ppl_variant=float(np.exp(nll_other.mean())),
+        routes_skipped=(trimming.trimmer.routes_skipped / trimming.trimmer.routes) if trimming and trimming.trimmer.routes else None,
     )
 
 
@@ -139,7 +190,11 @@ def _log_softmax(logits):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", type=Path, help="the model as it is (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--variant", type=Path, required=True, help="the lossy variant: a requantized copy (any file of a split set)")
+    parser.add_argument("--variant", type=Path, help="the lossy variant: a requantized copy (any file of a split set; default: the model, with --trim-*)")
+    parser.add_argument("--trim-below", type=float, metavar="SHARE",
+                        help="the variant skips each routed expert whose share of its token's routing weight is below SHARE (engine.expert_trim_below)")
+    parser.add_argument("--trim-cumulative", type=float, metavar="SHARE",
+                        help="the variant skips a token's routed experts past those whose shares reach SHARE (engine.expert_trim_cumulative)")
     parser.add_argument("--text", type=Path, help="a UTF-8 text file to score (default: a built-in text of about 400 tokens)")
     parser.add_argument("--n-ctx", type=int, default=512, help="tokens of the text scored, at most (default 512)")
     parser.add_argument("--threads", type=int, help="compute threads (default: llama.cpp's)")
@@ -149,9 +204,25 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.model import default_model_path
     from kimitui.model.gguf_map import split_set
 
+    from kimitui.config import key_spec
+    from kimitui.engine.trimming import TrimRule
+    from kimitui.model.gguf_map import load_model_map
+
     model = args.model or default_model_path()
-    for path in (model, args.variant):
+    below = 0.0 if args.trim_below is None else args.trim_below
+    cumulative = 1.0 if args.trim_cumulative is None else args.trim_cumulative
+    for flag, key, value in (("--trim-below", "expert_trim_below", below), ("--trim-cumulative", "expert_trim_cumulative", cumulative)):
+        spec = key_spec(f"engine.{key}")
+        if not spec.low <= value <= spec.high:
+            raise UserError(f"{flag} {value:g}: give {spec.low:g}..{spec.high:g}")
+    trim = TrimRule(below, cumulative)
+    if args.variant is None and not trim.on:
+        raise UserError("give --variant FILE, or --trim-below / --trim-cumulative to measure expert trimming")
+    variant = args.variant or model
+    for path in {model, variant}:
         split_set(path)  # one line naming a missing file or set member
+    if trim.on and not load_model_map(variant).n_expert:
+        raise UserError(f"{variant}: no routed experts, nothing for --trim-below / --trim-cumulative to skip")
     if args.n_ctx < 2:
         raise UserError(f"--n-ctx {args.n_ctx}: give 2 or more")
     if args.text is None:
@@ -161,8 +232,11 @@ def run(args: argparse.Namespace) -> int:
             text = args.text.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"--text {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
-    r = compare(model, args.variant, text, n_ctx=args.n_ctx, threads=args.threads)
+    r = compare(model, variant, text, n_ctx=args.n_ctx, threads=args.threads, trim=trim)
     print(f"{r.tokens} positions of {'the built-in text' if args.text is None else args.text}, teacher-forced")
+    if trim.on:
+        print(f"variant: {variant.name} with expert {trim.label()}, every routed expert counted as a miss (the most it can "
+              f"cost): {r.routes_skipped or 0:.1%} of the routes skipped")
     print(f"KL divergence of the variant from the model: mean {r.kl_mean:.5f}, median {r.kl_median:.5f}, "
           f"p99 {r.kl_p99:.5f}, max {r.kl_max:.5f} nats")
     print(f"top-1 agreement: {r.top1_agreement:.1%}")

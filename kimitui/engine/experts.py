@@ -550,6 +550,11 @@ class ExpertCache:
     def resident_keys(self) -> set[tuple[int, int]]:
         return set(self._resident) | self.pinned
 
+    def holds(self, layer: int, experts: Iterable[int]) -> list[bool]:
+        """Whether each of ``experts`` of ``layer`` is in memory or being read: pinned, cached, or
+        read ahead (its bytes are paid for either way)."""
+        return [(layer, e) in self.pinned or (layer, e) in self._resident for e in experts]
+
     def layer_hit_rates(self) -> list[float | None]:
         return [h / (h + m) if h + m else None for h, m in zip(self.layer_hits, self.layer_misses)]
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kimitui.engine.addressing import SRC_OFFSET
 from kimitui.engine.llama_glue import LAYER_ZERO_NODES, WATCHED_NODES, last_row_f32, numbered, topk_ids
+from kimitui.engine.trimming import routing_views
 from kimitui.engine.state import EngineError
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class GraphWatch:
         self._host = host
         self._ggml = ggml  # ggml's base library (llama_glue.ggml_base)
         self._staged_nodes: dict[int, bytes] = {}  # graph node -> the staged routed tensor it computes with
+        self._routes: dict[int, int] = {}  # layer -> its ffn_moe_topk node, while expert trimming waits for the weights
 
     def c_callbacks(self) -> tuple:
         """(eval callback, abort callback), as llama.cpp's context parameters take them."""
@@ -90,10 +92,15 @@ class GraphWatch:
         # Every node passes here: one builtin test first, the digits only for the few that match.
         if name in LAYER_ZERO_NODES:
             self._staged_nodes.clear()  # a graph cut short left its nodes here
+            self._routes.clear()
             return True
         if name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit():
             return True
-        return streamer is not None and streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
+        if streamer is None:
+            return False
+        if streamer.trimmer is not None and numbered(name, b"ffn_moe_weights-") is not None:
+            return True
+        return streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
 
     def _staged(self, streamer: Streamer, tensor: int, name: bytes) -> bool:
         """A staged layer's routed matrix node: its experts' slices read just before it."""
@@ -118,7 +125,17 @@ class GraphWatch:
             if tensor in self._staged_nodes:
                 streamer.on_expert_matrix_done(self._staged_nodes.pop(tensor))
             elif (layer := numbered(name, b"ffn_moe_topk-")) is not None:
-                streamer.on_experts(layer, topk_ids(self._ggml, tensor))
+                if streamer.trimmer is not None:
+                    self._routes[layer] = tensor  # trimmed, then read, once its weights are gathered
+                else:
+                    streamer.on_experts(layer, topk_ids(self._ggml, tensor))
+            elif (layer := numbered(name, b"ffn_moe_weights-")) is not None:
+                ids_tensor = self._routes.pop(layer, None)
+                if ids_tensor is not None:
+                    if streamer.trimmer is not None:
+                        streamer.trim_routes(layer, *routing_views(self._ggml, ids_tensor, tensor))
+                    else:
+                        streamer.on_experts(layer, topk_ids(self._ggml, ids_tensor))
             elif (layer := numbered(name, b"ffn_norm-")) is not None:
                 hidden = last_row_f32(self._ggml, tensor)
                 if hidden is not None:

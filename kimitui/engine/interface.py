@@ -80,6 +80,10 @@ class ChatEngine(Protocol):
     def tuning(self) -> TuningValues | None:
         """The values live tuning starts from; None where this engine is not tuned from here."""
 
+    def lossy_setting(self) -> str | None:
+        """A setting on that changes what the model computes (expert trimming: "trim <5%"), for
+        the status bar; None where nothing does, or where it is the server's to say."""
+
     def retune(self, **changes) -> str:
         """Apply ``changes`` (fields of TuningValues); a line saying when they take effect.
         EngineError for a value that cannot be taken, with nothing changed."""

@@ -50,6 +50,8 @@ class StreamingCounters:
     stall_s: float = 0.0
     expert_hits: int | None = None  # None: the model streams no routed experts
     expert_misses: int | None = None
+    expert_routes: int | None = None  # None: expert trimming was never on (trimming.py)
+    expert_routes_skipped: int | None = None
     # Which streamer counted these: live tuning that re-reads the pinned set makes a new one,
     # whose counts start from zero (a window across two generations must not subtract them).
     generation: int = 0

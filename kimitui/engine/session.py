@@ -550,6 +550,9 @@ class Engine:
             )
         return None
 
+    def lossy_setting(self) -> str | None:
+        return self.stream_settings.trim_rule.label() or None
+
     def tuning(self) -> TuningValues:
         s = self.stream_settings
         return TuningValues(
@@ -722,6 +725,8 @@ class Engine:
             "policy": self.stream_settings.policy,
             "expert_policy": self.stream_settings.expert_policy,
             "expert_lookahead": self.stream_settings.expert_lookahead,
+            "expert_trim_below": self.stream_settings.expert_trim_below,
+            "expert_trim_cumulative": self.stream_settings.expert_trim_cumulative,
             "pinned_bytes": self.pinned.bytes,
             "streaming": self.streamer is not None,
             # Routed experts that may be resident at once (pinned hot ones and the cache): the
@@ -1214,6 +1219,8 @@ def engine_from_settings(settings, model_path: Path, budget: int | None = None) 
             io_threads=settings["engine.io_threads"],
             expert_policy=settings["engine.expert_policy"],
             expert_lookahead=settings["engine.expert_lookahead"],
+            expert_trim_below=settings["engine.expert_trim_below"],
+            expert_trim_cumulative=settings["engine.expert_trim_cumulative"],
         ),
         address_space=settings["engine.address_space"],
         states_dir=data_dir() / "states",

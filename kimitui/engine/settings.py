@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kimitui.config import key_spec
+from kimitui.engine.trimming import TrimRule
 
 POLICIES = key_spec("engine.policy").choices
 EXPERT_POLICIES = key_spec("engine.expert_policy").choices  # the routed-expert cache's
@@ -20,6 +21,15 @@ class StreamSettings:
     window_bytes: int = 0  # streamed bytes that may be resident at once (0: depth + 1 layers' worth)
     expert_policy: str = key_spec("engine.expert_policy").default  # the routed-expert cache: "lfu" or "lru"
     expert_lookahead: bool = key_spec("engine.expert_lookahead").default  # read the experts layer L+1 chose last token while layer L computes
+    # Lossy, off by default (trimming.py): skip a routed expert that is not in memory when its
+    # share of the token's routing weight is below ``expert_trim_below``, or when it comes after
+    # the token's experts whose shares reach ``expert_trim_cumulative``.
+    expert_trim_below: float = key_spec("engine.expert_trim_below").default
+    expert_trim_cumulative: float = key_spec("engine.expert_trim_cumulative").default
+
+    @property
+    def trim_rule(self) -> TrimRule:
+        return TrimRule(self.expert_trim_below, self.expert_trim_cumulative)
 
 
 def _within(key: str, value: int, what: str) -> None:
@@ -38,3 +48,7 @@ def check_changes(changes: dict) -> None:
         _within("io_threads", changes["io_threads"], "I/O threads")
     if "prefetch_depth" in changes:
         _within("prefetch_depth", changes["prefetch_depth"], "prefetch depth")
+    if "expert_trim_below" in changes:
+        _within("expert_trim_below", changes["expert_trim_below"], "expert trim share")
+    if "expert_trim_cumulative" in changes:
+        _within("expert_trim_cumulative", changes["expert_trim_cumulative"], "expert trim cumulative share")

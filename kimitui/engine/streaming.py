@@ -37,6 +37,7 @@ from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.placers import make_placer
 from kimitui.engine.platform import PlatformIO
 from kimitui.engine.settings import StreamSettings, check_changes
+from kimitui.engine.trimming import SOFTMAX_WEIGHTED_ARCHS, RouteTrimmer
 from kimitui.model.gguf_map import ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
@@ -280,6 +281,8 @@ class Streamer:
         # Called on the compute thread for each router choice: (layer, experts, how many were resident).
         self.on_route: Callable[[int, list[int], int], None] | None = None
         self.experts: ExpertCache | None = None
+        self.trimmer: RouteTrimmer | None = None  # set while expert trimming is on (trimming.py)
+        self._trimmer_seen: RouteTrimmer | None = None  # the last one, whose counts the panels keep showing
         self._report()
 
     def _hold_pinned_edges(self, pinned: set[int]) -> None:
@@ -899,8 +902,30 @@ class Streamer:
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
+        self._set_trimmer()
         if self.placer is not None:
             self._size_pool()  # the window is trunk bytes now
+
+    def _set_trimmer(self) -> None:
+        """Expert trimming follows the settings; its counts carry over a change of rule."""
+        rule = self.settings.trim_rule
+        if not rule.on or self.experts is None:
+            self.trimmer = None
+        elif self.trimmer is None:
+            self.trimmer = RouteTrimmer(rule, softmax_weighted=self.model.architecture in SOFTMAX_WEIGHTED_ARCHS)
+        else:
+            self.trimmer.rule = rule
+        self._trimmer_seen = self.trimmer or self._trimmer_seen
+
+    def trim_routes(self, layer: int, ids, weights) -> None:
+        """The router of ``layer`` chose ``ids`` with ``weights`` ((n_tokens, k) views of the
+        graph's tensors): skip what the trim rule skips, rewriting both, then read the rest."""
+        try:
+            kept = self.trimmer.trim(ids, weights, lambda experts: self.experts.holds(layer, experts.tolist()))
+        except Exception as exc:  # noqa: BLE001 - the token stops rather than compute on half-rewritten routes
+            self.fail(f"layer {layer}: expert trimming failed: {type(exc).__name__}: {exc}")
+            return
+        self.on_experts(layer, kept)
 
     def on_router_input(self, layer: int, hidden) -> None:
         """Layer ``layer``'s FFN input (one token's, float32) is ready: read ahead the experts
@@ -1000,6 +1025,7 @@ class Streamer:
             self._retired_pools += old  # joined at close: a read queued there still uses the placer
         if self.experts is not None:
             self.experts.set_policy(self.settings.expert_policy)
+            self._set_trimmer()
             if self.settings.expert_lookahead and self.predictor is None:
                 self.predictor = RouterPredictor.from_mapping(self.model, self.space)
             elif not self.settings.expert_lookahead:
@@ -1035,6 +1061,8 @@ class Streamer:
             cache_misses=self.misses,
             expert_hits=None if experts is None else experts.hits,
             expert_misses=None if experts is None else experts.misses,
+            expert_routes=None if self._trimmer_seen is None else self._trimmer_seen.routes,
+            expert_routes_skipped=None if self._trimmer_seen is None else self._trimmer_seen.routes_skipped,
             prefetch_queue_depth=len(inflight),
             prefetch_inflight_bytes=sum(self.model.shards[i].length for i in inflight),
             prefetch_used=self.prefetch_used + (experts.prefetch_used if experts else 0),
@@ -1051,6 +1079,11 @@ class Streamer:
         return {
             "expert_prefetch_wasted_bytes": experts.prefetch_wasted_bytes if experts else None,
             "expert_hits": experts.hits if experts else None,
+            # Expert trimming, where it was ever on: (token, slot) routes seen, skipped, and the
+            # distinct experts a layer's micro-batch did not read because of it.
+            "expert_routes": self._trimmer_seen.routes if self._trimmer_seen else None,
+            "expert_routes_skipped": self._trimmer_seen.routes_skipped if self._trimmer_seen else None,
+            "experts_skipped": self._trimmer_seen.experts_skipped if self._trimmer_seen else None,
             "expert_misses": experts.misses if experts else None,
             "bytes_read": read,
             "bytes_needed": self.bytes_needed + (experts.bytes_needed if experts else 0),

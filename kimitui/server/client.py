@@ -214,6 +214,9 @@ class RemoteEngine:
     def tuning(self) -> None:
         return None  # tuned on the server
 
+    def lossy_setting(self) -> None:
+        return None  # the server's own setting
+
     def retune(self, **changes) -> str:
         raise EngineError("remote mode: the server's engine is tuned on the server")
 

@@ -119,6 +119,7 @@ class MainScreen(Screen):
     sampling_line = reactive("")
     pinning = reactive("")
     pinned = reactive("")
+    lossy = reactive("")
 
     def __init__(self, engine: ChatEngine, sampler: Sampler, history: HistoryWriter, sampling: Sampling,
                  system_prompt: str, *, trace=None, api=None) -> None:
@@ -151,7 +152,7 @@ class MainScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield self.status_bar.data_bind(
-            MainScreen.model_name, MainScreen.model_bytes, MainScreen.pinning, MainScreen.pinned,
+            MainScreen.model_name, MainScreen.model_bytes, MainScreen.pinning, MainScreen.pinned, MainScreen.lossy,
             state=MainScreen.engine_state, detail=MainScreen.status_detail, sampling=MainScreen.sampling_line,
         )
         with Horizontal(id="main"):
@@ -271,6 +272,7 @@ class MainScreen(Screen):
         for notice in self.engine.notices():
             self.notify(notice, severity="warning", timeout=15)
         self.tuning_panel.current = self.engine.tuning()
+        self._show_lossy()
         self.run_worker(self._pin, thread=True, group="pin", exit_on_error=False)
 
     def on_pin_progressed(self, message: PinProgressed) -> None:
@@ -294,6 +296,16 @@ class MainScreen(Screen):
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         self.snapshot = message.snapshot
+        self._show_lossy()
+
+    def _show_lossy(self) -> None:
+        """Expert trimming, while it is on, with the share of routes it skipped so far."""
+        setting = self.engine.lossy_setting()
+        streaming = self.snapshot.streaming if self.snapshot is not None else None
+        routes = streaming.expert_routes if streaming is not None else None
+        if setting and routes:
+            setting += f" ({streaming.expert_routes_skipped / routes:.0%} skipped)"
+        self.lossy = setting or ""
 
     # -- chat ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ class StatusBar(Static):
     sampling = reactive("")
     pinning = reactive("")  # progress while the pinned set is read
     pinned = reactive("")  # what was pinned, once it was
+    lossy = reactive("")  # a setting on that changes what the model computes (expert trimming)
 
     def __init__(self, budget: Callable[[], int | None], **kwargs) -> None:
         super().__init__(**kwargs)
@@ -38,5 +39,6 @@ class StatusBar(Static):
             second = self.pinning or model
             if not self.pinning and self.pinned and len(f"{model} │ {self.pinned}") <= self.size.width:
                 second = f"{model} │ {self.pinned}"
-            return f"{state} │ {budget}\n{second}"
-        return " │ ".join(part for part in (model, budget, state, self.pinning or self.pinned, self.sampling) if part)
+            first = f"{state} │ {budget}" + (f" │ {self.lossy}" if self.lossy else "")
+            return f"{first}\n{second}"
+        return " │ ".join(part for part in (model, budget, state, self.lossy, self.pinning or self.pinned, self.sampling) if part)
