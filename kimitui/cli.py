@@ -252,6 +252,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kimitui.benchmarks.bench", "decode speed of the engine vs plain llama-cpp-python mmap, and the physical limit"),
     "bench-load": ("kimitui.benchmarks.load", "time from start to ready and bytes read, vs plain llama-cpp-python's load"),
     "bench-soak": ("kimitui.benchmarks.soak", "hundreds of mixed API requests and app chats with the drive cut and restored twice"),
+    "bench-speculate": ("kimitui.benchmarks.speculate", "speculative decoding against plain decoding: bytes per token, tokens per pass, tok/s"),
     "bench-resume": ("kimitui.benchmarks.resume", "a restart mid-conversation: first token from its saved state vs evaluating it again"),
     "bench-scale": ("kimitui.benchmarks.scale", "start, plan and one reply on a huge model: bytes per token, eval callback cost, mappings, fds, engine memory"),
     "doctor": ("kimitui.doctor", "check this machine can stream the model: one line per prerequisite, each failure with its fix"),

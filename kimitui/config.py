@@ -74,6 +74,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         # token's experts whose shares reach expert_trim_cumulative.
         "expert_trim_below": Key("float", 0.0, 0.0, 0.5),
         "expert_trim_cumulative": Key("float", 1.0, 0.05, 1.0),
+        # Speculative decoding (engine/speculation.py): "lookup" drafts from the conversation
+        # itself, verified in one pass where the weights stream; "off".
+        "speculate": Key("str", "lookup", choices=("lookup", "off")),
+        "draft_max": Key("int", 8, 1, 32),
         # The address space the model's weights may take: "auto" (under iOS's 63 GiB ceiling
         # or `ulimit -v`, what the process leaves) or a size; a model larger streams through windows.
         "address_space": Key("size_or_auto", "auto"),

@@ -318,11 +318,12 @@ PROCESS_RESERVE = 32 * 2**20
 MIN_CTX = 256
 
 
-def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1) -> int:
+def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0) -> int:
     """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers. With
     several slots llama.cpp's context is one slot's share, and beside it the slots' prompts are
     parked (each up to that share, with a recurrent state of its own; all of them at once while
-    one is being swapped for another)."""
+    one is being swapped for another). ``snapshots``: copies of the recurrent state llama.cpp
+    keeps so that rejected drafts can be taken back (``n_rs_seq``, speculation.py)."""
     arch = model.architecture
     kv = model.hparams
     n_vocab = int(kv.get(f"{arch}.vocab_size") or 0) or 32000
@@ -332,7 +333,8 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1)
     tokens = min(n_ubatch, live)
     compute = 4 * tokens * (n_vocab + n_head * live + 8 * n_embd)
     parked = slots * context_bytes(kv, arch, live) if slots > 1 else 0
-    return context_bytes(kv, arch, live) + parked + int(compute * COMPUTE_MARGIN)
+    rollback = snapshots * context_bytes(kv, arch, 0)  # no cells: the recurrent state alone
+    return context_bytes(kv, arch, live) + parked + rollback + int(compute * COMPUTE_MARGIN)
 
 
 # The smallest prefill micro-batch a context is fitted with before the context itself shrinks
@@ -340,12 +342,12 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1)
 MIN_UBATCH = 32
 
 
-def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1) -> int | None:
+def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0) -> int | None:
     """The largest context up to ``n_ctx`` (halving, down to MIN_CTX) whose working memory fits
     ``room`` beside ``weights`` bytes of model pages; None when not even the smallest does."""
     ctx = n_ctx
     while True:
-        if weights + working_estimate(model, ctx, n_ubatch, slots) + PROCESS_RESERVE <= room:
+        if weights + working_estimate(model, ctx, n_ubatch, slots, snapshots) + PROCESS_RESERVE <= room:
             return ctx
         if ctx <= MIN_CTX:
             return None
@@ -353,24 +355,24 @@ def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch:
 
 
 def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int, *,
-                fixed: bool) -> tuple[int, int | None, str | None]:
+                fixed: bool, snapshots: int = 0) -> tuple[int, int | None, str | None]:
     """The context that fits ``room`` beside ``weights`` bytes of model pages: (n_ctx, a smaller
     micro-batch that lets all of ``n_ctx`` fit or None, the note saying n_ctx shrank or None).
     The largest context up to the configured one, or, where the user chose it (``fixed``) or
     not even the smallest fits, EngineError saying what to lower. Without it a context too big
     is an OOM kill once the KV cache fills."""
-    fitted = context_fits(model, weights, room, n_ctx, n_ubatch, slots)
+    fitted = context_fits(model, weights, room, n_ctx, n_ubatch, slots, snapshots)
     # A large micro-batch's compute buffers grow with the context: smaller micro-batches (each
     # reads the streamed trunk again) are tried before a smaller context.
     ubatch = n_ubatch
     while fitted != n_ctx and ubatch > MIN_UBATCH:
         ubatch = max(MIN_UBATCH, ubatch // 2)
-        if context_fits(model, weights, room, n_ctx, ubatch, slots) == n_ctx:
+        if context_fits(model, weights, room, n_ctx, ubatch, slots, snapshots) == n_ctx:
             return n_ctx, ubatch, None
     if fitted == n_ctx:
         return n_ctx, None, None
     if fitted is None or fixed:
-        need = working_estimate(model, n_ctx, n_ubatch, slots)
+        need = working_estimate(model, n_ctx, n_ubatch, slots, snapshots)
         lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
         raise EngineError(
             f"context of {n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
@@ -379,11 +381,12 @@ def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: 
     return fitted, None, f"context {fitted} tokens instead of {n_ctx}: the KV cache for more would not fit beside the budget"
 
 
-def budget_overflow(model: ModelMap, budget: int, room: int, n_ctx: int, n_ubatch: int, slots: int) -> str | None:
+def budget_overflow(model: ModelMap, budget: int, room: int, n_ctx: int, n_ubatch: int, slots: int,
+                    snapshots: int = 0) -> str | None:
     """Why ``budget`` would not fit beside llama.cpp's context in ``room`` (the check the load
     makes, ``fit_context``), or None."""
     weights = min(budget, model.tensor_bytes)
-    working = working_estimate(model, n_ctx, n_ubatch, slots)
+    working = working_estimate(model, n_ctx, n_ubatch, slots, snapshots)
     if weights + working + PROCESS_RESERVE <= room:
         return None
     most = max(0, room - working - PROCESS_RESERVE)

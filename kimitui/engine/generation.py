@@ -21,6 +21,8 @@ from kimitui.engine.state import EngineError
 
 if TYPE_CHECKING:
     from kimitui.engine.llama_glue import DecodeClock
+    from kimitui.engine.metrics import DraftCounts
+    from kimitui.engine.speculation import Speculation
     from kimitui.engine.metrics import EngineMetrics
     from kimitui.engine.slots import Slots
     from kimitui.engine.streaming import Streamer
@@ -194,6 +196,7 @@ class GenerationResult:
     error: str | None = None
     timings: list[float] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # what the user should know of it (a saved state refused, ...)
+    speculation: DraftCounts | None = None  # decode passes, drafts and acceptances, where it speculated
 
 
 class Tracer(Protocol):
@@ -270,6 +273,8 @@ class ReplyHost(Protocol):
     def continuing(self, prompt: list[int]) -> list[int]: ...
     def trace_settings(self) -> dict: ...
     def save_heatmap(self) -> None: ...
+    def speculation(self) -> Speculation | None:
+        """This reply's drafts (speculation.py), or None: off, or of no use here."""
 
 
 @dataclass
@@ -391,6 +396,11 @@ class Generation:
         sampler chain (its grammar state, penalties and random state kept)."""
         import llama_cpp
 
+        speculation = None if shift else self.host.speculation()
+        if speculation is not None:
+            self.result.speculation = speculation.stats
+            yield from self._speculated(llm, prompt, speculation, sampler)
+            return
         tokens = llm.generate(prompt, **sampler)
         token = next(tokens, None)
         while token is not None:
@@ -418,6 +428,45 @@ class Generation:
                     del llm._init_sampler
                 else:
                     llm._init_sampler = own
+
+    @staticmethod
+    def _speculated(llm, prompt: list[int], speculation: Speculation, sampler: dict) -> Iterator[int]:
+        """generate() with drafts: each pass evaluates the token sampled last and the drafts
+        after it in one batch, every position with its logits (llama-cpp-python asks for them
+        only with logits_all, which would also copy every prompt position's); the prompt's
+        evaluation stays as it is. When the reply stops in the middle of a pass, the context
+        keeps only what was verified, as plain decoding would have left it."""
+        original_eval = llm.eval
+        most = speculation.planner.max_drafts + 1
+
+        def eval_with_drafts(tokens):
+            if len(tokens) == 1 or len(tokens) > most:
+                return original_eval(tokens)
+            n_past = llm.n_tokens
+            llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+            llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+            llm._ctx.decode(llm._batch)
+            llm.input_ids[n_past : n_past + len(tokens)] = tokens
+            llm.n_tokens += len(tokens)
+            llm._requires_eval = False
+
+        yielded = 0
+        llm.eval, llm.draft_model = eval_with_drafts, speculation
+        try:
+            for token in llm.generate(prompt, **sampler):
+                yielded += 1
+                speculation.token_yielded()
+                yield token
+        finally:
+            del llm.eval
+            llm.draft_model = None
+            speculation.finish()
+            # Plain decoding leaves the prompt and every token but the last sampled one evaluated.
+            verified = len(prompt) + yielded - 1
+            if yielded and llm.n_tokens > verified:
+                llm.n_tokens = verified
+                llm._ctx.kv_cache_seq_rm(-1, verified, -1)
+                llm._requires_eval = True  # the last logits are a later position's
 
     def _run(self) -> Iterator[TokenEvent | PromptProgress]:
         """The reply in its turn: its prompt placed, its sampler chain built, then its tokens."""

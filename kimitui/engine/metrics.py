@@ -57,6 +57,24 @@ class StreamingCounters:
     generation: int = 0
 
 
+@dataclass
+class DraftCounts:
+    """Speculative decoding so far: decode passes, drafts, drafts kept, tokens those passes gave."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        return self.emitted / self.passes if self.passes else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
 class EngineMetrics:
     """Thread-safe record of engine events. Written by the engine thread, read by samplers."""
 
@@ -83,6 +101,8 @@ class EngineMetrics:
         # What the SSD panel shows where the OS keeps no per-process I/O counters (iOS, macOS).
         self.engine_read_source: Callable[[], int] | None = None
         self.streamer_generation = 0
+        # Speculative decoding, cumulative: decode passes, drafts, drafts kept, tokens the passes gave.
+        self.drafts: DraftCounts | None = None
         self._request_start: float | None = None
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -98,6 +118,15 @@ class EngineMetrics:
             self._request_start = time.perf_counter()
             self._first_token_at = None
             self._request_tokens = 0
+
+    def draft_pass(self, drafted: int, kept: int, emitted: int) -> None:
+        """A decode pass of a speculating reply (speculation.py) ended."""
+        with self._lock:
+            d = self.drafts = self.drafts or DraftCounts()
+            d.passes += 1
+            d.drafted += drafted
+            d.accepted += kept
+            d.emitted += emitted
 
     def prompt_evaluated(self, n_tokens: int) -> None:
         with self._lock:
@@ -140,7 +169,9 @@ class EngineMetrics:
         with self._lock:
             lat = list(self.latencies)
             streaming = None if self.streaming is None else StreamingCounters(**vars(self.streaming))
+            drafts = None if self.drafts is None else DraftCounts(**vars(self.drafts))
             return {
+                "drafts": drafts,
                 "latencies": lat,
                 "ttft_s": self.ttft_s,
                 "tokens_total": self.tokens_total,
@@ -192,6 +223,8 @@ class Snapshot:
     footprint_limit_bytes: int | None = None
     # Why there is no drive figure (disk_name None), said by the SSD panel.
     disk_note: str | None = None
+    # Speculative decoding, where a reply has drafted: tokens per pass and the share of drafts kept.
+    drafts: DraftCounts | None = None
     # None: this process's own engine. Else the server the figures come from (remote mode):
     # what it does not report is None above, and the panels say so.
     reported_by: str | None = None
@@ -387,6 +420,7 @@ class Sampler:
             requests_total=view["requests_total"],
             prompt_tokens_total=view["prompt_tokens_total"],
             streaming=view["streaming"],
+            drafts=view["drafts"],
             rss_history=list(self._rss_history),
             read_rate_history=list(self._rate_history),
             disk_rates=disk_rates,

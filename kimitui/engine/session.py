@@ -37,7 +37,7 @@ from kimitui.units import format_bytes
 from kimitui.engine.generation import Generation, Sampling, Tracer
 from kimitui.engine.graph_watch import GraphWatch
 from kimitui.engine.llama_glue import (
-    FALLBACK_TEMPLATE, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, DecodeClock, chat_formatter, chat_template_file, default_threads,
+    FALLBACK_TEMPLATE, FLASH_ATTENTION, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, DecodeClock, chat_formatter, chat_template_file, default_threads,
     ggml_base, llama_log, llama_params, silence_llama_log, stderr_caught, templates_checked_later,
     is_recurrent, restore_sequence, sequence_state,
 )
@@ -83,6 +83,8 @@ class Engine:
         states_dir: Path | None = None,
         state_quota: int = 0,
         context_shift: bool = False,
+        speculate: str = key_spec("engine.speculate").default,
+        draft_max: int = key_spec("engine.draft_max").default,
     ) -> None:
         """``states_dir``: where conversations' llama.cpp states are kept (saved_states.py), within
         ``state_quota`` bytes; None or 0: none kept. ``context_shift``: a reply that fills the
@@ -92,6 +94,9 @@ class Engine:
         place; the load and the pinned set fill them in."""
         self.model_path = Path(model_path)
         self.context_shift_asked = context_shift
+        self.speculate = speculate  # engine.speculate: "lookup" drafts from the conversation, or "off"
+        self.draft_max = draft_max  # the most drafts one pass verifies
+        self._draft_planner = None  # speculation.DraftPlanner: acceptance learnt over the replies
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
@@ -341,7 +346,8 @@ class Engine:
             callbacks = self._stream_callbacks() if way.streams else (None, None)
 
             def make():
-                with stock(), llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks), templates_checked_later():
+                with stock(), llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks,
+                                           rs_snapshots=self.rollback_snapshots), templates_checked_later():
                     return llama_cpp.Llama(
                         model_path=str(self.model_path),
                         n_ctx=self.slot_ctx,  # one slot's share: the others are parked (slots.py)
@@ -350,6 +356,7 @@ class Engine:
                         n_threads=self.n_threads,
                         n_threads_batch=self.n_threads,
                         use_mmap=not way.own_buffers,
+                        flash_attn=FLASH_ATTENTION,
                         verbose=False,
                     )
 
@@ -436,7 +443,7 @@ class Engine:
         model = self.model_map()
         beside = self._memory_plan(model).pool_buffers * PIECE_BYTES  # the direct-read pool's buffers
         if not loaded:
-            beside += working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count)
+            beside += working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count, self.rollback_snapshots)
         return address_bound(self.address_space, beside)
 
     def _make_space(self, bound: int | None):
@@ -485,7 +492,7 @@ class Engine:
         model = self.model_map()
         n_ctx, ubatch_cap, note = fit_context(
             model, min(self.budget, model.tensor_bytes), available_memory(), self.n_ctx, self.n_ubatch, self.slots.count,
-            fixed=self.n_ctx_fixed,
+            fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots,
         )
         if ubatch_cap is not None:
             self.n_ubatch = self.ubatch_cap = ubatch_cap
@@ -549,6 +556,42 @@ class Engine:
                 "stops when the context is full; the next message drops the oldest turns instead"
             )
         return None
+
+    @property
+    def rollback_snapshots(self) -> int:
+        """Copies of the recurrent state llama.cpp keeps so that rejected drafts can be taken back
+        (K3's KDA; none for a model without one, where llama.cpp ignores the setting): one per
+        draft a pass may carry. llama.cpp keeps a batch's last that many + 1 tokens in one
+        micro-batch, which must hold one more (it aborts otherwise)."""
+        return max(0, min(self.draft_max, self.n_ubatch - 2)) if self.speculate != "off" else 0
+
+    def speculation(self):
+        """This reply's drafts: where speculation is on and the model's memory can take rejected
+        drafts back; the most drafts a pass carries fit one micro-batch."""
+        if self.speculate == "off" or self._llm is None:
+            return None
+        import llama_cpp
+
+        from kimitui.engine.speculation import DraftPlanner, Speculation
+
+        llm = self._llm
+        most = min(self.draft_max, self.n_ubatch - 2)  # a pass is one micro-batch
+        if is_recurrent(llm):
+            most = min(most, llama_cpp.llama_n_rs_seq(llm._ctx.ctx))
+        if most < 1:
+            return None
+        if self._draft_planner is None or self._draft_planner.max_drafts != most:
+            self._draft_planner = DraftPlanner(most)
+
+        def pass_bytes() -> tuple[int, int] | None:
+            streamer = self.streamer
+            if streamer is None:
+                return None
+            counters = streamer.counters()
+            experts = counters["expert_bytes_needed"] or 0
+            return counters["bytes_needed"] - experts, experts
+
+        return Speculation(self._draft_planner, pass_bytes, on_pass=self.metrics.draft_pass)
 
     def lossy_setting(self) -> str | None:
         return self.stream_settings.trim_rule.label() or None
@@ -820,7 +863,9 @@ class Engine:
         from kimitui.engine.memory import available_memory
 
         held = max(0, psutil.Process().memory_info().rss - self._rss_before_load)
-        return budget_overflow(self.model_map(), budget, available_memory() + held, self.n_ctx, self.n_ubatch, self.slots.count)
+        return budget_overflow(
+            self.model_map(), budget, available_memory() + held, self.n_ctx, self.n_ubatch, self.slots.count, self.rollback_snapshots,
+        )
 
     def between_tokens(self, *, mid_reply: bool) -> bool:
         """Carry out what ``retune`` left for a token to do: re-read the pinned set, and between
@@ -844,6 +889,7 @@ class Engine:
         # The prefill micro-batch the new budget's expert cache holds (see budget.py).
         self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch, self.ubatch_cap or self.n_batch)
         params.n_ubatch = self.n_ubatch
+        params.n_rs_seq = self.rollback_snapshots
         llm._ctx.close()
         try:
             llm._ctx = internals.LlamaContext(model=llm._model, params=params, verbose=False)
@@ -1223,6 +1269,8 @@ def engine_from_settings(settings, model_path: Path, budget: int | None = None) 
             expert_trim_cumulative=settings["engine.expert_trim_cumulative"],
         ),
         address_space=settings["engine.address_space"],
+        speculate=settings["engine.speculate"],
+        draft_max=settings["engine.draft_max"],
         states_dir=data_dir() / "states",
         state_quota=state_quota(settings["history.state_quota"], data_dir()),
     )

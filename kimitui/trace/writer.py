@@ -266,6 +266,9 @@ class TraceWriter:
                 "prompt_s": round(result.prompt_s, 6), "decode_s": round(result.decode_s, 6),
                 "queued_s": round(result.queued_s, 6), "after_s": round(end - request.last_token, 6),
                 "tail": tail,
+                # Speculative decoding: decode passes, drafts checked and drafts kept (None: it did not draft).
+                **{key: None if result.speculation is None else getattr(result.speculation, key)
+                   for key in ("passes", "drafted", "accepted")},
             })
             self._flush()
 

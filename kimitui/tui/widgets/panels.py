@@ -201,9 +201,13 @@ class LatencyPanel(Panel):
 
     def render_snapshot(self, snap: Snapshot) -> None:
         tok_s = "—" if snap.decode_tok_s is None else f"{snap.decode_tok_s:.1f}"
+        drafts = snap.drafts
+        speculated = ""
+        if drafts is not None and drafts.drafted:  # passes that checked drafts: what they gave
+            speculated = f"\n{drafts.tokens_per_pass:.1f} tok/pass, {drafts.acceptance:.0%} drafts kept"
         self.body.update(
             f"p50 {format_ms(snap.p50_s)}\np95 {format_ms(snap.p95_s)}\n"
-            f"TTFT {format_ms(snap.ttft_s)}\n{tok_s} tok/s"
+            f"TTFT {format_ms(snap.ttft_s)}\n{tok_s} tok/s{speculated}"
         )
         # A server's replies are timed here, as their tokens arrive: the network is in them.
         self.show_note("timed here, network included" if snap.reported_by is not None else "")

@@ -1,0 +1,170 @@
+"""Speculative decoding that shares the trunk: drafted tokens verified in one pass.
+
+Where the weights stream, a pass reads the unpinned trunk once whatever the number of tokens in
+it, and each token adds only its own routed experts. So a pass that checks k drafted tokens
+beside the one it must compute costs little more than a plain decode step and may emit up to
+k + 1 tokens. llama-cpp-python's generate() already verifies drafts: it evaluates the sampled
+token and the drafts in one batch, samples at each position with the reply's own sampler chain,
+and keeps the drafts while they equal what was sampled, so the output is the same token for
+token as decoding without speculation (one sample per emitted token, the same sampler state).
+What this module adds:
+
+- ``PromptLookup``: drafts from the conversation itself, as llama.cpp's lookup decoding and
+  prompt-lookup decoding do: the longest n-gram at the end of the tokens so far that occurred
+  earlier, and the tokens that followed its last occurrence.
+- ``DraftPlanner``: how many drafts a pass carries, from the acceptance measured so far and
+  the bytes a pass costs (the streamed trunk once, each token's routed experts). It picks the
+  count with the fewest expected bytes per emitted token and drafts nothing where no count beats
+  plain decoding (nothing streams, or drafts are rarely accepted). After a run of plain passes it
+  tries one draft again, so that acceptance is measured again.
+- ``Speculation``: the draft model llama-cpp-python calls between passes; it counts passes,
+  drafts and acceptances for the panels and the trace, and ``verified_end`` says where the
+  context's verified tokens end when a reply stops in the middle of a pass.
+
+A model whose memory is recurrent (Kimi K3's KDA layers) cannot drop the state of a rejected
+draft; llama.cpp keeps per-token snapshots of that state for it (``n_rs_seq``, which the
+engine sets to the most drafts a pass carries, counted in the context's memory) and rolls back
+to the last accepted token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kimitui.engine.metrics import DraftCounts
+
+NGRAM_MAX = 4  # the longest suffix looked up; shorter ones are tried after it
+NGRAM_MIN = 2  # a single repeated token predicts too little to be worth a draft
+PROBE_AFTER = 16  # plain passes in a row before one draft is tried again
+MEMORY = 0.95  # the weight of what acceptance was one pass earlier
+
+
+def lookup(tokens: Sequence[int], count: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+    """Up to ``count`` tokens that followed the last earlier occurrence of the longest n-gram
+    (``ngram_max`` down to ``ngram_min``) that ends ``tokens``."""
+    n = len(tokens)
+    if count <= 0 or n < ngram_min + 1:
+        return []
+    seq = np.asarray(tokens, dtype=np.int64)
+    for size in range(min(ngram_max, n - 1), ngram_min - 1, -1):
+        tail = seq[n - size:]
+        # Every start s < n - size where seq[s:s+size] == tail; the latest one wins.
+        starts = np.flatnonzero(seq[: n - size] == tail[0])
+        for s in starts[::-1]:
+            if s + size < n and np.array_equal(seq[s: s + size], tail):
+                follow = seq[s + size: s + size + count]
+                if len(follow):
+                    return follow.tolist()
+    return []
+
+
+@dataclass
+class DraftPlanner:
+    """Drafts per pass from measured acceptance and measured bytes.
+
+    ``trunk_bytes``: what a pass streams whatever its size; ``token_bytes``: what each token of
+    it adds (its routed experts). Acceptance is the chance that a draft is kept given the ones
+    before it were: a pass with k drafts then emits (1 - p^(k+1)) / (1 - p) tokens on average."""
+
+    max_drafts: int
+    accepted: float = 1.0  # a Beta(1, 1) prior: one accepted and one rejected draft before any is seen
+    rejected: float = 1.0
+    plain_in_a_row: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, drafted: int, kept: int) -> None:
+        """A pass with ``drafted`` drafts kept ``kept`` of them (a rejection ended it if fewer)."""
+        if drafted <= 0:
+            return
+        # Older passes fade (a twentieth a pass): what the reply does now, copying or not, counts.
+        self.accepted = self.accepted * MEMORY + kept
+        self.rejected = self.rejected * MEMORY + (1 if kept < drafted else 0)
+
+    @staticmethod
+    def expected_tokens(p: float, k: int) -> float:
+        return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
+
+    def drafts(self, trunk_bytes: float, token_bytes: float, available: int) -> int:
+        """How many of ``available`` drafts the next pass should carry (0: a plain pass)."""
+        limit = min(self.max_drafts, available)
+        if limit <= 0 or trunk_bytes <= 0:
+            return 0  # nothing streams: a draft saves no read and costs compute
+        p = self.acceptance
+        best_k, best = 0, (trunk_bytes + token_bytes) / 1.0
+        for k in range(1, limit + 1):
+            per_token = (trunk_bytes + (k + 1) * token_bytes) / self.expected_tokens(p, k)
+            if per_token < best * 0.999:
+                best_k, best = k, per_token
+        if best_k == 0:
+            self.plain_in_a_row += 1
+            if self.plain_in_a_row >= PROBE_AFTER:  # measure acceptance again, one draft's worth
+                self.plain_in_a_row = 0
+                return 1
+        else:
+            self.plain_in_a_row = 0
+        return best_k
+
+
+@dataclass
+class Speculation:
+    """generate()'s draft model for one reply. ``pass_bytes()`` says what the streamer has read
+    so far as (trunk bytes, routed-expert bytes), cumulative, or None where nothing streams."""
+
+    planner: DraftPlanner
+    pass_bytes: Callable[[], tuple[int, int] | None]
+    on_pass: Callable[[int, int, int], None] | None = None  # (drafted, kept, emitted) for the panels
+    stats: DraftCounts = field(default_factory=DraftCounts)
+    _drafted_last: int = 0
+    _yielded_since: int = 0
+    _bytes_at: tuple[int, int] | None = None
+    _started: bool = False
+    _trunk_per_pass: float = 0.0
+    _expert_per_token: float = 0.0
+
+    def token_yielded(self) -> None:
+        self._yielded_since += 1
+
+    def __call__(self, input_ids: np.ndarray) -> np.ndarray:
+        """Called by generate() after each pass, with every token so far (the last one sampled
+        and not yet evaluated): the drafts to evaluate beside it."""
+        self._close_pass()
+        available = lookup(input_ids, self.planner.max_drafts)
+        k = self.planner.drafts(self._trunk_per_pass, self._expert_per_token, len(available)) if available else 0
+        self._drafted_last = k
+        return np.asarray(available[:k], dtype=np.intc)
+
+    def finish(self) -> None:
+        """The reply ended: its last pass counted."""
+        if self._yielded_since:
+            self._close_pass()
+
+    def _close_pass(self) -> None:
+        """What the pass since the last call drafted, kept and read. The first call closes the
+        prompt's evaluation, which is no decode pass."""
+        emitted, self._yielded_since = self._yielded_since, 0
+        now = self.pass_bytes()
+        before, self._bytes_at = self._bytes_at, now
+        if not self._started:
+            self._started = True
+            return
+        self.stats.passes += 1
+        self.stats.emitted += emitted
+        kept = max(0, min(self._drafted_last, emitted - 1))
+        self.stats.drafted += self._drafted_last
+        self.stats.accepted += kept
+        self.planner.observe(self._drafted_last, kept)
+        if self.on_pass is not None:
+            self.on_pass(self._drafted_last, kept, emitted)
+        if now is None or before is None:
+            return
+        trunk, per_token = now[0] - before[0], (now[1] - before[1]) / (1 + self._drafted_last)
+        # Recent passes weigh most: the pinned set and the expert cache change what a pass reads.
+        first = self.stats.passes <= 1
+        self._trunk_per_pass = trunk if first else 0.7 * self._trunk_per_pass + 0.3 * trunk
+        self._expert_per_token = per_token if first else 0.7 * self._expert_per_token + 0.3 * per_token

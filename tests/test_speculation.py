@@ -1,0 +1,153 @@
+"""Speculative decoding: drafts from the conversation verified in one pass give the tokens of
+plain decoding (a real dense model streamed under a budget; a Kimi K3 whose recurrent state must
+take rejected drafts back), read fewer bytes where the text repeats, and are counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kimitui.engine import speculation
+from kimitui.engine.generation import Sampling
+from kimitui.engine.session import Engine
+from kimitui.engine.speculation import PROBE_AFTER, DraftPlanner, lookup
+from kimitui.model import synth
+
+MIB = 2**20
+# A task that copies: the reply repeats text the prompt holds, so lookups find it.
+TEXT = (
+    "The ferry left the harbour a little after six, when the fog had begun to lift from the water and "
+    "the gulls were already quarrelling over the fishing boats. Maria stood at the rail with her coat "
+    "buttoned to the chin and watched the town shrink behind her."
+)
+COPY_PROMPT = f"Repeat this text exactly:\n\n{TEXT}\n\nRepeated text:\n\n{TEXT[:40]}"
+
+
+def test_lookup_drafts_what_followed_the_longest_earlier_ngram():
+    assert lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 4) == [4, 5, 9, 1]
+    assert lookup([7, 1, 2, 8, 1, 2], 2) == [8, 1]  # the latest occurrence
+    assert lookup([1, 2, 3, 9, 2, 3], 3) == [9, 2, 3]  # a shorter n-gram where the longest has no earlier match
+    assert lookup([1, 2, 3, 4], 4) == [] and lookup([5, 5], 3) == []  # nothing repeats; too short
+    assert lookup([1, 2, 3, 1, 2], 0) == []
+
+
+def test_the_planner_drafts_where_a_pass_costs_the_trunk_and_not_where_each_token_costs_as_much():
+    planner = DraftPlanner(max_drafts=8)
+    assert planner.drafts(trunk_bytes=0, token_bytes=0, available=8) == 0  # nothing streams: drafts save no read
+    assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8) == 8  # a dense streamed model
+    assert planner.drafts(trunk_bytes=100, token_bytes=0, available=3) == 3
+    # Each token reads as much again as the trunk (K3's experts at scale), acceptance 50%: plain is best.
+    assert planner.drafts(trunk_bytes=100, token_bytes=100, available=8) == 0
+    for _ in range(PROBE_AFTER - 2):
+        assert planner.drafts(trunk_bytes=100, token_bytes=100, available=8) == 0
+    assert planner.drafts(trunk_bytes=100, token_bytes=100, available=8) == 1  # acceptance measured again
+    for _ in range(20):
+        planner.observe(drafted=8, kept=8)
+    assert planner.acceptance > 0.9
+    assert 0 < planner.drafts(trunk_bytes=100, token_bytes=100, available=8) <= 8  # now drafting pays
+    for _ in range(200):
+        planner.observe(drafted=4, kept=0)
+    assert planner.drafts(trunk_bytes=100, token_bytes=10, available=8) == 0
+
+
+def _reply(engine: Engine, prompt: str, tokens: int):
+    gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=tokens))
+    ids = [event.token_id for event in gen if event.token_id >= 0]
+    return ids, gen.result
+
+
+def test_a_streamed_dense_model_copies_in_fewer_passes_and_bytes_with_the_same_tokens(model_path):
+    budget = 60 * MIB  # the embedded model is 100 MiB: its trunk streams
+    results = {}
+    for mode in ("off", "lookup"):
+        engine = Engine(model_path, n_ctx=1024, budget=budget, speculate=mode)
+        engine.load()
+        engine.pin()
+        try:
+            assert engine.streamer is not None
+            before = engine.streamer.counters()["bytes_needed"]
+            ids, result = _reply(engine, COPY_PROMPT, 40)
+            results[mode] = ids, result, engine.streamer.counters()["bytes_needed"] - before
+            # A second turn goes on from the context the first left: drafts past the reply's end were taken back.
+            results[mode + "2"] = _reply(engine, COPY_PROMPT + " the gulls", 12)[0]
+        finally:
+            engine.close()
+    stock = Engine(model_path, n_ctx=1024, fast_load=False, speculate="off")
+    stock.load()
+    try:
+        expected = _reply(stock, COPY_PROMPT, 40)[0]
+        expected2 = _reply(stock, COPY_PROMPT + " the gulls", 12)[0]
+    finally:
+        stock.close()
+    (plain, plain_result, plain_bytes), (drafted, result, drafted_bytes) = results["off"], results["lookup"]
+    assert plain == expected and drafted == expected
+    assert results["off2"] == expected2 and results["lookup2"] == expected2
+    assert plain_result.speculation is None
+    stats = result.speculation
+    assert stats.accepted > 0 and stats.passes < len(drafted) - 1 and stats.tokens_per_pass > 1.5
+    assert stats.emitted == len(drafted) - 1  # every decode pass counted, the prompt's apart
+    assert 0 < stats.acceptance <= 1
+    assert drafted_bytes < plain_bytes / 1.5
+
+
+def test_a_model_that_fits_never_drafts(model_path):
+    engine = Engine(model_path, n_ctx=1024)
+    engine.load()
+    try:
+        assert engine.streamer is None
+        ids, result = _reply(engine, COPY_PROMPT, 16)
+        assert result.speculation is not None and result.speculation.drafted == 0
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def k3_model(tmp_path_factory) -> Path:
+    spec = synth.plan_like("kimi-k3", None, 0.02, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4))
+    out = tmp_path_factory.mktemp("k3") / "k3.gguf"
+    return synth.write_model(spec, out, seed=3, progress=False).paths[0]
+
+
+@pytest.mark.parametrize("budget_mib", [None, 10])
+def test_k3_takes_rejected_drafts_back_out_of_its_recurrent_state(k3_model, budget_mib, monkeypatch):
+    """Synthetic weights repeat nothing, so the drafts come from an oracle that knows stock
+    llama.cpp's reply and gets every third pass's second draft wrong: accepted and rejected
+    drafts both pass through K3's KDA state, in memory and streamed."""
+    prompt = "one two three four five six seven eight nine ten one two three"
+    stock = Engine(k3_model, n_ctx=256, fast_load=False, speculate="off")
+    stock.load()
+    try:
+        expected = _reply(stock, prompt, 20)[0]
+        expected_next = _reply(stock, prompt + " four", 8)[0]
+    finally:
+        stock.close()
+
+    engine = Engine(k3_model, n_ctx=256, budget=None if budget_mib is None else budget_mib * MIB)
+    engine.load()
+    engine.pin()
+    reference = {"tokens": expected, "start": 0}
+    passes = [0]
+
+    def oracle(tokens, count, **_):
+        at = len(tokens) - reference["start"]
+        follow = list(reference["tokens"][at : at + count])
+        passes[0] += 1
+        if passes[0] % 3 == 0 and len(follow) > 1:
+            follow[1] += 1
+        return follow
+
+    monkeypatch.setattr(speculation, "lookup", oracle)
+    monkeypatch.setattr(DraftPlanner, "drafts", lambda self, trunk, token, available: min(self.max_drafts, available))
+    try:
+        assert (engine.streamer is not None) == (budget_mib is not None)
+        assert engine.rollback_snapshots >= 1
+        reference["start"] = len(engine.tokenize(prompt))
+        ids, result = _reply(engine, prompt, 20)
+        assert ids == expected
+        stats = result.speculation
+        assert stats.drafted > stats.accepted > 0  # drafts kept and drafts taken back
+        reference.update(tokens=expected_next, start=len(engine.tokenize(prompt + " four")))
+        assert _reply(engine, prompt + " four", 8)[0] == expected_next
+    finally:
+        engine.close()
