@@ -28,6 +28,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", help="compute threads (0 = one per physical core)")
     parser.add_argument("--expert-trim-below", metavar="SHARE",
                         help="MoE, lossy: skip a routed expert not in memory whose share of the token's routing weight is below SHARE")
+    parser.add_argument("--draft-model", metavar="FILE.gguf",
+                        help="a small model with the same vocabulary that drafts tokens for speculative decoding")
     parser.add_argument("--expert-trim-cumulative", metavar="SHARE",
                         help="MoE, lossy: skip routed experts not in memory past those whose shares reach SHARE")
 
@@ -68,6 +70,7 @@ FLAG_KEYS = {
     "threads": ("model.n_threads", "--threads"),
     "expert_trim_below": ("engine.expert_trim_below", "--expert-trim-below"),
     "expert_trim_cumulative": ("engine.expert_trim_cumulative", "--expert-trim-cumulative"),
+    "draft_model": ("engine.draft_model", "--draft-model"),
     "theme": ("ui.theme", "--theme"),
     "trace": ("trace.path", "--trace"),
 }

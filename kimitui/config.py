@@ -78,6 +78,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         # itself, verified in one pass where the weights stream; "off".
         "speculate": Key("str", "lookup", choices=("lookup", "off")),
         "draft_max": Key("int", 8, 1, 32),
+        "draft_model": Key("str", ""),  # a small GGUF with the model's vocabulary whose drafts replace the lookup's
         # The address space the model's weights may take: "auto" (under iOS's 63 GiB ceiling
         # or `ulimit -v`, what the process leaves) or a size; a model larger streams through windows.
         "address_space": Key("size_or_auto", "auto"),

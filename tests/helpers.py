@@ -141,3 +141,20 @@ def under_limit(path: Path, limit: int, budget: int, prompt: str, n: int) -> dic
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def with_added_tokens(tok, n: int):
+    """The default tokenizer with `n` tokens added at the end, as fine-tunes add them: the same
+    text tokenizes the same, the vocabulary is larger."""
+    from dataclasses import replace
+
+    added = [f"<added_{i}>" for i in range(n)]
+    fields = []
+    for key, value, vtype, sub in tok.fields:
+        if key == "tokenizer.ggml.tokens":
+            value = list(value) + added
+        elif key == "tokenizer.ggml.token_type":
+            value = list(value) + [4] * n  # user-defined
+        fields.append((key, value, vtype, sub))
+    grown = sum(8 + len(a.encode()) + 4 for a in added)  # each string's length and bytes, each type
+    return replace(tok, fields=tuple(fields), n_vocab=tok.n_vocab + n, encoded_bytes=tok.encoded_bytes + grown)

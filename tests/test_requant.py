@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import with_added_tokens
 from kimitui.benchmarks.quality import BUILT_IN_TEXT, compare
 from kimitui.cli import main
 from kimitui.engine.budget import minimum_budget
@@ -175,23 +176,6 @@ def test_quality_is_zero_for_a_model_against_itself_and_not_for_its_requantizati
     lossy = compare(model_path, tmp_path / model_path.name, BUILT_IN_TEXT, n_ctx=160)
     assert lossy.kl_mean > 0.0 and lossy.top1_agreement < 1.0 and lossy.ppl_variant != lossy.ppl_model
     assert lossy.ppl_model == same.ppl_model
-
-
-def with_added_tokens(tok, n: int):
-    """The default tokenizer with `n` tokens added at the end, as fine-tunes add them: the same
-    text tokenizes the same, the vocabulary is larger."""
-    from dataclasses import replace
-
-    added = [f"<added_{i}>" for i in range(n)]
-    fields = []
-    for key, value, vtype, sub in tok.fields:
-        if key == "tokenizer.ggml.tokens":
-            value = list(value) + added
-        elif key == "tokenizer.ggml.token_type":
-            value = list(value) + [4] * n  # user-defined
-        fields.append((key, value, vtype, sub))
-    grown = sum(8 + len(a.encode()) + 4 for a in added)  # each string's length and bytes, each type
-    return replace(tok, fields=tuple(fields), n_vocab=tok.n_vocab + n, encoded_bytes=tok.encoded_bytes + grown)
 
 
 def test_quality_refuses_models_with_other_vocabularies(model_path, tmp_path, capsys):

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import with_added_tokens
 from kimitui.engine import speculation
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
 from kimitui.engine.speculation import PROBE_AFTER, DraftPlanner, lookup
+from kimitui.engine.state import EngineError
 from kimitui.model import synth
 
 MIB = 2**20
@@ -151,3 +153,38 @@ def test_k3_takes_rejected_drafts_back_out_of_its_recurrent_state(k3_model, budg
         assert _reply(engine, prompt + " four", 8)[0] == expected_next
     finally:
         engine.close()
+
+
+def test_a_draft_model_with_the_same_vocabulary_drafts_and_the_tokens_stay(model_path):
+    """The embedded model drafts for itself: every draft it makes is the model's own greedy
+    choice, so nearly all are kept; the reply is plain decoding's."""
+    prompt = "Write three sentences about the sea."
+    plain = Engine(model_path, n_ctx=1024, budget=60 * MIB, speculate="off")
+    plain.load()
+    plain.pin()
+    try:
+        expected = _reply(plain, prompt, 24)[0]
+    finally:
+        plain.close()
+    engine = Engine(model_path, n_ctx=1024, budget=60 * MIB, draft_model=str(model_path))
+    engine.load()
+    engine.pin()
+    try:
+        ids, result = _reply(engine, prompt, 24)
+        assert ids == expected
+        stats = result.speculation
+        assert stats.drafted > 0 and stats.acceptance > 0.9 and stats.tokens_per_pass > 2
+    finally:
+        engine.close()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(model_path, tmp_path):
+    spec = synth.plan_dense(120 * MIB, "q4_1", with_added_tokens(synth.default_tokenizer(), 64))
+    other = synth.write_model(spec, tmp_path / "other.gguf", seed=2, progress=False).paths[0]
+    engine = Engine(model_path, n_ctx=512, draft_model=str(other))
+    with pytest.raises(EngineError) as caught:
+        engine.load()
+    message = str(caught.value)
+    assert message.startswith("draft model other.gguf: its vocabulary is not ") and "49216 tokens against 49152" in message
+    assert "\n" not in message
+    engine.close()

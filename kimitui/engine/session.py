@@ -85,6 +85,7 @@ class Engine:
         context_shift: bool = False,
         speculate: str = key_spec("engine.speculate").default,
         draft_max: int = key_spec("engine.draft_max").default,
+        draft_model: str = key_spec("engine.draft_model").default,
     ) -> None:
         """``states_dir``: where conversations' llama.cpp states are kept (saved_states.py), within
         ``state_quota`` bytes; None or 0: none kept. ``context_shift``: a reply that fills the
@@ -97,6 +98,8 @@ class Engine:
         self.speculate = speculate  # engine.speculate: "lookup" drafts from the conversation, or "off"
         self.draft_max = draft_max  # the most drafts one pass verifies
         self._draft_planner = None  # speculation.DraftPlanner: acceptance learnt over the replies
+        self.draft_model_path = draft_model  # engine.draft_model: a small model whose drafts replace the lookup's
+        self._draft_model = None  # speculation.DraftModel, loaded with the model
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
@@ -271,10 +274,40 @@ class Engine:
         held = way.tensor_bytes if way.own_buffers else 0  # read into llama.cpp's buffers: resident, yet the model's
         self.working_bytes = max(rss_after - rss_before - held, vms_after - vms_before - mapped)
         self._formatter, self.template_error = self._make_formatter()
+        self._draft_model = self._load_draft_model(llama_cpp)
         self.load_s = time.perf_counter() - started
         if self.load_progress < 1.0:
             progress(1.0)  # fast start: the one step there was
         self.lifecycle.move(EngineState.READY)
+
+    def _load_draft_model(self, llama_cpp):
+        """engine.draft_model, read whole beside the model (it is small, and never streams);
+        refused in one line where its vocabulary is not the model's."""
+        if not self.draft_model_path or self.speculate == "off":
+            return None
+        from kimitui.engine import loadhooks
+        from kimitui.engine.speculation import DraftModel, vocabulary_difference
+
+        path = Path(self.draft_model_path).expanduser()
+        if not path.is_file():
+            raise EngineError(f"draft model {path}: no such file")
+        try:
+            with loadhooks.stock_loads(), llama_params(None, repack=False), templates_checked_later():
+                llm = llama_cpp.Llama(
+                    model_path=str(path), n_ctx=self.slot_ctx, n_batch=self.n_batch, n_threads=self.n_threads,
+                    n_threads_batch=self.n_threads, flash_attn=FLASH_ATTENTION, verbose=False,
+                )
+        except Exception as exc:  # noqa: BLE001 - llama-cpp-python says only that it failed
+            reason = llama_log().reason()
+            raise EngineError(f"draft model {path.name}: llama.cpp could not load it ({reason or exc})") from None
+        difference = vocabulary_difference(self._llm, llm)
+        if difference is not None:
+            llm.close()
+            raise EngineError(
+                f"draft model {path.name}: its vocabulary is not {self.model_path.name}'s ({difference}): "
+                "its drafts could not be checked against the model's tokens"
+            )
+        return DraftModel(llm)
 
     def _fast_start_hooks(self):
         """loadhooks' hooks, installed, for fast start; None (and the note why) for the stock load."""
@@ -490,8 +523,11 @@ class Engine:
         from kimitui.engine.memory import available_memory
 
         model = self.model_map()
+        # A draft model is read whole beside the model: its file's bytes are not the budget's to use.
+        draft = Path(self.draft_model_path).expanduser() if self.draft_model_path and self.speculate != "off" else None
+        room = available_memory() - (draft.stat().st_size if draft is not None and draft.is_file() else 0)
         n_ctx, ubatch_cap, note = fit_context(
-            model, min(self.budget, model.tensor_bytes), available_memory(), self.n_ctx, self.n_ubatch, self.slots.count,
+            model, min(self.budget, model.tensor_bytes), room, self.n_ctx, self.n_ubatch, self.slots.count,
             fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots,
         )
         if ubatch_cap is not None:
@@ -591,7 +627,7 @@ class Engine:
             experts = counters["expert_bytes_needed"] or 0
             return counters["bytes_needed"] - experts, experts
 
-        return Speculation(self._draft_planner, pass_bytes, on_pass=self.metrics.draft_pass)
+        return Speculation(self._draft_planner, pass_bytes, draft_model=self._draft_model, on_pass=self.metrics.draft_pass)
 
     def lossy_setting(self) -> str | None:
         return self.stream_settings.trim_rule.label() or None
@@ -932,6 +968,9 @@ class Engine:
             if self._llm is not None:
                 self._llm.close()
                 self._llm = None
+            if self._draft_model is not None:
+                self._draft_model.close()
+                self._draft_model = None
             self.slots.forget()
             if self.space is not None and self.space.bounded:
                 self.space.close()
@@ -1271,6 +1310,7 @@ def engine_from_settings(settings, model_path: Path, budget: int | None = None) 
         address_space=settings["engine.address_space"],
         speculate=settings["engine.speculate"],
         draft_max=settings["engine.draft_max"],
+        draft_model=settings["engine.draft_model"],
         states_dir=data_dir() / "states",
         state_quota=state_quota(settings["history.state_quota"], data_dir()),
     )

@@ -9,9 +9,10 @@ and keeps the drafts while they equal what was sampled, so the output is the sam
 token as decoding without speculation (one sample per emitted token, the same sampler state).
 What this module adds:
 
-- ``PromptLookup``: drafts from the conversation itself, as llama.cpp's lookup decoding and
+- ``lookup``: drafts from the conversation itself, as llama.cpp's lookup decoding and
   prompt-lookup decoding do: the longest n-gram at the end of the tokens so far that occurred
-  earlier, and the tokens that followed its last occurrence.
+  earlier, and the tokens that followed its last occurrence. Or ``DraftModel``: a small model
+  with the same vocabulary (engine.draft_model) drafts greedily.
 - ``DraftPlanner``: how many drafts a pass carries, from the acceptance measured so far and
   the bytes a pass costs (the streamed trunk once, each token's routed experts). It picks the
   count with the fewest expected bytes per emitted token and drafts nothing where no count beats
@@ -111,6 +112,59 @@ class DraftPlanner:
         return best_k
 
 
+class DraftModel:
+    """Drafts from a small model with the target's vocabulary (engine.draft_model), greedy. Its
+    own context follows the conversation: each call keeps what it shares with the tokens so far
+    and evaluates the rest."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def draft(self, tokens: Sequence[int], count: int) -> list[int]:
+        import llama_cpp
+
+        llm = self.llm
+        tokens = list(tokens)
+        if len(tokens) + count >= llm.n_ctx():
+            return []
+        keep = 0
+        for ours, theirs in zip(llm.input_ids[: llm.n_tokens].tolist(), tokens):
+            if ours != theirs:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - 1)  # the last token is evaluated again: its logits are the next draft's
+        llm.n_tokens = keep
+        llm._ctx.kv_cache_seq_rm(-1, keep, -1)
+        llm.eval(tokens[keep:])
+        drafts: list[int] = []
+        n_vocab = llm.n_vocab()
+        for _ in range(count):
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
+            token = int(np.argmax(logits))
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
+                break
+            drafts.append(token)
+            llm.eval([token])
+        return drafts
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def vocabulary_difference(model, draft) -> str | None:
+    """Why ``draft``'s tokens are not ``model``'s (both llama-cpp-python models), or None."""
+    import llama_cpp
+
+    if draft.n_vocab() != model.n_vocab():
+        return f"{draft.n_vocab()} tokens against {model.n_vocab()}"
+    ours, theirs = model._model.vocab, draft._model.vocab
+    for token in range(model.n_vocab()):
+        a, b = llama_cpp.llama_vocab_get_text(ours, token), llama_cpp.llama_vocab_get_text(theirs, token)
+        if a != b:
+            return f"token {token} is {b!r} against {a!r}"
+    return None
+
+
 @dataclass
 class Speculation:
     """generate()'s draft model for one reply. ``pass_bytes()`` says what the streamer has read
@@ -118,6 +172,7 @@ class Speculation:
 
     planner: DraftPlanner
     pass_bytes: Callable[[], tuple[int, int] | None]
+    draft_model: DraftModel | None = None  # drafts from this model instead of the conversation
     on_pass: Callable[[int, int, int], None] | None = None  # (drafted, kept, emitted) for the panels
     stats: DraftCounts = field(default_factory=DraftCounts)
     _drafted_last: int = 0
@@ -134,10 +189,14 @@ class Speculation:
         """Called by generate() after each pass, with every token so far (the last one sampled
         and not yet evaluated): the drafts to evaluate beside it."""
         self._close_pass()
-        available = lookup(input_ids, self.planner.max_drafts)
-        k = self.planner.drafts(self._trunk_per_pass, self._expert_per_token, len(available)) if available else 0
-        self._drafted_last = k
-        return np.asarray(available[:k], dtype=np.intc)
+        if self.draft_model is not None:  # decided first: each draft costs the draft model a step
+            k = self.planner.drafts(self._trunk_per_pass, self._expert_per_token, self.planner.max_drafts)
+            drafts = self.draft_model.draft(input_ids, k) if k else []
+        else:
+            available = lookup(input_ids, self.planner.max_drafts)
+            drafts = available[: self.planner.drafts(self._trunk_per_pass, self._expert_per_token, len(available))] if available else []
+        self._drafted_last = len(drafts)
+        return np.asarray(drafts, dtype=np.intc)
 
     def finish(self) -> None:
         """The reply ended: its last pass counted."""
