@@ -440,7 +440,7 @@ class Generation:
         most = speculation.planner.max_drafts + 1
 
         def eval_with_drafts(tokens):
-            if len(tokens) == 1 or len(tokens) > most:
+            if len(tokens) <= 1 or len(tokens) > most:  # nothing drafted (or nothing at all: a prompt cached whole)
                 return original_eval(tokens)
             n_past = llm.n_tokens
             llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
