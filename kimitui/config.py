@@ -75,8 +75,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "expert_trim_below": Key("float", 0.0, 0.0, 0.5),
         "expert_trim_cumulative": Key("float", 1.0, 0.05, 1.0),
         # Speculative decoding (engine/speculation.py): "lookup" drafts from the conversation
-        # itself, verified in one pass where the weights stream; "off".
-        "speculate": Key("str", "lookup", choices=("lookup", "off")),
+        # itself, verified in one pass where the weights stream (flash attention on); "off" (the
+        # default: past 256 tokens llama.cpp rounds a batched token's logits otherwise than a lone one's).
+        "speculate": Key("str", "off", choices=("lookup", "off")),
         "draft_max": Key("int", 8, 1, 32),
         "draft_model": Key("str", ""),  # a small GGUF with the model's vocabulary whose drafts replace the lookup's
         # The address space the model's weights may take: "auto" (under iOS's 63 GiB ceiling

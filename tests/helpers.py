@@ -106,10 +106,10 @@ def stock_llama(path: Path, **kwargs):
     run it dies of SIGILL on the repack path (this CI host), and repacked weights do not stream."""
     import llama_cpp
 
-    from kimitui.engine.llama_glue import FLASH_ATTENTION, llama_params
+    from kimitui.engine.llama_glue import llama_params
 
     with llama_params(None, repack=False):
-        return llama_cpp.Llama(model_path=str(path), flash_attn=FLASH_ATTENTION, verbose=False, **kwargs)
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
 
 
 # Run in a child under `ulimit -v`: the engine as the app makes it, a greedy reply, and what

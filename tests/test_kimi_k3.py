@@ -244,18 +244,15 @@ def test_the_budget_holds_the_models_resident_pages(k3_paged, extra_mib):
 def fitting(k3_model) -> tuple[int, int, int]:
     """(budget, weights, room for a 1024-token context beside them) of the K3 cut: the budget a
     little above its minimum, the weights it pins at most, and the memory for those plus llama.cpp's
-    cache and buffers at 1024 tokens, not 2048, at the prefill micro-batch the budget plans, with
-    a copy of the KDA state for each draft a pass may take back (speculation.py)."""
+    cache and buffers at 1024 tokens, not 2048, at the prefill micro-batch the budget plans."""
     from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
 
     model = load_model_map(k3_model)
     budget = minimum_budget(model) + 2 * MIB
     ubatch = plan_memory(model, budget, 2, 512).ubatch
-    snapshots = Engine(k3_model, budget=budget, n_batch=ubatch).rollback_snapshots
-    assert snapshots > 0
     weights = min(budget, model.tensor_bytes)
-    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch, 1, snapshots)
-    assert room + 4096 < weights + PROCESS_RESERVE + working_estimate(model, 2048, ubatch, 1, snapshots)
+    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch)
+    assert room + 4096 < weights + PROCESS_RESERVE + working_estimate(model, 2048, ubatch)
     return budget, weights, room
 
 

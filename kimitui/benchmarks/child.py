@@ -406,12 +406,11 @@ def _plain_llama(spec: dict):
     at load, so a model larger than memory could not even start, and compute would differ."""
     import llama_cpp
 
-    from kimitui.engine.llama_glue import FLASH_ATTENTION, llama_params
+    from kimitui.engine.llama_glue import llama_params
 
     with llama_params(None, repack=False):
         return llama_cpp.Llama(
             model_path=spec["model"],
-            flash_attn=FLASH_ATTENTION,
             n_ctx=spec["n_ctx"],
             n_threads=spec["threads"],
             n_threads_batch=spec["threads"],  # the engine prefills with the same threads

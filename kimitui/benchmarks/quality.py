@@ -112,14 +112,14 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
     import numpy as np
     from llama_cpp import Llama
 
-    from kimitui.engine.llama_glue import FLASH_ATTENTION, llama_params
+    from kimitui.engine.llama_glue import llama_params
     from kimitui.model.gguf_map import split_set
 
     try:
         with llama_params(None, repack=False, eval_cb=trim.c_callback if trim is not None else None):
             llm = Llama(  # llama.cpp opens a split set at its first file only
                 str(split_set(path)[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), logits_all=True,
-                n_threads=threads, flash_attn=FLASH_ATTENTION, verbose=False,
+                n_threads=threads, verbose=False,
             )
     except ValueError as exc:
         raise UserError(f"{path}: llama.cpp could not load it ({exc})") from None

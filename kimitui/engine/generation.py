@@ -438,8 +438,11 @@ class Generation:
         keeps only what was verified, as plain decoding would have left it."""
         original_eval = llm.eval
         most = speculation.planner.max_drafts + 1
+        guard = speculation.guard
 
         def eval_with_drafts(tokens):
+            if guard is not None:
+                guard.allow_after(None if len(tokens) <= 1 else llm.n_tokens)
             if len(tokens) <= 1 or len(tokens) > most:  # nothing drafted (or nothing at all: a prompt cached whole)
                 return original_eval(tokens)
             n_past = llm.n_tokens
@@ -467,6 +470,8 @@ class Generation:
                 llm.n_tokens = verified
                 llm._ctx.kv_cache_seq_rm(-1, verified, -1)
                 llm._requires_eval = True  # the last logits are a later position's
+            if guard is not None:
+                guard.allow_after(None)
 
     def _run(self) -> Iterator[TokenEvent | PromptProgress]:
         """The reply in its turn: its prompt placed, its sampler chain built, then its tokens."""
@@ -492,7 +497,10 @@ class Generation:
             if not s.cache_prompt:
                 llm.reset()  # the whole prompt in one evaluation, as on a fresh context
             tokens = self._sampled(llm, prompt, shift, **sampler)
-            yield from self._decode(llm, tokens, prompt, stops, budget, probs, tracer, done)
+            try:
+                yield from self._decode(llm, tokens, prompt, stops, budget, probs, tracer, done)
+            finally:
+                tokens.close()  # its clean-up (speculation's) now, before the context is judged, not when collected
         except GeneratorExit:
             done.finish = "cancelled"
             raise

@@ -151,14 +151,6 @@ def default_threads() -> int:
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
-# Every llama.cpp context here computes attention with flash attention, as llama.cpp's own tools
-# do by default on a CPU (llama-cpp-python's default is off). Without it a token evaluated in a
-# batch (a prompt, a pass that checks drafts) gets other logits than the same token evaluated
-# alone, so a reply with drafts could part from one without them at a near tie; with it they are
-# equal to the bit (tests/test_speculation.py).
-FLASH_ATTENTION = True
-
-
 @contextmanager
 def llama_params(progress: Callable[[float], bool] | None, repack: bool, eval_cb=None, abort_cb=None, rs_snapshots: int = 0):
     """Give Llama() a progress callback and the repack switch, which its constructor lacks.

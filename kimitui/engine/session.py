@@ -37,7 +37,7 @@ from kimitui.units import format_bytes
 from kimitui.engine.generation import Generation, Sampling, Tracer
 from kimitui.engine.graph_watch import GraphWatch
 from kimitui.engine.llama_glue import (
-    FALLBACK_TEMPLATE, FLASH_ATTENTION, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, DecodeClock, chat_formatter, chat_template_file, default_threads,
+    FALLBACK_TEMPLATE, BuiltinChatFormatter, CancelFlag, builtin_chat_templates, DecodeClock, chat_formatter, chat_template_file, default_threads,
     ggml_base, llama_log, llama_params, silence_llama_log, stderr_caught, templates_checked_later,
     is_recurrent, restore_sequence, sequence_state,
 )
@@ -100,6 +100,7 @@ class Engine:
         self._draft_planner = None  # speculation.DraftPlanner: acceptance learnt over the replies
         self.draft_model_path = draft_model  # engine.draft_model: a small model whose drafts replace the lookup's
         self._draft_model = None  # speculation.DraftModel, loaded with the model
+        self._rollback_guard = None  # speculation.RollbackGuard, on a recurrent model's context with snapshots
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
         self.n_ctx = n_ctx
@@ -235,6 +236,7 @@ class Engine:
         """The load in its order: fast start's hooks, how the model is held (LoadPlan), the
         llama.cpp model and context, the mappings fast start saw, what the load took."""
         self.inspect()
+        self._draft_model_path()  # a draft model that is not there is said before the model loads
         started = time.perf_counter()
 
         def progress(value: float) -> bool:
@@ -253,6 +255,7 @@ class Engine:
         rss_before, vms_before = process.memory_info()[:2]
         self._rss_before_load = rss_before
         mark = self._make_llama(llama_cpp, hooks, way, progress)
+        self._guard_rollbacks()
         llama_log().install()  # from here on llama.cpp's warnings and errors are kept: a failed reply says them
         self.decode_clock.attach(self._llm._ctx)
         self.cancel_flag = CancelFlag()
@@ -280,22 +283,51 @@ class Engine:
             progress(1.0)  # fast start: the one step there was
         self.lifecycle.move(EngineState.READY)
 
+    def _draft_model_path(self) -> Path | None:
+        """engine.draft_model where speculation is on; EngineError where it is not a file."""
+        if not self.draft_model_path or self.speculate == "off":
+            return None
+        path = Path(self.draft_model_path).expanduser()
+        if not path.is_file():
+            raise EngineError(f"draft model {path}: no such file")
+        return path
+
+    def _draft_model_bytes(self) -> int:
+        """What the draft model takes beside the model: its weights, read whole, and its context
+        (the budget holds neither)."""
+        path = self._draft_model_path()
+        if path is None:
+            return 0
+        from kimitui.engine.budget import working_estimate
+        from kimitui.model.gguf_map import load_model_map
+
+        return path.stat().st_size + working_estimate(load_model_map(path), self.slot_ctx, self.n_batch)
+
+    def _guard_rollbacks(self) -> None:
+        """A recurrent model's context with draft snapshots takes back only a drafted pass's
+        own tokens (speculation.RollbackGuard)."""
+        import llama_cpp
+
+        from kimitui.engine.speculation import RollbackGuard
+
+        llm = self._llm
+        snapshots = llama_cpp.llama_n_rs_seq(llm._ctx.ctx)
+        self._rollback_guard = RollbackGuard(llm._ctx) if snapshots and is_recurrent(llm) else None
+
     def _load_draft_model(self, llama_cpp):
         """engine.draft_model, read whole beside the model (it is small, and never streams);
         refused in one line where its vocabulary is not the model's."""
-        if not self.draft_model_path or self.speculate == "off":
+        path = self._draft_model_path()
+        if path is None:
             return None
         from kimitui.engine import loadhooks
         from kimitui.engine.speculation import DraftModel, vocabulary_difference
 
-        path = Path(self.draft_model_path).expanduser()
-        if not path.is_file():
-            raise EngineError(f"draft model {path}: no such file")
         try:
             with loadhooks.stock_loads(), llama_params(None, repack=False), templates_checked_later():
                 llm = llama_cpp.Llama(
                     model_path=str(path), n_ctx=self.slot_ctx, n_batch=self.n_batch, n_threads=self.n_threads,
-                    n_threads_batch=self.n_threads, flash_attn=FLASH_ATTENTION, verbose=False,
+                    n_threads_batch=self.n_threads, flash_attn=True, verbose=False,  # as the context it drafts for
                 )
         except Exception as exc:  # noqa: BLE001 - llama-cpp-python says only that it failed
             reason = llama_log().reason()
@@ -389,7 +421,9 @@ class Engine:
                         n_threads=self.n_threads,
                         n_threads_batch=self.n_threads,
                         use_mmap=not way.own_buffers,
-                        flash_attn=FLASH_ATTENTION,
+                        # Speculation checks drafts in a batch: with flash attention a batched token's
+                        # logits equal a lone one's (docs/design.md, "Speculative decoding").
+                        flash_attn=self.speculate != "off",
                         verbose=False,
                     )
 
@@ -523,9 +557,7 @@ class Engine:
         from kimitui.engine.memory import available_memory
 
         model = self.model_map()
-        # A draft model is read whole beside the model: its file's bytes are not the budget's to use.
-        draft = Path(self.draft_model_path).expanduser() if self.draft_model_path and self.speculate != "off" else None
-        room = available_memory() - (draft.stat().st_size if draft is not None and draft.is_file() else 0)
+        room = available_memory() - self._draft_model_bytes()
         n_ctx, ubatch_cap, note = fit_context(
             model, min(self.budget, model.tensor_bytes), room, self.n_ctx, self.n_ubatch, self.slots.count,
             fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots,
@@ -598,20 +630,28 @@ class Engine:
         """Copies of the recurrent state llama.cpp keeps so that rejected drafts can be taken back
         (K3's KDA; none for a model without one, where llama.cpp ignores the setting): one per
         draft a pass may carry. llama.cpp keeps a batch's last that many + 1 tokens in one
-        micro-batch, which must hold one more (it aborts otherwise)."""
-        return max(0, min(self.draft_max, self.n_ubatch - 2)) if self.speculate != "off" else 0
+        micro-batch, which must hold one more (it aborts otherwise). None where nothing streams:
+        nothing is drafted there."""
+        if self.speculate == "off" or not (self.streams or self._may_stream()):
+            return 0
+        return max(0, min(self.draft_max, self._micro_batch - 2))
+
+    @property
+    def _micro_batch(self) -> int:
+        """The micro-batch llama.cpp really uses: llama-cpp-python cuts n_batch to the context."""
+        return min(self.n_ubatch, self.n_batch, self.slot_ctx)
 
     def speculation(self):
         """This reply's drafts: where speculation is on and the model's memory can take rejected
         drafts back; the most drafts a pass carries fit one micro-batch."""
-        if self.speculate == "off" or self._llm is None:
-            return None
+        if self.speculate == "off" or self._llm is None or self.streamer is None:
+            return None  # nothing streams: a draft would cost compute and save no read
         import llama_cpp
 
         from kimitui.engine.speculation import DraftPlanner, Speculation
 
         llm = self._llm
-        most = min(self.draft_max, self.n_ubatch - 2)  # a pass is one micro-batch
+        most = min(self.draft_max, self._micro_batch - 2)  # a pass is one micro-batch
         if is_recurrent(llm):
             most = min(most, llama_cpp.llama_n_rs_seq(llm._ctx.ctx))
         if most < 1:
@@ -627,7 +667,10 @@ class Engine:
             experts = counters["expert_bytes_needed"] or 0
             return counters["bytes_needed"] - experts, experts
 
-        return Speculation(self._draft_planner, pass_bytes, draft_model=self._draft_model, on_pass=self.metrics.draft_pass)
+        return Speculation(
+            self._draft_planner, pass_bytes, draft_model=self._draft_model, on_pass=self.metrics.draft_pass,
+            guard=self._rollback_guard,
+        )
 
     def lossy_setting(self) -> str | None:
         return self.stream_settings.trim_rule.label() or None
@@ -900,7 +943,8 @@ class Engine:
 
         held = max(0, psutil.Process().memory_info().rss - self._rss_before_load)
         return budget_overflow(
-            self.model_map(), budget, available_memory() + held, self.n_ctx, self.n_ubatch, self.slots.count, self.rollback_snapshots,
+            self.model_map(), budget, available_memory() + held - self._draft_model_bytes(), self.n_ctx, self.n_ubatch,
+            self.slots.count, self.rollback_snapshots,
         )
 
     def between_tokens(self, *, mid_reply: bool) -> bool:
@@ -939,6 +983,7 @@ class Engine:
             )
             self.lifecycle.fail(reason, recover=self._repin)
             raise EngineError(reason) from None
+        self._guard_rollbacks()
         self.pending.rebuild = False  # only now: until a context is made, nothing computes
         llm._stack.callback(llm._ctx.close)
         self.decode_clock.attach(llm._ctx)  # its abort callback is the streaming one, which asks the flag

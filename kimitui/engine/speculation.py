@@ -133,8 +133,10 @@ class DraftModel:
                 break
             keep += 1
         keep = min(keep, len(tokens) - 1)  # the last token is evaluated again: its logits are the next draft's
+        if keep == 0 or not llm._ctx.kv_cache_seq_rm(-1, keep, -1):
+            llm.reset()  # a recurrent draft model cannot go back: it evaluates the conversation afresh
+            keep = 0
         llm.n_tokens = keep
-        llm._ctx.kv_cache_seq_rm(-1, keep, -1)
         llm.eval(tokens[keep:])
         drafts: list[int] = []
         n_vocab = llm.n_vocab()
@@ -165,6 +167,34 @@ def vocabulary_difference(model, draft) -> str | None:
     return None
 
 
+class RollbackGuard:
+    """llama.cpp takes a recurrent state back a few tokens from snapshots of the last
+    micro-batch's positions only (``n_rs_seq``), and a removal that reaches further back, or past
+    a micro-batch that wrote fewer snapshots, silently restores a stale one. So on a recurrent
+    model's context the only partial removals let through are those of the drafted pass just
+    evaluated, after its first token (``allow_after``); any other is refused as llama.cpp refused
+    it before it kept snapshots, and the caller evaluates afresh (llama-cpp-python's prefix reuse
+    does)."""
+
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+        self._remove = ctx.kv_cache_seq_rm
+        self.floor: int | None = None  # the drafted pass's first position, while its tokens may be taken back
+        ctx.kv_cache_seq_rm = self.seq_rm
+
+    def allow_after(self, position: int | None) -> None:
+        self.floor = position
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        import llama_cpp
+
+        if p0 > 0 and p1 < 0 and (self.floor is None or p0 <= self.floor):
+            last = llama_cpp.llama_memory_seq_pos_max(self._ctx.memory, max(seq_id, 0))
+            if p0 <= last:  # it would take the state back: not from these snapshots
+                return False
+        return self._remove(seq_id, p0, p1)
+
+
 @dataclass
 class Speculation:
     """generate()'s draft model for one reply. ``pass_bytes()`` says what the streamer has read
@@ -173,6 +203,7 @@ class Speculation:
     planner: DraftPlanner
     pass_bytes: Callable[[], tuple[int, int] | None]
     draft_model: DraftModel | None = None  # drafts from this model instead of the conversation
+    guard: RollbackGuard | None = None  # a recurrent model's: told which positions a drafted pass may take back
     on_pass: Callable[[int, int, int], None] | None = None  # (drafted, kept, emitted) for the panels
     stats: DraftCounts = field(default_factory=DraftCounts)
     _drafted_last: int = 0
@@ -199,9 +230,19 @@ class Speculation:
         return np.asarray(drafts, dtype=np.intc)
 
     def finish(self) -> None:
-        """The reply ended: its last pass counted."""
-        if self._yielded_since:
-            self._close_pass()
+        """The reply ended: its last pass counted, though not as acceptance (the reply may have
+        stopped inside it)."""
+        if self._yielded_since and self._started:
+            emitted, self._yielded_since = self._yielded_since, 0
+            self._count(emitted, max(0, min(self._drafted_last, emitted - 1)))
+
+    def _count(self, emitted: int, kept: int) -> None:
+        self.stats.passes += 1
+        self.stats.emitted += emitted
+        self.stats.drafted += self._drafted_last
+        self.stats.accepted += kept
+        if self.on_pass is not None:
+            self.on_pass(self._drafted_last, kept, emitted)
 
     def _close_pass(self) -> None:
         """What the pass since the last call drafted, kept and read. The first call closes the
@@ -212,16 +253,11 @@ class Speculation:
         if not self._started:
             self._started = True
             return
-        self.stats.passes += 1
-        self.stats.emitted += emitted
         kept = max(0, min(self._drafted_last, emitted - 1))
-        self.stats.drafted += self._drafted_last
-        self.stats.accepted += kept
+        self._count(emitted, kept)
         self.planner.observe(self._drafted_last, kept)
-        if self.on_pass is not None:
-            self.on_pass(self._drafted_last, kept, emitted)
-        if now is None or before is None:
-            return
+        if now is None or before is None or now[0] < before[0] or now[1] < before[1]:
+            return  # nothing streams, or live tuning made a new streamer whose counts start again
         trunk, per_token = now[0] - before[0], (now[1] - before[1]) / (1 + self._drafted_last)
         # Recent passes weigh most: the pinned set and the expert cache change what a pass reads.
         first = self.stats.passes <= 1

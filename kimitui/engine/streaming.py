@@ -911,11 +911,10 @@ class Streamer:
         rule = self.settings.trim_rule
         if not rule.on or self.experts is None:
             self.trimmer = None
-        elif self.trimmer is None:
-            self.trimmer = RouteTrimmer(rule, softmax_weighted=self.model.architecture in SOFTMAX_WEIGHTED_ARCHS)
-        else:
-            self.trimmer.rule = rule
-        self._trimmer_seen = self.trimmer or self._trimmer_seen
+            return
+        self.trimmer = self._trimmer_seen or RouteTrimmer(rule, softmax_weighted=self.model.architecture in SOFTMAX_WEIGHTED_ARCHS)
+        self.trimmer.rule = rule
+        self._trimmer_seen = self.trimmer
 
     def trim_routes(self, layer: int, ids, weights) -> None:
         """The router of ``layer`` chose ``ids`` with ``weights`` ((n_tokens, k) views of the

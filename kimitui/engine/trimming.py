@@ -111,6 +111,8 @@ class RouteTrimmer:
         in_memory = np.zeros(int(picked.max()) + 1, dtype=bool)
         in_memory[picked] = resident(picked)
         skip = choose_skips(shares(weights, self.softmax_weighted), in_memory[ids], self.rule)
+        # An expert another token of the micro-batch keeps is read anyway: skipping it saves nothing.
+        skip &= ~np.isin(ids, ids[~skip])
         self.routes += ids.size
         if skip.any():
             token_first = ids[np.arange(ids.shape[0]), np.argmax(weights, axis=1)]
