@@ -201,3 +201,39 @@ def test_a_recurrent_context_refuses_to_go_back_past_the_drafted_pass(k3_model):
         guard.allow_after(None)
     finally:
         engine.close()
+
+
+async def test_the_latency_panel_shows_tokens_per_pass_and_drafts_kept():
+    from dataclasses import replace
+
+    from fakes import fake_app, recorded_snapshots
+    from kimitui.engine.metrics import DraftCounts
+    from kimitui.tui.widgets.panels import LatencyPanel
+
+    snapshots = recorded_snapshots()
+    snapshots[-1] = replace(snapshots[-1], drafts=DraftCounts(passes=10, drafted=32, accepted=24, emitted=34))
+    app = fake_app(snapshots=snapshots)
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if app.main.ready:
+                break
+        app.main.sampler.play()
+        await pilot.pause(0.2)
+        assert "3.4 tok/pass, 75% drafts kept" in str(app.query_one(LatencyPanel).body.render())
+
+
+def test_bench_speculate_compares_the_same_tokens_with_and_without_drafts(model_path, capsys, tmp_path):
+    from kimitui.cli import main
+
+    report = tmp_path / "spec.json"
+    assert main(["bench-speculate", "--model", str(model_path), "--budget", "60MiB", "--tokens", "24", "--rounds", "1",
+                 "--task", "copy", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "same tokens: yes" in out and "tokens per pass" in out and "drafts kept" in out
+    import json
+
+    figures = json.loads(report.read_text())
+    copy = figures["tasks"]["copy"]
+    assert figures["streams"] and copy["same_tokens"]
+    assert copy["lookup"]["tokens_per_pass"] > 1 and copy["lookup"]["decode_bytes_per_token"] < copy["off"]["decode_bytes_per_token"]

@@ -1,11 +1,12 @@
 """`kimitui bench-speculate`: speculative decoding against plain decoding, on the same engine
 settings, for a task that copies text and for an open chat.
 
-For each task, replies with speculation off and on alternate (``--rounds`` each), greedy, each
-evaluating its prompt afresh. For each reply: the tokens (both kinds must give the same ones),
-the decode passes and tokens per pass, the drafts kept, the model bytes the engine read for
-decoding (its own count: trunk shards and experts compute needed and did not have), and decode
-tok/s. Both engines run in this process, one after the other; nothing else should run beside.
+One engine, loaded with speculation on (its context computes attention as a speculating one
+does); for each task, its replies without drafts and with them alternate (``--rounds`` each),
+greedy, each evaluating its prompt afresh. For each reply: the tokens (both kinds must give the
+same ones), the decode passes and tokens per pass, the drafts kept, the model bytes the engine
+read for decoding (its own count: trunk shards and experts compute needed and did not have), and
+decode tok/s. It runs in this process; nothing else should run beside.
 """
 
 from __future__ import annotations
@@ -77,27 +78,24 @@ def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     path = resolve_model(settings)
     budget = check_budget(settings, path)
-    engines = {}
+    settings["engine.speculate"] = "lookup"
+    engine = engine_from_settings(settings, path, budget)
     try:
-        for mode in ("off", "lookup"):
-            settings["engine.speculate"] = mode
-            engine = engine_from_settings(settings, path, budget)
-            engine.load()
-            engine.pin()
-            engines[mode] = engine
-        figures: dict = {"model": str(path), "budget": budget, "streams": engines["off"].streamer is not None, "tasks": {}}
+        engine.load()
+        engine.pin()
+        figures: dict = {"model": str(path), "budget": budget, "streams": engine.streamer is not None, "tasks": {}}
         for task in args.task or sorted(TASKS):
             runs: dict[str, list[dict]] = {"off": [], "lookup": []}
             for n in range(args.rounds):
                 for mode in (("off", "lookup") if n % 2 == 0 else ("lookup", "off")):
-                    runs[mode].append(_reply(engines[mode], TASKS[task], args.tokens))
+                    engine.speculate = mode
+                    runs[mode].append(_reply(engine, TASKS[task], args.tokens))
             same = all(r["tokens"] == runs["off"][0]["tokens"] for r in runs["off"] + runs["lookup"])
             summary = {mode: _median(rs) for mode, rs in runs.items()}
             figures["tasks"][task] = {"same_tokens": same, **summary, "runs": runs}
             _print(task, summary, same, figures["streams"])
     finally:
-        for engine in engines.values():
-            engine.close()
+        engine.close()
     if args.json:
         write_json(args.json, figures)
     return 0
