@@ -15,7 +15,7 @@ from kimitui.engine.experts import ExpertUnit
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
 from kimitui.engine.streaming import StreamSettings
-from kimitui.engine.trimming import RouteTrimmer, TrimRule, choose_skips, shares
+from kimitui.engine.trimming import RouteTrimmer, TrimRule, choose_skips, row_skips, shares
 from kimitui.model import synth
 from kimitui.model.gguf_map import load_model_map
 from kimitui.tui.widgets.status import StatusBar
@@ -48,7 +48,28 @@ def test_a_token_skips_its_light_misses_and_never_its_first_choice_or_a_resident
     assert np.allclose(shares(np.array([[0.0, np.log(3.0)]]), softmax=True), [[0.25, 0.75]])
 
 
+@pytest.mark.parametrize("softmax", [False, True])
+def test_a_decoded_tokens_routing_is_judged_as_a_batchs_row_is(softmax):
+    """A lone token's rows take a plain-Python path (numpy's per-call cost would dominate): it
+    skips exactly what the batch path skips."""
+    rng = np.random.default_rng(7)
+    rules = [TrimRule(below=0.1), TrimRule(cumulative=0.6), TrimRule(below=0.05, cumulative=0.8), TrimRule(below=0.3)]
+    for _ in range(300):
+        k = int(rng.integers(2, 17))
+        weights = rng.normal(0, 2, k) if softmax else rng.exponential(1.0, k) ** 2
+        resident = rng.random(k) < 0.4
+        for rule in rules:
+            expected = choose_skips(shares(weights[None, :], softmax), resident[None, :], rule)[0].tolist()
+            assert row_skips(weights.tolist(), resident.tolist(), rule, softmax) == expected
+
+
 def test_a_skipped_route_points_at_the_tokens_first_choice_with_no_weight():
+    one = np.array([[7, 3, 9, 1]], dtype=np.int32)
+    one_weights = np.array([[0.1, 0.6, 0.25, 0.05]], dtype=np.float32)
+    lone = RouteTrimmer(TrimRule(below=0.15))
+    assert lone.trim(one, one_weights, lambda experts: experts == 8) == {3, 9}  # a decoded token's path
+    assert one.tolist() == [[3, 3, 9, 3]] and one_weights.tolist()[0] == pytest.approx([0.0, 0.6, 0.25, 0.0])
+    assert (lone.routes, lone.routes_skipped, lone.experts_skipped) == (4, 2, 2)
     ids = np.array([[7, 3, 9, 1], [2, 4, 6, 8]], dtype=np.int32)
     weights = np.array([[0.1, 0.6, 0.25, 0.05], [0.4, 0.3, 0.2, 0.1]], dtype=np.float32)
     trimmer = RouteTrimmer(TrimRule(below=0.15))

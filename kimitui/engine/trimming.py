@@ -21,6 +21,7 @@ measures what a rule costs with every expert counted as a miss: the most it can 
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,6 +78,26 @@ def choose_skips(token_shares: np.ndarray, resident: np.ndarray, rule: TrimRule)
     return valid & ~resident & ~first & (low | (past & (rule.cumulative < 1.0)))
 
 
+def row_skips(weights: list[float], resident: list[bool], rule: TrimRule, softmax: bool) -> list[bool]:
+    """``choose_skips`` for one token, in plain Python: a decoded token's routing is a row of k
+    (8 or 16), where numpy's per-call cost is most of the work and a model has 60-90 MoE layers."""
+    if softmax:
+        top = max(weights)
+        weights = [math.exp(w - top) for w in weights]
+    total = sum(weights)
+    if not total > 0:
+        return [False] * len(weights)
+    token_shares = [w / total for w in weights]
+    order = sorted(range(len(token_shares)), key=lambda i: -token_shares[i])
+    skips = [False] * len(token_shares)
+    before = 0.0
+    for rank, i in enumerate(order):
+        past = rule.cumulative < 1.0 and before >= rule.cumulative - 1e-9
+        skips[i] = rank > 0 and not resident[i] and (token_shares[i] < rule.below or past)
+        before += token_shares[i]
+    return skips
+
+
 def _view(tensor: int, data: int, rows_at: int, slots_at: int, dtype) -> np.ndarray:
     """A (n_tokens, k) view of a routing tensor's data, with ggml's own strides: dimension
     ``slots_at`` holds a token's k slots, dimension ``rows_at`` its tokens."""
@@ -105,6 +126,8 @@ class RouteTrimmer:
         Returns the experts still routed to."""
         if ids.size == 0:
             return set()
+        if ids.shape[0] == 1:
+            return self._trim_one(ids, weights, resident)
         picked = np.unique(ids)
         if picked[0] < 0:  # not expert ids: left to the streamer's check, which stops the token
             return set(picked.tolist())
@@ -122,6 +145,24 @@ class RouteTrimmer:
         kept = np.unique(ids)
         self.experts_skipped += len(picked) - len(kept)
         return set(kept.tolist())
+
+    def _trim_one(self, ids: np.ndarray, weights: np.ndarray, resident: Callable[[np.ndarray], np.ndarray]) -> set[int]:
+        """``trim`` for a micro-batch of one token (each decoded token)."""
+        row, gathered = ids[0].tolist(), weights[0].tolist()
+        self.routes += len(row)
+        if min(row) < 0:  # not expert ids: left to the streamer's check, which stops the token
+            return set(row)
+        skips = row_skips(gathered, list(resident(np.asarray(row))), self.rule, self.softmax_weighted)
+        if any(skips):
+            first = row[max(range(len(row)), key=gathered.__getitem__)]
+            for slot, skip in enumerate(skips):
+                if skip:
+                    ids[0, slot] = first
+                    weights[0, slot] = -np.inf if self.softmax_weighted else 0.0
+            self.routes_skipped += sum(skips)
+        kept = {e for e, skip in zip(row, skips) if not skip}
+        self.experts_skipped += len(set(row)) - len(kept)
+        return kept
 
 
 
