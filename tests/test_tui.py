@@ -504,7 +504,8 @@ async def test_remote_panels_show_only_what_a_stock_llama_server_reports():
             await until(pilot, lambda: "p50 —" not in str(latency.body.render()))
             shown = str(latency.body.render())
             rate = float(shown.split("\n")[3].split()[0])
-            assert 5.0 < rate < 1000.0  # 7 tokens 30 ms apart, not the server's 0.0
+            # 7 tokens 30 ms apart (33 tok/s alone; 2.4 seen once under the full suite's load), not the server's 0.0
+            assert 1.0 < rate < 1000.0
             for panel in (CachePanel, PrefetchPanel, DiskPanel, MemoryPanel, ResidencyPanel, ExpertPanel):
                 assert str(app.query_one(panel).note.render()) == NOT_REPORTED, panel.__name__
             assert "pinned" not in str(app.query_one(ResidencyPanel).body.render())
