@@ -239,3 +239,35 @@ def test_bench_speculate_compares_the_same_tokens_with_and_without_drafts(model_
     copy = figures["tasks"]["copy"]
     assert figures["streams"] and copy["same_tokens"]
     assert copy["lookup"]["tokens_per_pass"] > 1 and copy["lookup"]["decode_bytes_per_token"] < copy["off"]["decode_bytes_per_token"]
+
+
+def test_logprobs_grammar_sampling_and_stops_are_those_of_plain_decoding(model_path):
+    """Each token is sampled once, by the reply's own sampler chain, from its pass's logits: the
+    log-probabilities, a grammar's state, a seeded sampler's draws and the stop strings see what
+    they see without drafts."""
+    text = "The ferry left the harbour a little after six, when the fog had begun to lift from the water."
+    prompt = f"Repeat: {text}\nAgain: {text}\nAgain:"
+    kinds = {
+        "logprobs": Sampling(temperature=0.0, max_tokens=30, n_probs=2),
+        "grammar": Sampling(temperature=0.0, max_tokens=30, grammar="root ::= [a-zA-Z ,.]+"),
+        "sampled": Sampling(temperature=0.8, seed=42, max_tokens=30),
+        "stop": Sampling(temperature=0.0, max_tokens=30, stop=("water",)),
+    }
+    engine = Engine(model_path, n_ctx=1024, budget=60 * MIB, speculate="lookup")
+    engine.load()
+    engine.pin()
+    try:
+        replies = {}
+        for mode in ("off", "lookup"):
+            engine.speculate = mode
+            for kind, sampling in kinds.items():
+                engine.llm.reset()
+                gen = engine.complete(prompt, sampling)
+                events = [(e.token_id, e.text, e.logprob, e.top) for e in gen]
+                replies[mode, kind] = events, gen.result.finish_reason, gen.result.speculation
+        for kind in kinds:
+            (plain, plain_end, _), (drafted, drafted_end, stats) = replies["off", kind], replies["lookup", kind]
+            assert drafted == plain and drafted_end == plain_end, kind
+            assert stats.accepted > 0, kind
+    finally:
+        engine.close()
