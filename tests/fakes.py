@@ -64,7 +64,7 @@ class FakeEngine:
         self.reply_words = [w + " " for w in reply.split(" ")]
         self.fail_reply, self.fail_load = fail_reply, fail_load
         self.gate: threading.Event | None = None  # set by a test to hold a reply mid-stream
-        self.values = TuningValues(budget, 2, 64 * MIB, "pin-stream", "lfu", 4, False)
+        self.values = TuningValues(budget, 2, 64 * MIB, "pin-stream", "lfu", 4, False, 0.0, 1.0)
         self.retuned: list[dict] = []
         self.asked: list[list[dict]] = []
         self.kept: set[str] = set()  # conversations whose state it would resume

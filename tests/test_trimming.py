@@ -175,3 +175,26 @@ async def test_the_status_bar_says_while_trimming_is_on():
     async with plain.run_test(size=(120, 40)) as pilot:
         await pilot.pause(0.2)
         assert "trim" not in str(plain.query_one(StatusBar).render())
+
+
+def test_trimming_is_tuned_live_from_the_strip(moe_model):
+    from kimitui.tui.widgets.tuning import ROWS
+
+    below = next(r for r in ROWS if r.field == "expert_trim_below")
+    past = next(r for r in ROWS if r.field == "expert_trim_cumulative")
+    assert (below.step(0.0, True), below.step(0.07, True), below.step(0.07, False), below.step(0.0, False)) == (0.02, 0.1, 0.05, 0.0)
+    assert (past.step(1.0, False), past.step(0.5, False)) == (0.9, 0.5)
+    assert (below.show(0.0), below.show(0.05), past.show(1.0), past.show(0.7)) == ("off", "5%", "off", "70%")
+
+    engine = _streamed(moe_model, TrimRule())
+    try:
+        assert engine.lossy_setting() is None and engine.tuning().expert_trim_cumulative == 1.0
+        assert engine.retune(expert_trim_cumulative=0.5) == "applies from the next token"
+        assert engine.lossy_setting() == "trim >50%"
+        _run(engine, tokens=4)
+        assert engine.streamer.trimmer is not None and engine.streamer.counters()["expert_routes_skipped"] > 0
+        engine.retune(expert_trim_cumulative=1.0)
+        _run(engine, tokens=2)
+        assert engine.streamer.trimmer is None and engine.lossy_setting() is None
+    finally:
+        engine.close()

@@ -38,6 +38,8 @@ class TuningValues:
     expert_policy: str
     io_threads: int
     expert_lookahead: bool
+    expert_trim_below: float  # expert trimming (lossy): 0 = off
+    expert_trim_cumulative: float  # 1 = off
 
 
 class Reply(Protocol):

@@ -679,6 +679,7 @@ class Engine:
         s = self.stream_settings
         return TuningValues(
             self.budget or 0, s.prefetch_depth, self.shard_size, s.policy, s.expert_policy, s.io_threads, s.expert_lookahead,
+            s.expert_trim_below, s.expert_trim_cumulative,
         )
 
     def _pin(self) -> None:

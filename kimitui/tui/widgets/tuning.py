@@ -35,6 +35,20 @@ def _step_choice(choices: tuple):
     return step
 
 
+def _step_among(choices: tuple[float, ...]):
+    """The next of ``choices`` (ascending) above or below the value, which need not be one of them."""
+    def step(value: float, up: bool) -> float:
+        if up:
+            return next((c for c in choices if c > value + 1e-9), choices[-1])
+        return next((c for c in reversed(choices) if c < value - 1e-9), choices[0])
+
+    return step
+
+
+def _trim_share(off: float):
+    return lambda v: "off" if v == off else f"{v * 100:.3g}%"
+
+
 def _clamp_int(key: str):
     """One more or less, within what the config file takes for ``engine.<key>``."""
     spec = SCHEMA["engine"][key]
@@ -62,6 +76,9 @@ ROWS = (
     Row("expert_policy", "experts", _step_choice(EXPERT_POLICIES), str),
     Row("io_threads", "I/O threads", _clamp_int("io_threads"), str),
     Row("expert_lookahead", "look-ahead", lambda v, up: not v, lambda v: "on" if v else "off"),
+    # Expert trimming (lossy; engine/trimming.py): misses below a share, or past a cumulative share.
+    Row("expert_trim_below", "trim below", _step_among((0.0, 0.02, 0.05, 0.1, 0.2)), _trim_share(0.0)),
+    Row("expert_trim_cumulative", "trim past", _step_among((0.5, 0.6, 0.7, 0.8, 0.9, 1.0)), _trim_share(1.0)),
 )
 assert [r.field for r in ROWS] == [f.name for f in fields(TuningValues)]
 
