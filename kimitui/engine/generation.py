@@ -441,9 +441,10 @@ class Generation:
         guard = speculation.guard
 
         def eval_with_drafts(tokens):
-            if guard is not None:
-                guard.allow_after(None if len(tokens) <= 1 else llm.n_tokens)
-            if len(tokens) <= 1 or len(tokens) > most:  # nothing drafted (or nothing at all: a prompt cached whole)
+            drafted = 1 < len(tokens) <= most
+            if guard is not None:  # only a drafted pass's own tokens may be taken back
+                guard.allow_after(llm.n_tokens if drafted else None)
+            if not drafted:  # a plain pass, a prompt, or nothing at all (a prompt cached whole)
                 return original_eval(tokens)
             n_past = llm.n_tokens
             llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
@@ -463,15 +464,18 @@ class Generation:
         finally:
             del llm.eval
             llm.draft_model = None
+            try:
+                # Plain decoding leaves the prompt and every token but the last sampled one evaluated.
+                verified = len(prompt) + yielded - 1
+                if yielded and llm.n_tokens > verified:
+                    llm.n_tokens = verified
+                    llm._requires_eval = True  # the last logits are a later position's
+                    if not llm._ctx.kv_cache_seq_rm(-1, verified, -1):
+                        clear_context(llm)  # the drafts could not be taken back: the next reply starts afresh
+            finally:
+                if guard is not None:
+                    guard.allow_after(None)
             speculation.finish()
-            # Plain decoding leaves the prompt and every token but the last sampled one evaluated.
-            verified = len(prompt) + yielded - 1
-            if yielded and llm.n_tokens > verified:
-                llm.n_tokens = verified
-                llm._ctx.kv_cache_seq_rm(-1, verified, -1)
-                llm._requires_eval = True  # the last logits are a later position's
-            if guard is not None:
-                guard.allow_after(None)
 
     def _run(self) -> Iterator[TokenEvent | PromptProgress]:
         """The reply in its turn: its prompt placed, its sampler chain built, then its tokens."""

@@ -100,6 +100,7 @@ class Engine:
         self._draft_planner = None  # speculation.DraftPlanner: acceptance learnt over the replies
         self.draft_model_path = draft_model  # engine.draft_model: a small model whose drafts replace the lookup's
         self._draft_model = None  # speculation.DraftModel, loaded with the model
+        self._draft_bytes: int | None = None  # its weights and context, beside the budget, once worked out
         self._rollback_guard = None  # speculation.RollbackGuard, on a recurrent model's context with snapshots
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
@@ -295,13 +296,15 @@ class Engine:
     def _draft_model_bytes(self) -> int:
         """What the draft model takes beside the model: its weights, read whole, and its context
         (the budget holds neither)."""
-        path = self._draft_model_path()
-        if path is None:
-            return 0
-        from kimitui.engine.budget import working_estimate
-        from kimitui.model.gguf_map import load_model_map
+        if self._draft_bytes is None:  # worked out once: a retune must not find the file gone
+            path = self._draft_model_path()
+            if path is None:
+                return 0
+            from kimitui.engine.budget import working_estimate
+            from kimitui.model.gguf_map import load_model_map
 
-        return path.stat().st_size + working_estimate(load_model_map(path), self.slot_ctx, self.n_batch)
+            self._draft_bytes = path.stat().st_size + working_estimate(load_model_map(path), self.slot_ctx, self.n_batch)
+        return self._draft_bytes
 
     def _guard_rollbacks(self) -> None:
         """A recurrent model's context with draft snapshots takes back only a drafted pass's
@@ -323,6 +326,7 @@ class Engine:
         from kimitui.engine import loadhooks
         from kimitui.engine.speculation import DraftModel, vocabulary_difference
 
+        llama_log().lines.clear()  # its reason, if it fails, is this load's
         try:
             with loadhooks.stock_loads(), llama_params(None, repack=False), templates_checked_later():
                 llm = llama_cpp.Llama(
@@ -630,7 +634,7 @@ class Engine:
         """Copies of the recurrent state llama.cpp keeps so that rejected drafts can be taken back
         (K3's KDA; none for a model without one, where llama.cpp ignores the setting): one per
         draft a pass may carry. llama.cpp keeps a batch's last that many + 1 tokens in one
-        micro-batch, which must hold one more (it aborts otherwise). None where nothing streams:
+        micro-batch, which must hold one more (it aborts otherwise). 0 where nothing streams:
         nothing is drafted there."""
         if self.speculate == "off" or not (self.streams or self._may_stream()):
             return 0
@@ -971,6 +975,7 @@ class Engine:
         self.n_ubatch = min(self.n_batch, self._memory_plan(self.model_map()).ubatch, self.ubatch_cap or self.n_batch)
         params.n_ubatch = self.n_ubatch
         params.n_rs_seq = self.rollback_snapshots
+        self._rollback_guard = None  # it wraps the context closed here
         llm._ctx.close()
         try:
             llm._ctx = internals.LlamaContext(model=llm._model, params=params, verbose=False)
@@ -1017,6 +1022,7 @@ class Engine:
             if self._draft_model is not None:
                 self._draft_model.close()
                 self._draft_model = None
+            self._rollback_guard = None
             self.slots.forget()
             if self.space is not None and self.space.bounded:
                 self.space.close()

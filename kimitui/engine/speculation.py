@@ -5,8 +5,9 @@ it, and each token adds only its own routed experts. So a pass that checks k dra
 beside the one it must compute costs little more than a plain decode step and may emit up to
 k + 1 tokens. llama-cpp-python's generate() already verifies drafts: it evaluates the sampled
 token and the drafts in one batch, samples at each position with the reply's own sampler chain,
-and keeps the drafts while they equal what was sampled, so the output is the same token for
-token as decoding without speculation (one sample per emitted token, the same sampler state).
+and keeps the drafts while they equal what was sampled: one sample per emitted token, the same
+sampler state. The output is plain decoding's token for token where a batched token's logits
+equal a lone one's: with flash attention, under 256 tokens of context (docs/design.md).
 What this module adds:
 
 - ``lookup``: drafts from the conversation itself, as llama.cpp's lookup decoding and
@@ -19,8 +20,9 @@ What this module adds:
   plain decoding (nothing streams, or drafts are rarely accepted). After a run of plain passes it
   tries one draft again, so that acceptance is measured again.
 - ``Speculation``: the draft model llama-cpp-python calls between passes; it counts passes,
-  drafts and acceptances for the panels and the trace, and ``verified_end`` says where the
-  context's verified tokens end when a reply stops in the middle of a pass.
+  drafts and acceptances for the panels and the trace.
+- ``RollbackGuard``: on a recurrent model's context, only a drafted pass's own tokens may be
+  taken back (below).
 
 A model whose memory is recurrent (Kimi K3's KDA layers) cannot drop the state of a rejected
 draft; llama.cpp keeps per-token snapshots of that state for it (``n_rs_seq``, which the
@@ -194,9 +196,9 @@ class RollbackGuard:
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         import llama_cpp
 
-        if p0 > 0 and p1 < 0 and (self.floor is None or p0 <= self.floor):
+        if p0 > 0 and (self.floor is None or p0 <= self.floor):
             last = llama_cpp.llama_memory_seq_pos_max(self._ctx.memory, max(seq_id, 0))
-            if p0 <= last:  # it would take the state back: not from these snapshots
+            if p0 <= last and (p1 < 0 or p1 > last):  # it would take the state back: not from these snapshots
                 return False
         return self._remove(seq_id, p0, p1)
 

@@ -149,9 +149,9 @@ class RouteTrimmer:
     def _trim_one(self, ids: np.ndarray, weights: np.ndarray, resident: Callable[[np.ndarray], np.ndarray]) -> set[int]:
         """``trim`` for a micro-batch of one token (each decoded token)."""
         row, gathered = ids[0].tolist(), weights[0].tolist()
-        self.routes += len(row)
         if min(row) < 0:  # not expert ids: left to the streamer's check, which stops the token
             return set(row)
+        self.routes += len(row)
         skips = row_skips(gathered, list(resident(np.asarray(row))), self.rule, self.softmax_weighted)
         if any(skips):
             first = row[max(range(len(row)), key=gathered.__getitem__)]
