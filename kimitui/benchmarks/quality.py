@@ -71,8 +71,6 @@ class _TrimEverything:
         self.c_callback = C.ggml_backend_sched_eval_callback(self._on_eval)
 
     def _on_eval(self, tensor, ask, _user) -> bool:
-        import numpy as np
-
         from kimitui.engine.llama_glue import numbered
         from kimitui.engine.trimming import routing_views
 
@@ -85,7 +83,7 @@ class _TrimEverything:
                 self._routes[topk] = tensor
             elif weights is not None and weights in self._routes:
                 ids, gathered = routing_views(self._ggml, self._routes.pop(weights), tensor)
-                self.trimmer.trim(ids, gathered, lambda experts: np.zeros(len(experts), dtype=bool))
+                self.trimmer.trim(ids, gathered, lambda experts: [False] * len(experts))
         except Exception as exc:  # noqa: BLE001
             self.error = self.error or f"{type(exc).__name__}: {exc}"
         return True

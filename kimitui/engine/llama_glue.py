@@ -118,14 +118,15 @@ def numbered(name: bytes, prefix: bytes) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-def topk_ids(ggml, tensor: int) -> set[int]:
-    """Expert ids in a router's top-k node: int32, ne = [k, n_tokens], rows nb[1] apart.
+# ggml_tensor's int64 ne[4] and size_t nb[4] sit right after its type and buffer fields, a
+# layout ggml has kept for years; data pointers come through ggml's own accessor.
+GGML_NE_OFFSET, GGML_NB_OFFSET = 16, 48
 
-    ne and nb sit right after ggml_tensor's type and buffer fields, a layout ggml has kept
-    for years; the data pointer comes through ggml's own accessor.
-    """
-    k, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + 16)
-    row_stride = (ctypes.c_size_t * 2).from_address(tensor + 48)[1]
+
+def topk_ids(ggml, tensor: int) -> set[int]:
+    """Expert ids in a router's top-k node: int32, ne = [k, n_tokens], rows nb[1] apart."""
+    k, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + GGML_NE_OFFSET)
+    row_stride = (ctypes.c_size_t * 2).from_address(tensor + GGML_NB_OFFSET)[1]
     data = ggml.ggml_get_data(tensor)
     ids: set[int] = set()
     for token in range(n_tokens):
@@ -141,7 +142,7 @@ def last_row_f32(ggml, tensor: int):
 
     if ctypes.c_int.from_address(tensor).value != 0:
         return None
-    n_embd, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + 16)
+    n_embd, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + GGML_NE_OFFSET)
     if n_tokens != 1:  # prefill reads its experts per batch anyway
         return None
     return np.ctypeslib.as_array((ctypes.c_float * n_embd).from_address(ggml.ggml_get_data(tensor))).copy()

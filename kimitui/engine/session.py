@@ -638,12 +638,13 @@ class Engine:
         nothing is drafted there."""
         if self.speculate == "off" or not (self.streams or self._may_stream()):
             return 0
-        return max(0, min(self.draft_max, self._micro_batch - 2))
+        return self._draft_limit
 
     @property
-    def _micro_batch(self) -> int:
-        """The micro-batch llama.cpp really uses: llama-cpp-python cuts n_batch to the context."""
-        return min(self.n_ubatch, self.n_batch, self.slot_ctx)
+    def _draft_limit(self) -> int:
+        """The most drafts a pass may carry: draft_max, and a pass is one micro-batch (the one
+        llama.cpp really uses: llama-cpp-python cuts n_batch to the context), two tokens short."""
+        return max(0, min(self.draft_max, self.n_ubatch - 2, self.n_batch - 2, self.slot_ctx - 2))
 
     def speculation(self):
         """This reply's drafts: where speculation is on and the model's memory can take rejected
@@ -655,7 +656,7 @@ class Engine:
         from kimitui.engine.speculation import DraftPlanner, Speculation
 
         llm = self._llm
-        most = min(self.draft_max, self._micro_batch - 2)  # a pass is one micro-batch
+        most = self._draft_limit
         if is_recurrent(llm):
             most = min(most, llama_cpp.llama_n_rs_seq(llm._ctx.ctx))
         if most < 1:

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kimitui.engine.metrics import DraftCounts
+from kimitui.engine.slots import common_prefix
 
 NGRAM_MAX = 4  # the longest suffix looked up; shorter ones are tried after it
 NGRAM_MIN = 2  # a single repeated token predicts too little to be worth a draft
@@ -135,12 +136,7 @@ class DraftModel:
         tokens = list(tokens)
         if len(tokens) + count >= llm.n_ctx():
             return []
-        keep = 0
-        for ours, theirs in zip(llm.input_ids[: llm.n_tokens].tolist(), tokens):
-            if ours != theirs:
-                break
-            keep += 1
-        keep = min(keep, len(tokens) - 1)  # the last token is evaluated again: its logits are the next draft's
+        keep = min(common_prefix(llm.input_ids[: llm.n_tokens].tolist(), tokens), len(tokens) - 1)  # the last token is evaluated again: its logits are the next draft's
         if keep == 0 or not llm._ctx.kv_cache_seq_rm(-1, keep, -1):
             llm.reset()  # a recurrent draft model cannot go back: it evaluates the conversation afresh
             keep = 0
@@ -242,15 +238,19 @@ class Speculation:
         stopped inside it)."""
         if self._yielded_since and self._started:
             emitted, self._yielded_since = self._yielded_since, 0
-            self._count(emitted, max(0, min(self._drafted_last, emitted - 1)))
+            self._count(emitted)
 
-    def _count(self, emitted: int, kept: int) -> None:
+    def _count(self, emitted: int) -> int:
+        """A pass that gave ``emitted`` tokens, counted; the drafts it kept (each token but the
+        last one it gave was a draft that equalled what was sampled)."""
+        kept = max(0, min(self._drafted_last, emitted - 1))
         self.stats.passes += 1
         self.stats.emitted += emitted
         self.stats.drafted += self._drafted_last
         self.stats.accepted += kept
         if self.on_pass is not None:
             self.on_pass(self._drafted_last, kept, emitted)
+        return kept
 
     def _close_pass(self) -> None:
         """What the pass since the last call drafted, kept and read. The first call closes the
@@ -261,9 +261,7 @@ class Speculation:
         if not self._started:
             self._started = True
             return
-        kept = max(0, min(self._drafted_last, emitted - 1))
-        self._count(emitted, kept)
-        self.planner.observe(self._drafted_last, kept)
+        self.planner.observe(self._drafted_last, self._count(emitted))
         if now is None or before is None or now[0] < before[0] or now[1] < before[1]:
             return  # nothing streams, or live tuning made a new streamer whose counts start again
         trunk, per_token = now[0] - before[0], (now[1] - before[1]) / (1 + self._drafted_last)

@@ -920,7 +920,7 @@ class Streamer:
         """The router of ``layer`` chose ``ids`` with ``weights`` ((n_tokens, k) views of the
         graph's tensors): skip what the trim rule skips, rewriting both, then read the rest."""
         try:
-            kept = self.trimmer.trim(ids, weights, lambda experts: self.experts.holds(layer, experts.tolist()))
+            kept = self.trimmer.trim(ids, weights, lambda experts: self.experts.holds(layer, experts))
         except Exception as exc:  # noqa: BLE001 - the token stops rather than compute on half-rewritten routes
             self.fail(f"layer {layer}: expert trimming failed: {type(exc).__name__}: {exc}")
             return

@@ -27,8 +27,8 @@ from typing import Callable
 
 import numpy as np
 
-# ggml_tensor: int32 type, a buffer pointer, then int64 ne[4] and size_t nb[4] (a layout ggml has kept for years).
-_NE_OFFSET, _NB_OFFSET = 16, 48
+from kimitui.engine.llama_glue import GGML_NB_OFFSET, GGML_NE_OFFSET
+
 SOFTMAX_WEIGHTED_ARCHS = frozenset({"gpt-oss"})  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT
 
 
@@ -101,8 +101,8 @@ def row_skips(weights: list[float], resident: list[bool], rule: TrimRule, softma
 def _view(tensor: int, data: int, rows_at: int, slots_at: int, dtype) -> np.ndarray:
     """A (n_tokens, k) view of a routing tensor's data, with ggml's own strides: dimension
     ``slots_at`` holds a token's k slots, dimension ``rows_at`` its tokens."""
-    ne = (ctypes.c_int64 * 4).from_address(tensor + _NE_OFFSET)
-    nb = (ctypes.c_size_t * 4).from_address(tensor + _NB_OFFSET)
+    ne = (ctypes.c_int64 * 4).from_address(tensor + GGML_NE_OFFSET)
+    nb = (ctypes.c_size_t * 4).from_address(tensor + GGML_NB_OFFSET)
     shape, strides = (ne[rows_at], ne[slots_at]), (nb[rows_at], nb[slots_at])
     if 0 in shape:
         return np.zeros(shape, dtype)
@@ -120,7 +120,7 @@ class RouteTrimmer:
     routes_skipped: int = 0
     experts_skipped: int = 0  # distinct experts a layer's micro-batch no longer reads
 
-    def trim(self, ids: np.ndarray, weights: np.ndarray, resident: Callable[[np.ndarray], np.ndarray]) -> set[int]:
+    def trim(self, ids: np.ndarray, weights: np.ndarray, resident: Callable[[list[int]], list[bool]]) -> set[int]:
         """Rewrite ``ids`` (int32) and ``weights`` (float32), both (n_tokens, k) views of the
         graph's tensors; ``resident(experts)`` says which of those expert ids are in memory.
         Returns the experts still routed to."""
@@ -132,7 +132,7 @@ class RouteTrimmer:
         if picked[0] < 0:  # not expert ids: left to the streamer's check, which stops the token
             return set(picked.tolist())
         in_memory = np.zeros(int(picked.max()) + 1, dtype=bool)
-        in_memory[picked] = resident(picked)
+        in_memory[picked] = resident(picked.tolist())
         skip = choose_skips(shares(weights, self.softmax_weighted), in_memory[ids], self.rule)
         # An expert another token of the micro-batch keeps is read anyway: skipping it saves nothing.
         skip &= ~np.isin(ids, ids[~skip])
@@ -146,13 +146,13 @@ class RouteTrimmer:
         self.experts_skipped += len(picked) - len(kept)
         return set(kept.tolist())
 
-    def _trim_one(self, ids: np.ndarray, weights: np.ndarray, resident: Callable[[np.ndarray], np.ndarray]) -> set[int]:
+    def _trim_one(self, ids: np.ndarray, weights: np.ndarray, resident: Callable[[list[int]], list[bool]]) -> set[int]:
         """``trim`` for a micro-batch of one token (each decoded token)."""
         row, gathered = ids[0].tolist(), weights[0].tolist()
         if min(row) < 0:  # not expert ids: left to the streamer's check, which stops the token
             return set(row)
         self.routes += len(row)
-        skips = row_skips(gathered, list(resident(np.asarray(row))), self.rule, self.softmax_weighted)
+        skips = row_skips(gathered, resident(row), self.rule, self.softmax_weighted)
         if any(skips):
             first = row[max(range(len(row)), key=gathered.__getitem__)]
             for slot, skip in enumerate(skips):
@@ -163,7 +163,6 @@ class RouteTrimmer:
         kept = {e for e, skip in zip(row, skips) if not skip}
         self.experts_skipped += len(set(row)) - len(kept)
         return kept
-
 
 
 def routing_views(ggml, ids_tensor: int, weights_tensor: int) -> tuple[np.ndarray, np.ndarray]:
