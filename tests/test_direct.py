@@ -99,6 +99,63 @@ def test_placed_bytes_are_the_files_and_skip_the_page_cache(mapped_file):
     assert ctypes.string_at(address, len(data)) == data
 
 
+def _areas_within(lo: int, hi: int) -> int:
+    """How many of this process's mappings overlap [lo, hi)."""
+    count = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        a, b = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+        count += a < hi and lo < b
+    return count
+
+
+def _resident_pages(address: int, length: int) -> int:
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // PAGE * 8)
+        entries = pagemap.read(length // PAGE * 8)
+    return sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+
+
+def test_slices_in_the_arena_are_read_in_place_with_no_mapping_call_each(mapped_file):
+    """Small slices in the arena: read straight into place (the file's bytes, shared end pages
+    included), no kernel mapping made per slice, pages given back with the mapping intact, and
+    the file mapped back whole when the placer closes."""
+    path, data, address, placer = mapped_file
+    drop_from_page_cache(path)
+    lo, hi = 2 * MIB, 18 * MIB
+    assert placer.make_arena({0: [(lo, hi)]}) and placer.reads_in_place
+    areas = _areas_within(address, address + len(data))
+    # 30 KiB slices, one after another, not page-aligned: neighbours share an end page.
+    slices = [(lo + 100 + i * 30 * 1024, 30 * 1024) for i in range(200)]
+    edges_read: set[int] = set()
+    inners: list[int] = []
+    for offset, length in slices:
+        first, end = offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE
+        inner = (first + PAGE, end - first - 2 * PAGE)
+        inners.append(inner[0])
+        fresh = [e for e in (first, end - PAGE) if e not in edges_read]
+        edges_read.update(fresh)
+        start = min([inner[0]] + fresh)
+        stop = max([inner[0] + inner[1]] + [e + PAGE for e in fresh])
+        assert placer.place_slice(0, start, stop - start, [inner], fresh) == stop - start
+    span = slices[0][0], slices[-1][0] + slices[-1][1]
+    assert ctypes.string_at(address + span[0], span[1] - span[0]) == data[span[0] : span[1]]
+    assert _areas_within(address, address + len(data)) == areas, "a slice in the arena makes no mapping of its own"
+    cached = cached_bytes(path)
+    assert cached is not None and cached < MIB, "O_DIRECT reads must not fill the page cache"
+    placed = _resident_pages(address + lo, hi - lo)
+    assert placed * PAGE >= span[1] - span[0]
+
+    for start in inners + sorted(edges_read):
+        placer.release_in_place(0, start)
+    assert placer.placed_bytes == 0
+    assert _resident_pages(address + lo, hi - lo) == 0, "given back: no page of the arena stays resident"
+    assert _areas_within(address, address + len(data)) == areas
+
+    placer.close()  # the file is mapped back over the arena, through the mapping's own open file
+    assert len(_mapped_ranges(path)) == 1
+    assert ctypes.string_at(address, len(data)) == data
+
+
 def test_pool_buffers_are_reused_and_a_spent_pool_says_so(mapped_file):
     path, data, address, placer = mapped_file
     pieces = [(s, n) for s, n, p in split_pieces(0, len(data), PAGE) if p]

@@ -3,6 +3,7 @@ match plain llama.cpp, the heatmap carries over to the next run."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
             original(layer, ids)
 
         streamer.on_experts = spy
+        if streamer.placer is not None and streamer.placer.direct:
+            assert streamer.placer.reads_in_place, "slices of tens of KiB are read into the arena"
         reads: list = []
         streamer.on_read = lambda unit, offset, length, start, seconds: reads.append((unit, offset, length))
         assert run(engine) == expected
@@ -109,6 +112,84 @@ def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookah
         # Each test has a fresh cache dir: every routing decision was counted once, as a hit or a miss.
         assert x.hits + x.misses == sum(sum(row) for row in x.counts)
         assert x.misses >= len(expert_reads)
+    finally:
+        engine.close()
+
+
+def test_the_arena_is_the_routed_slices_whole_pages_less_the_pinned_ones(moe_model, monkeypatch):
+    from kimitui.engine import streaming
+
+    model = load_model_map(moe_model)
+    page = os.sysconf("SC_PAGE_SIZE")
+    moe_layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
+    hot = [ExpertUnit(moe_layer, 3, tuple(model.expert_ranges(moe_layer, 3)))]
+    segments = streaming.arena_segments(model, hot, page)
+    spans = [(file, lo, hi) for file, pairs in segments.items() for lo, hi in pairs]
+    assert spans
+    routed = [s for s in model.shards if s.routed]
+    for file, lo, hi in spans:
+        assert lo % page == 0 and hi % page == 0 and hi > lo
+        # inside one run of routed shards: no trunk byte ever lies in the arena
+        assert all(any(s.file == file and s.offset <= at < s.offset + s.length for s in routed) for at in range(lo, hi, page))
+    held = [(r.file, r.offset // page * page, -(-r.end // page) * page) for r in hot[0].ranges]
+    for file, lo, hi in held:
+        assert not any(f == file and a < hi and lo < b for f, a, b in spans), "a pinned expert's pages are not the arena's"
+    # every other slice's own whole pages are in it
+    for e in (0, 1, 5):
+        for r in model.expert_ranges(moe_layer, e):
+            inner = (-(-r.offset // page) * page + page, r.end // page * page - page)
+            if inner[1] > inner[0]:
+                assert any(f == r.file and a <= inner[0] and inner[1] <= b for f, a, b in spans)
+    # Slices of a huge page or more keep a mapping each (huge pages): no arena.
+    monkeypatch.setattr(streaming, "HUGE_ALIGN", 4096)
+    assert streaming.arena_segments(model, hot, page) == {}
+
+
+def test_a_slice_whose_end_page_another_read_brings_waits_for_that_read(moe_model, monkeypatch):
+    """In the arena a shared end page reads as zeros until the read that holds it lands: the
+    neighbour read after it, even when its own read is done first, is not handed over before."""
+    import threading
+    import time
+
+    engine = expert_engine(moe_model)
+    try:
+        streamer = engine.streamer
+        placer = streamer.placer
+        if placer is None or not placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        model = load_model_map(moe_model)
+        page = os.sysconf("SC_PAGE_SIZE")
+        layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
+        first = next(
+            e for e in range(model.n_expert - 1)
+            if model.expert_ranges(layer, e)[0].end % page and model.expert_ranges(layer, e)[0].end // page == model.expert_ranges(layer, e + 1)[0].offset // page
+        )
+        a = ExpertUnit(layer, first, (model.expert_ranges(layer, first)[0],))
+        b = ExpertUnit(layer, first + 1, (model.expert_ranges(layer, first + 1)[0],))
+        shared = a.ranges[0].end // page * page
+        release = threading.Event()
+        read = placer._read
+
+        def slow_for_a(file, views, offset):
+            if offset <= shared < offset + sum(len(v) for v in views) and offset < a.ranges[0].end:
+                release.wait(10)  # a's read, which brings the shared page
+            return read(file, views, offset)
+
+        monkeypatch.setattr(placer, "_read", slow_for_a)
+        (a_reads,) = streamer._read_experts([a])
+        (b_reads,) = streamer._read_experts([b])
+        time.sleep(0.3)
+        assert not all(f.done() for f in b_reads), "b's own read is done, but the page it shares with a is not"
+        release.set()
+        for f in a_reads + b_reads:
+            f.result(timeout=10)
+        address = engine.mappings[0].address
+        with open(moe_model, "rb") as f:
+            f.seek(shared)
+            assert ctypes.string_at(address + shared, page) == f.read(page)
+        for unit in (a, b):
+            for r in unit.ranges:
+                streamer._release_expert(r)
     finally:
         engine.close()
 

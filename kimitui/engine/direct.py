@@ -28,6 +28,16 @@ at a slice before its read is done. Its end pages, shared with the neighbouring 
 the same read into memory of their own and are moved into place after it, so a page a
 neighbour may be using never reads as zeros. Releasing maps the file there again.
 
+Where slices are small (under a huge page: the MoE models a phone runs well, whose experts are
+tens of KiB), those mapping calls were most of a prompt's time: two or three per slice and one
+per release, each holding the process's mappings lock against the others and each making every
+CPU flush its TLB. There the routed tensors' whole pages become one *arena* of anonymous memory
+when streaming starts (``make_arena``): a slice is read straight into its place, shared end
+pages too (a page a neighbour holds is not read again, and a neighbour that finds a page held
+waits for the read that brings it), and given back with MADV_DONTNEED. Unplaced experts read as
+zeros there, which no one sees: compute reads only routed experts, and only after their reads.
+Huge pages stay off in the arena (a fault would zero 2 MiB around a 30 KiB slice).
+
 Where the file system refuses O_DIRECT (tmpfs, some FUSE mounts) the same placer reads through
 an ordinary descriptor and drops the page-cache copy after each read (POSIX_FADV_DONTNEED; on
 tmpfs the cache is the file itself and stays): one more copy than a direct read, but the bytes
@@ -40,6 +50,7 @@ F_NOCACHE and mach_vm_remap.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
@@ -55,6 +66,7 @@ MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23
 MAP_FIXED_NOREPLACE = 0x100000
+MAP_NORESERVE = 0x4000
 
 
 class Libc:
@@ -152,6 +164,17 @@ class PlacedParts:
         with self._lock:
             return (file, offset) in self._placed or (file, offset) in self._parked
 
+    def make_arena(self, segments: dict[int, list[tuple[int, int]]]) -> bool:
+        """Anonymous memory over ``segments`` (file -> [(lo, hi)], whole pages), slices read
+        into it in place: False where this placer cannot (it keeps mapping each slice)."""
+        return False
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether a shared end page reads as zeros until its read lands (the arena), so a
+        slice that finds it held must wait for that read."""
+        return False
+
     def park(self, file: int, offset: int) -> bool:
         """Keep a part read in place while its slot is taken over (the bounded layout): False
         where this placer cannot, and the caller gives it back instead."""
@@ -235,6 +258,8 @@ class DirectPlacer(PlacedParts):
         self._moves = threading.Lock()
         self._scratch: int | None = None  # where gaps are read to (below)
         self._paths = paths
+        # file -> (sorted starts, ends) of the arena's segments (see make_arena)
+        self._arena: dict[int, tuple[list[int], list[int]]] = {}
         try:
             for i, path in enumerate(paths):
                 try:
@@ -419,6 +444,99 @@ class DirectPlacer(PlacedParts):
             bufs = self._free[True] + self._free[False] + [entry[0] for entry in self._placed.values() if entry[0]]
         return [(buf, buf + PIECE_BYTES) for buf in bufs]
 
+    # -- the arena ---------------------------------------------------------------------------
+
+    def make_arena(self, segments: dict[int, list[tuple[int, int]]]) -> bool:
+        """Map anonymous memory over each segment (file offsets, whole pages no one has placed
+        anything in yet); where a call fails, the file goes back over what was done, and False."""
+        c = self._libc
+        done: list[tuple[int, int, int]] = []
+        for file, spans in segments.items():
+            for lo, hi in spans:
+                at = self.space.at(file, lo)
+                if c.mmap(at, hi - lo, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) != at:
+                    err = ctypes.get_errno()
+                    for f, a, b in done:
+                        self._map_file(f, a, b - a)
+                    self._refill(file, lo, hi - lo, err)
+                    return False
+                c.madvise(at, hi - lo, MADV_NOHUGEPAGE)  # even where THP is "always"
+                done.append((file, lo, hi))
+        for file in segments:
+            spans = sorted(segments[file])
+            self._arena[file] = ([lo for lo, _ in spans], [hi for _, hi in spans])
+        return bool(done)
+
+    @property
+    def reads_in_place(self) -> bool:
+        return bool(self._arena)
+
+    def _in_arena(self, file: int, lo: int, hi: int) -> bool:
+        spans = self._arena.get(file)
+        if spans is None:
+            return False
+        i = bisect.bisect_right(spans[0], lo) - 1
+        return i >= 0 and hi <= spans[1][i]
+
+    def _read_in_arena(self, file: int, offset: int, length: int, inners, edges) -> int | None:
+        """``place_slice`` where the slices' own pages lie in the arena: one read straight into
+        place, with no mapping call, but for a shared end page outside it (next to a trunk
+        tensor), which is read into a page of its own and moved in after, as ``copy_in`` does."""
+        c, page = self._libc, self.page
+        base = self.space.at(file, offset) - offset
+        buffers: dict[int, int] = {}
+        in_place = [(start, size) for start, size in inners]
+        for edge in edges:
+            if self._in_arena(file, edge, edge + page):
+                in_place.append((edge, page))
+            else:
+                buf = c.mmap(None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                if buf in (None, MAP_FAILED):
+                    err = ctypes.get_errno()
+                    for b in buffers.values():
+                        c.munmap(b, page)
+                    raise OSError(err, f"mmap: {os.strerror(err)}")
+                buffers[edge] = buf
+
+        def undo() -> None:  # nothing half-read stays resident
+            for b in buffers.values():
+                c.munmap(b, page)
+            for start, size in in_place:
+                c.madvise(base + start, size, MADV_DONTNEED)
+
+        gaps = read_gaps(offset, length, inners, edges, page)
+        if any(size > self.gap_bytes for _, size in gaps):
+            raise ValueError(f"a read of {length} bytes at {offset} has a gap wider than {self.gap_bytes}")
+        pieces = sorted(
+            [(start, base + start, size) for start, size in in_place]
+            + [(edge, buf, page) for edge, buf in buffers.items()]
+            + [(start, self._scratch, size) for start, size in gaps]
+        )
+        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
+        try:
+            got = self._read(file, views, offset)
+        except OSError:
+            undo()
+            raise
+        if not self._complete(file, offset, got, length):
+            undo()
+            return got
+        with self._moves:
+            for edge, buf in list(buffers.items()):
+                if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
+                    err = ctypes.get_errno()
+                    del buffers[edge]
+                    c.munmap(buf, page)
+                    self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
+                    undo()
+                    raise OSError(err, f"mremap: {os.strerror(err)}")
+            with self._lock:
+                for start, size in in_place:
+                    self._placed[(file, start)] = (0, 0, size, False)
+                for edge in buffers:
+                    self._placed[(file, edge)] = (0, 0, page, False)
+        return length
+
     # -- placing and releasing -------------------------------------------------------------
 
     def place(self, file: int, offset: int, length: int) -> int | None:
@@ -475,6 +593,8 @@ class DirectPlacer(PlacedParts):
         step each (as ``copy_in``), so a shared page never reads as zeros. One request for all
         of them. Returns the bytes read, or None where the caller must read through the page
         cache (no mapping to be had)."""
+        if self._arena and all(self._in_arena(file, start, start + size) for start, size in inners):
+            return self._read_in_arena(file, offset, length, inners, edges)
         c, page = self._libc, self.page
         base = self.space.at(file, offset) - offset  # the slices lie in one run of their layer: offsets map linearly
         gaps = read_gaps(offset, length, inners, edges, page)  # read into scratch memory
@@ -675,6 +795,13 @@ class DirectPlacer(PlacedParts):
         if entry is None:
             return
         buf, at, length, whole = entry
+        if buf == 0 and self._in_arena(file, offset, offset + length):  # its pages are freed, the arena stays
+            if self._libc.madvise(self.space.at(file, offset), length, MADV_DONTNEED) != 0:
+                err = ctypes.get_errno()
+                with self._lock:
+                    self._placed[(file, offset)] = entry
+                raise OSError(err, f"madvise(MADV_DONTNEED) of {length} bytes: {os.strerror(err)}")
+            return
         if buf == 0:  # read in place: the file goes back over its pages, which the kernel frees
             try:
                 self._map_file(file, offset, length)
@@ -736,6 +863,13 @@ class DirectPlacer(PlacedParts):
                 self._unplace(file, offset)
             except OSError:
                 pass
+        arena, self._arena = self._arena, {}
+        for file, (starts, ends) in arena.items():  # the mapping is the file's again
+            for lo, hi in zip(starts, ends):
+                try:
+                    self._map_file(file, lo, hi - lo)
+                except OSError:
+                    pass
         with self._lock:
             free = self._free[True] + self._free[False]
             for kind in self._free.values():

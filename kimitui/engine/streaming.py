@@ -35,16 +35,67 @@ from kimitui.engine.direct import read_gaps, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
 from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.placers import make_placer
-from kimitui.engine.platform import PlatformIO
+from kimitui.engine.platform import HUGE_ALIGN, PlatformIO
 from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.engine.trimming import SOFTMAX_WEIGHTED_ARCHS, RouteTrimmer
-from kimitui.model.gguf_map import ModelMap, Shard
+from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
 COPY_IN = "copy in"  # a piece read into memory of its own and moved into place in one step
 SLICE = "slice"  # an expert slice: its own pages read into place, its shared end pages copied in
 MERGED_READ_BYTES = 8 * 2**20  # the most one request of neighbouring expert slices reads
 MERGED_READ_PIECES = 512  # and the most buffers it fills (preadv takes at most IOV_MAX, 1024)
+
+
+def arena_segments(model: ModelMap, hot: list[ExpertUnit], page: int) -> dict[int, list[tuple[int, int]]]:
+    """The whole pages only streamed expert slices use, as (lo, hi) file offsets per file: each
+    run of a layer's routed shards less its pages shared with trunk tensors, and less the
+    pinned hot experts' pages. Empty where a slice is a huge page or more: each slice mapped on
+    its own then gets huge pages, and its mapping calls are few against its bytes."""
+    routed = [t for t in model.tensors if t.role == ROUTED_EXPERTS]
+    if not routed or max(t.n_bytes // max(t.n_expert, 1) for t in routed) >= HUGE_ALIGN:
+        return {}
+    runs: list[list[int]] = []  # [file, start, end]
+    for shard in sorted((s for s in model.shards if s.routed), key=lambda s: (s.file, s.offset)):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == shard.file and shard.offset - last[2] <= model.alignment:
+            last[2] = shard.offset + shard.length
+        else:
+            runs.append([shard.file, shard.offset, shard.offset + shard.length])
+    held: dict[int, list[tuple[int, int]]] = {}
+    for unit in hot:
+        for r in unit.ranges:
+            held.setdefault(r.file, []).append((r.offset // page * page, -(-r.end // page) * page))
+    out: dict[int, list[tuple[int, int]]] = {}
+    for file, start, end in runs:
+        at, stop = -(-start // page) * page, end // page * page
+        for lo, hi in sorted(held.get(file, [])):
+            if hi <= at or lo >= stop:
+                continue
+            if lo > at:
+                out.setdefault(file, []).append((at, lo))
+            at = max(at, hi)
+        if stop > at:
+            out.setdefault(file, []).append((at, stop))
+    return out
+
+
+def _follower(future: Future) -> Future:
+    """A future that ends as ``future`` does and that cancelling leaves alone: a slice waiting
+    for a neighbour's read must not cancel it when it is itself evicted."""
+    follower: Future = Future()
+    follower.set_running_or_notify_cancel()
+
+    def done(source: Future) -> None:
+        if source.cancelled():  # only a shard's reads are cancelled, never one a follower follows
+            follower.set_exception(OSError("a read was cancelled"))
+        elif source.exception() is not None:
+            follower.set_exception(source.exception())
+        else:
+            follower.set_result(source.result())
+
+    future.add_done_callback(done)
+    return follower
 
 
 class Residency(enum.Enum):
@@ -242,6 +293,9 @@ class Streamer:
         self._retired_pools: list[ThreadPoolExecutor] = []  # replaced by a live I/O-threads change
         self.predictor: RouterPredictor | None = None
         self._edge_refs: dict[tuple[int, int], int] = {}  # (file, page) -> slices holding a shared end page
+        # (file, page) -> the read bringing a shared end page, where it reads as zeros until then
+        # (the placer's arena): a slice that finds the page held waits for it too.
+        self._edge_reads: dict[tuple[int, int], Future] = {}
         self._blanked: list[tuple] = []  # (file, offset, length[, address]) shielded as zeros, see _shield
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
@@ -438,10 +492,13 @@ class Streamer:
         if expert and len(pieces) > 1 and self.on_read is not None:
             whole = _WholeRead(pieces[0][1], sum(p[2] for p in pieces), len(pieces))
         room = self._dropper.mark()  # the releases that made room for these reads
-        return [
-            (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed, room)
-            for file, start, length, placed in pieces
-        ]
+        futures = []
+        for file, start, length, placed in pieces:
+            future = (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed, room)
+            futures.append(future)
+            if expert and placed:
+                self._reading_edges(file, placed[2], future)
+        return self._handed(futures, ranges) if expert else futures
 
     def _read_experts(self, units: list[ExpertUnit]) -> list[list[Future]]:
         """A layer's missed experts, read into place: their slices' pieces in file order, and
@@ -486,9 +543,33 @@ class Streamer:
         for file, start, length, inners, edges, owners, _gaps in runs:
             unit = units[min(owners)]  # named in messages and the trace
             future = self._pool.submit(self._read_chunk, unit, file, start, length, None, (SLICE, inners, edges), room)
+            self._reading_edges(file, edges, future)
             for index in owners:
                 futures[index].append(future)
-        return futures
+        return [self._handed(unit_futures, unit.ranges) for unit_futures, unit in zip(futures, units)]
+
+    def _reading_edges(self, file: int, edges: list[int], future: Future) -> None:
+        """``future`` brings the shared end pages ``edges`` (see ``_handed``)."""
+        if edges and self.placer.reads_in_place:
+            with self._lock:
+                for edge in edges:
+                    self._edge_reads[(file, edge)] = future
+
+    def _handed(self, futures: list[Future], ranges) -> list[Future]:
+        """What the expert cache waits on for a slice read: ``futures``, and where a shared end
+        page reads as zeros until its read lands (the placer's arena), the reads still bringing
+        the ones another slice's read holds. Each as a follower there: the cache cancels the
+        reads of an expert it evicts, and a read that brings a page others wait for must run."""
+        if self.placer is None or not self.placer.reads_in_place:
+            return futures
+        waits = list(futures)
+        with self._lock:
+            for r in ranges:
+                for edge in self._slice_pages(r)[2]:
+                    future = self._edge_reads.get((r.file, edge))
+                    if future is not None and not future.done() and future not in waits:
+                        waits.append(future)
+        return [_follower(future) for future in waits]
 
     def fail(self, message: str) -> None:
         """Stop the token: the abort callback ends it, the reply ends with ``message``."""
@@ -572,6 +653,7 @@ class Streamer:
                     self._edge_refs[(r.file, edge)] = left
                 else:
                     self._edge_refs.pop((r.file, edge), None)
+                    self._edge_reads.pop((r.file, edge), None)
                     out.append((edge, page))
         return out
 
@@ -589,8 +671,8 @@ class Streamer:
     def _expert_pieces(self, r) -> list[tuple]:
         """The slice's pages not already held, as one read: its own whole pages into place, each
         shared end page no one holds yet copied in (a shared page must never read as zeros: a
-        neighbour's read that found it held does not wait for this one, and reads the file's
-        page meanwhile)."""
+        neighbour's read that found it held reads the file's page meanwhile, or, in the
+        placer's arena, waits for this read)."""
         page = self.io.page
         lo, hi, shared = self._slice_pages(r)
         fresh = self._take_edges(r)
@@ -886,6 +968,8 @@ class Streamer:
         for unit in pinned:  # locked in anonymous memory by the pin: never read here, never given back
             for r in unit.ranges:
                 self._take_edges(r)
+        if self.placer is not None and not self.space.bounded:
+            self.placer.make_arena(arena_segments(self.model, pinned, self.io.page))
 
         def read_unit(unit: ExpertUnit, pool: ThreadPoolExecutor | None = None) -> list[Future]:
             # A release still queued for it runs first (the new read waits for it), so what
