@@ -10,6 +10,7 @@ RAM, and libSystem says how far off it is (``os_proc_available_memory``, iOS 13 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 from pathlib import Path
@@ -308,3 +309,23 @@ def cap_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return mallopt(_M_ARENA_MAX, arenas) == 1
+
+
+# Python's default: a young-generation collection every 700 new container objects.
+YOUNG_COLLECTION_EVERY = 20_000
+
+
+def settle_collector() -> None:
+    """Keep Python's cyclic garbage collector off a streamed model's critical path.
+
+    A streamed prompt makes and drops tens of thousands of small objects (reads, their futures,
+    expert units) while compute waits on the eval callback, and each collection holds the GIL
+    the I/O threads need. At the default rate (one every 700 new objects, the older generations
+    walking the model's map too) collections took 11% of the CPU of a 128-token prompt on the
+    README's MoE example; collecting the young generation every 20,000 objects took that prompt
+    from 2.51-2.75 s to 2.10-2.41 s (in process, three alternating pairs). Freezing what the load
+    made out of collections as well gained little more, and would keep whatever a re-pin leaves
+    behind uncollected."""
+    young, middle, old = gc.get_threshold()
+    if young:  # 0: collection was turned off
+        gc.set_threshold(max(young, YOUNG_COLLECTION_EVERY), middle, old)

@@ -27,7 +27,7 @@ from kimitui.engine.addressing import StoreTooLarge
 from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.pinning import PinnedSet
 from kimitui.engine.tuning import PendingTuning, schedule
-from kimitui.engine.memory import cap_malloc_arenas
+from kimitui.engine.memory import cap_malloc_arenas, settle_collector
 from kimitui.engine.metrics import DutyLimited, EngineMetrics
 from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.engine.turns import TurnQueue
@@ -784,6 +784,7 @@ class Engine:
         self.metrics.residency_source = streamer.residency_by_layer
         self.metrics.new_streamer()
         self.streamer = streamer  # complete, experts attached, before the eval callback sees it
+        settle_collector()
         self.set_tracer(self.tracer)
 
     def _memory_plan(self, model):
