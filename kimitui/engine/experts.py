@@ -138,11 +138,14 @@ class ExpertCache:
         policy: str = "lfu",
         read_ahead: Callable[[ExpertUnit], list[Future]] | None = None,
         read_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
+        cancel_reads: bool = True,
     ) -> None:
         """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
         look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
         ``read_units`` reads a layer's misses together, neighbours in the file as one request
-        (default: ``read_unit`` each)."""
+        (default: ``read_unit`` each). ``cancel_reads``: an expert evicted before its read
+        started has that read cancelled (not where one read may bring pages other experts
+        wait for)."""
         self.model = model
         self.capacity = capacity
         self.pinned = {(u.layer, u.expert) for u in pinned}
@@ -151,6 +154,7 @@ class ExpertCache:
         self._read_ahead = read_ahead or read_unit
         self._read_units = read_units or (lambda units: [read_unit(unit) for unit in units])
         self._drop_unit = drop_unit
+        self._cancel_reads = cancel_reads
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
         self.policy: ExpertPolicy = make_policy(policy, self._resident, counts)
         self._resident_bytes = 0
@@ -213,12 +217,11 @@ class ExpertCache:
             self._resident_bytes -= evicted.footprint
         return self._resident_bytes + length <= self.capacity
 
-    @staticmethod
-    def _settle(futures: list[Future] | None) -> None:
+    def _settle(self, futures: list[Future] | None) -> None:
         """An expert read ahead is evicted before its read landed: cancel what has not started and
         wait for the rest, so that its release cannot run before its pages arrive (they would
         stay in memory, uncounted)."""
-        for f in futures or ():
+        for f in futures or () if self._cancel_reads else ():
             f.cancel()
         for f in futures or ():
             if not f.cancelled():

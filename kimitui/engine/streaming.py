@@ -80,24 +80,6 @@ def arena_segments(model: ModelMap, hot: list[ExpertUnit], page: int) -> dict[in
     return out
 
 
-def _follower(future: Future) -> Future:
-    """A future that ends as ``future`` does and that cancelling leaves alone: a slice waiting
-    for a neighbour's read must not cancel it when it is itself evicted."""
-    follower: Future = Future()
-    follower.set_running_or_notify_cancel()
-
-    def done(source: Future) -> None:
-        if source.cancelled():  # only a shard's reads are cancelled, never one a follower follows
-            follower.set_exception(OSError("a read was cancelled"))
-        elif source.exception() is not None:
-            follower.set_exception(source.exception())
-        else:
-            follower.set_result(source.result())
-
-    future.add_done_callback(done)
-    return follower
-
-
 class Residency(enum.Enum):
     COLD = "cold"
     INFLIGHT = "in flight"
@@ -558,8 +540,8 @@ class Streamer:
     def _handed(self, futures: list[Future], ranges) -> list[Future]:
         """What the expert cache waits on for a slice read: ``futures``, and where a shared end
         page reads as zeros until its read lands (the placer's arena), the reads still bringing
-        the ones another slice's read holds. Each as a follower there: the cache cancels the
-        reads of an expert it evicts, and a read that brings a page others wait for must run."""
+        the ones another slice's read holds. (The cache then never cancels a read: one may
+        bring a page others wait for.)"""
         if self.placer is None or not self.placer.reads_in_place:
             return futures
         waits = list(futures)
@@ -569,7 +551,7 @@ class Streamer:
                     future = self._edge_reads.get((r.file, edge))
                     if future is not None and not future.done() and future not in waits:
                         waits.append(future)
-        return [_follower(future) for future in waits]
+        return waits
 
     def fail(self, message: str) -> None:
         """Stop the token: the abort callback ends it, the reply ends with ``message``."""
@@ -983,6 +965,7 @@ class Streamer:
             self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy,
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
             read_units=self._read_experts if self.placer is not None else None,
+            cancel_reads=self.placer is None or not self.placer.reads_in_place,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
