@@ -380,6 +380,49 @@ def prefill_expert_reads(engine: Engine) -> list[tuple[int, int, int]]:
     return [(u.file, offset, length) for u, offset, length in reads if isinstance(u, ExpertUnit)]
 
 
+def test_a_prompts_experts_are_waited_for_matrix_by_matrix_and_stay_cached(moe_model):
+    """Where a layer's misses fit the cache, a prompt reads them whole but waits for each routed
+    matrix just before its node (the gate computes while up and down arrive): every matrix is
+    asked for, the experts stay cached as in decode, and the greedy tokens are stock's."""
+    stock = Engine(moe_model, n_ctx=256, fast_load=False)
+    stock.load()
+    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+    list(gen)
+    expected = gen.result.text
+    stock.close()
+
+    engine = expert_engine(moe_model, budget_mib=150)
+    try:
+        cache = engine.streamer.experts
+        deferred: dict[int, set[int]] = {}
+        asked: dict[int, set[int]] = {}
+        real_defer, real_stage_matrix = cache._defer, cache.stage_matrix
+
+        def defer(layer, missed):
+            real_defer(layer, missed)
+            deferred[layer] = set(cache._deferred.by_matrix)
+
+        def stage_matrix(name):
+            layer = cache._deferred.layer if cache._deferred is not None else None
+            waited = real_stage_matrix(name)
+            if waited is not None and layer is not None:
+                asked.setdefault(layer, set()).add(cache._matrix_of(layer, name))
+            return waited
+
+        cache._defer, cache.stage_matrix = defer, stage_matrix
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+        list(gen)
+        assert gen.result.text == expected
+        model = load_model_map(moe_model)
+        moe_layers = [i for i, info in enumerate(model.layers) if info.is_moe]
+        assert set(deferred) == set(moe_layers), "each MoE layer of the prompt missed experts, waited for by matrix"
+        assert asked == deferred, "every matrix's node waited for its own reads"
+        assert cache.staged_layers == 0
+        assert {key for key in cache.prefill_seen} & cache.resident_keys(), "read whole: cached as usual"
+    finally:
+        engine.close()
+
+
 def test_prefill_reads_each_routed_expert_once_when_a_layer_fits(moe_model):
     """A budget whose expert cache holds a whole layer's experts prefills a 40-token prompt as
     one batch: each expert its tokens route to is read once for the prompt, not once per token."""
