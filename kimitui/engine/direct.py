@@ -448,24 +448,24 @@ class DirectPlacer(PlacedParts):
 
     def make_arena(self, segments: dict[int, list[tuple[int, int]]]) -> bool:
         """Map anonymous memory over each segment (file offsets, whole pages no one has placed
-        anything in yet); where a call fails, the file goes back over what was done, and False."""
+        anything in yet). Where a call fails, that segment stays the file's and the ones done
+        are the arena (each slice is placed by whichever way its pages lie); False then."""
         c = self._libc
-        done: list[tuple[int, int, int]] = []
+        done: dict[int, list[tuple[int, int]]] = {}
+        whole = True
         for file, spans in segments.items():
             for lo, hi in spans:
                 at = self.space.at(file, lo)
                 if c.mmap(at, hi - lo, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) != at:
-                    err = ctypes.get_errno()
-                    for f, a, b in done:
-                        self._map_file(f, a, b - a)
-                    self._refill(file, lo, hi - lo, err)
-                    return False
+                    self._refill(file, lo, hi - lo, ctypes.get_errno())  # the kernel may have unmapped it first
+                    whole = False
+                    continue
                 c.madvise(at, hi - lo, MADV_NOHUGEPAGE)  # even where THP is "always"
-                done.append((file, lo, hi))
-        for file in segments:
-            spans = sorted(segments[file])
+                done.setdefault(file, []).append((lo, hi))
+        for file, spans in done.items():
+            spans.sort()
             self._arena[file] = ([lo for lo, _ in spans], [hi for _, hi in spans])
-        return bool(done)
+        return whole and bool(done)
 
     @property
     def reads_in_place(self) -> bool:
@@ -521,20 +521,21 @@ class DirectPlacer(PlacedParts):
         if not self._complete(file, offset, got, length):
             undo()
             return got
-        with self._moves:
-            for edge, buf in list(buffers.items()):
-                if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
-                    err = ctypes.get_errno()
+        if buffers:
+            with self._moves:
+                for edge, buf in list(buffers.items()):
                     del buffers[edge]
-                    c.munmap(buf, page)
-                    self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
-                    undo()
-                    raise OSError(err, f"mremap: {os.strerror(err)}")
-            with self._lock:
-                for start, size in in_place:
-                    self._placed[(file, start)] = (0, 0, size, False)
-                for edge in buffers:
-                    self._placed[(file, edge)] = (0, 0, page, False)
+                    if c.mremap(buf, page, page, MREMAP_MAYMOVE | MREMAP_FIXED, base + edge) != base + edge:
+                        err = ctypes.get_errno()
+                        c.munmap(buf, page)
+                        self._refill(file, edge, page, err)  # the kernel may have unmapped the target first
+                        undo()
+                        raise OSError(err, f"mremap: {os.strerror(err)}")
+                    with self._lock:  # in place, the file's bytes: given back as any placed page
+                        self._placed[(file, edge)] = (0, 0, page, False)
+        with self._lock:
+            for start, size in in_place:
+                self._placed[(file, start)] = (0, 0, size, False)
         return length
 
     # -- placing and releasing -------------------------------------------------------------

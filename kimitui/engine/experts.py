@@ -231,9 +231,9 @@ class ExpertCache:
         return self._resident_bytes + length <= self.capacity
 
     def _settle(self, futures: list[Future] | None) -> None:
-        """An expert read ahead is evicted before its read landed: cancel what has not started and
-        wait for the rest, so that its release cannot run before its pages arrive (they would
-        stay in memory, uncounted)."""
+        """An expert read ahead is evicted before its read landed: cancel what has not started
+        (where reads may be cancelled, see ``cancel_reads``) and wait for the rest, so that its
+        release cannot run before its pages arrive (they would stay in memory, uncounted)."""
         for f in futures or () if self._cancel_reads else ():
             f.cancel()
         for f in futures or ():
@@ -348,14 +348,12 @@ class ExpertCache:
         uncached, read again when next routed). ``strict``: a matrix never asked for means
         llama.cpp computed it without waiting for its reads: the token stops."""
         deferred, self._deferred = self._deferred, None
-        failed = False
         for unit, futures in deferred.reads:
             self._settle(futures)
             if any(f.cancelled() or f.exception() is not None for f in futures):
                 self._forget((unit.layer, unit.expert))
-                failed = True
         missing = len(deferred.by_matrix) - len(deferred.asked)
-        if strict and missing and not failed:
+        if strict and missing:
             raise StagingError(
                 f"layer {deferred.layer}: llama.cpp computed the routed experts without asking for "
                 f"{missing} of their matrices (unsupported llama.cpp build?)"

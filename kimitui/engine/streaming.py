@@ -49,19 +49,22 @@ MERGED_READ_PIECES = 512  # and the most buffers it fills (preadv takes at most 
 
 def arena_segments(model: ModelMap, hot: list[ExpertUnit], page: int) -> dict[int, list[tuple[int, int]]]:
     """The whole pages only streamed expert slices use, as (lo, hi) file offsets per file: each
-    run of a layer's routed shards less its pages shared with trunk tensors, and less the
+    run of routed tensors less its pages shared with other tensors, and less the
     pinned hot experts' pages. Empty where a slice is a huge page or more: each slice mapped on
     its own then gets huge pages, and its mapping calls are few against its bytes."""
     routed = [t for t in model.tensors if t.role == ROUTED_EXPERTS]
     if not routed or max(t.n_bytes // max(t.n_expert, 1) for t in routed) >= HUGE_ALIGN:
         return {}
-    runs: list[list[int]] = []  # [file, start, end]
-    for shard in sorted((s for s in model.shards if s.routed), key=lambda s: (s.file, s.offset)):
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == shard.file and shard.offset - last[2] <= model.alignment:
-            last[2] = shard.offset + shard.length
+    runs: list[list[int]] = []  # [file, start, end]: routed tensors with no other tensor between
+    follows = False
+    for t in sorted(model.tensors, key=lambda t: (t.file, t.offset)):
+        if t.role != ROUTED_EXPERTS:
+            follows = False
+        elif follows and runs[-1][0] == t.file:
+            runs[-1][2] = t.offset + t.n_bytes
         else:
-            runs.append([shard.file, shard.offset, shard.offset + shard.length])
+            runs.append([t.file, t.offset, t.offset + t.n_bytes])
+            follows = True
     held: dict[int, list[tuple[int, int]]] = {}
     for unit in hot:
         for r in unit.ranges:
@@ -617,10 +620,17 @@ class Streamer:
             return []
         lo, hi, shared = self._slice_pages(r)
         with self._lock:
-            fresh = [edge for edge in shared if self._edge_refs.get((r.file, edge), 0) == 0]
+            fresh = [edge for edge in shared if self._edge_refs.get((r.file, edge), 0) == 0 or self._edge_read_failed(r.file, edge)]
             for edge in shared:
                 self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
         return fresh
+
+    def _edge_read_failed(self, file: int, edge: int) -> bool:
+        """Whether the read that was to bring a held end page failed (its slice is then read
+        again, or forgotten): in the arena the page is not there, and whoever needs it next
+        reads it. Caller holds the lock."""
+        future = self._edge_reads.get((file, edge))
+        return future is not None and future.done() and (future.cancelled() or future.exception() is not None)
 
     def _give_back_edges(self, r) -> list[tuple[int, int]]:
         """Stop holding ``r``'s shared end pages; the ones no one holds any more, to be given back."""
