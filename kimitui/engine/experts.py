@@ -92,6 +92,7 @@ class _Deferred:
     reads: list[tuple[ExpertUnit, list[Future]]]  # each missed expert, with all its reads
     by_matrix: dict[int, list[Future]]  # matrix -> the reads its node waits for
     asked: set[int] = field(default_factory=set)
+    failed: bool = False  # a wait raised
 
 
 def heatmap_path(model: ModelMap, cache_dir: Path) -> Path:
@@ -348,7 +349,10 @@ class ExpertCache:
         uncached, read again when next routed). ``strict``: a matrix never asked for means
         llama.cpp computed it without waiting for its reads: the token stops."""
         deferred, self._deferred = self._deferred, None
-        for unit, futures in deferred.reads:
+        # Every matrix waited for without an error: every read landed (a layer's reads are its
+        # matrices' reads). Otherwise each expert's are settled, and one that failed forgotten.
+        landed = deferred.asked == set(deferred.by_matrix) and not deferred.failed
+        for unit, futures in () if landed else deferred.reads:
             self._settle(futures)
             if any(f.cancelled() or f.exception() is not None for f in futures):
                 self._forget((unit.layer, unit.expert))
@@ -505,6 +509,7 @@ class ExpertCache:
                 for f in deferred.by_matrix.get(matrix, ()):
                     f.result()  # a failed read raises here, before the matmul runs
             except BaseException:
+                deferred.failed = True
                 self._end_deferred(strict=False)
                 raise
             return time.perf_counter() - started

@@ -327,9 +327,7 @@ class Streamer:
     def _hold_pinned_edges(self, pinned: set[int]) -> None:
         """Pinned pages are locked in place (anonymous, see Engine.pin): the end pages a pinned
         shard shares are held for good, so a neighbour never reads over them."""
-        for shard in self.model.shards:
-            if shard.index in pinned:
-                self._take_edges(shard.range)
+        self._take_edges([shard.range for shard in self.model.shards if shard.index in pinned])
 
     # -- sizes --------------------------------------------------------------------------
 
@@ -457,7 +455,7 @@ class Streamer:
         left them held already)."""
         expert = isinstance(unit, ExpertUnit)
         if self.placer is not None and expert:
-            pieces = [piece for r in ranges for piece in self._expert_pieces(r)]
+            pieces = [piece for piece in self._expert_pieces(ranges) if piece is not None]
         elif self.placer is not None:
             page = self.placer.page
             pieces = []
@@ -465,7 +463,7 @@ class Streamer:
                 for start, length, whole_pages in split_pieces(r.offset, r.end, page):
                     if whole_pages:
                         pieces.append((r.file, start, length, True))
-                for edge in self._take_edges(r) if hold else ():
+                for edge in self._take_edges([r])[0] if hold else ():
                     pieces.append((r.file, edge, page, COPY_IN))
         else:
             pieces = [
@@ -483,7 +481,7 @@ class Streamer:
             futures.append(future)
             if expert and placed:
                 self._reading_edges(file, placed[2], future)
-        return self._handed(futures, ranges) if expert else futures
+        return self._handed([futures], [ranges])[0] if expert else futures
 
     def _read_experts(self, units: list[ExpertUnit]) -> list[list[Future]]:
         """A layer's missed experts, read into place: their slices' pieces in file order, and
@@ -493,8 +491,9 @@ class Streamer:
         sequential rate, that is most of a long prompt's expert reads; where the placer can,
         a short gap between two such pieces is read through too (``gap_bytes``). Each unit's
         futures are the reads that hold any of its pieces."""
+        slices = [(r, index) for index, unit in enumerate(units) for r in unit.ranges]
         owned = sorted(
-            ((piece, index) for index, unit in enumerate(units) for r in unit.ranges for piece in self._expert_pieces(r)),
+            ((piece, index) for piece, (_, index) in zip(self._expert_pieces([r for r, _ in slices]), slices) if piece is not None),
             key=lambda owned_piece: owned_piece[0][:2],
         )
         gap_most = self.placer.gap_bytes if self.placer is not None else 0
@@ -531,7 +530,7 @@ class Streamer:
             self._reading_edges(file, edges, future)
             for index in owners:
                 futures[index].append(future)
-        return [self._handed(unit_futures, unit.ranges) for unit_futures, unit in zip(futures, units)]
+        return self._handed(futures, [unit.ranges for unit in units])
 
     def _reading_edges(self, file: int, edges: list[int], future: Future) -> None:
         """``future`` brings the shared end pages ``edges`` (see ``_handed``)."""
@@ -540,21 +539,24 @@ class Streamer:
                 for edge in edges:
                     self._edge_reads[(file, edge)] = future
 
-    def _handed(self, futures: list[Future], ranges) -> list[Future]:
-        """What the expert cache waits on for a slice read: ``futures``, and where a shared end
-        page reads as zeros until its read lands (the placer's arena), the reads still bringing
-        the ones another slice's read holds. (The cache then never cancels a read: one may
-        bring a page others wait for.)"""
+    def _handed(self, futures_of: list[list[Future]], ranges_of: list) -> list[list[Future]]:
+        """What the expert cache waits on for each expert's slice reads: its ``futures``, and
+        where a shared end page reads as zeros until its read lands (the placer's arena), the
+        reads still bringing the ones another slice's read holds. (The cache then never cancels
+        a read: one may bring a page others wait for.) One lock for a layer's experts."""
         if self.placer is None or not self.placer.reads_in_place:
-            return futures
-        waits = list(futures)
+            return futures_of
+        out = []
         with self._lock:
-            for r in ranges:
-                for edge in self._slice_pages(r)[2]:
-                    future = self._edge_reads.get((r.file, edge))
-                    if future is not None and not future.done() and future not in waits:
-                        waits.append(future)
-        return waits
+            for futures, ranges in zip(futures_of, ranges_of):
+                waits = list(futures)
+                for r in ranges:
+                    for edge in self._slice_pages(r)[2]:
+                        future = self._edge_reads.get((r.file, edge))
+                        if future is not None and not future.done() and future not in waits:
+                            waits.append(future)
+                out.append(waits)
+        return out
 
     def fail(self, message: str) -> None:
         """Stop the token: the abort callback ends it, the reply ends with ``message``."""
@@ -611,19 +613,27 @@ class Streamer:
             shared.append(hi - page)
         return lo, hi, shared
 
-    def _take_edges(self, r) -> list[int]:
-        """Count ``r``'s shared end pages as held; the ones no one held before, to be read.
+    def _take_edges(self, ranges) -> list[list[int]]:
+        """Count each range's shared end pages as held; for each, the ones no one held before,
+        to be read.
 
         In the bounded layout a page on a layer's edge has a place in each layer's slot, so no
         end page is placed: they stay the window's file pages (see addressing.py)."""
+        return self._hold_edges([(r.file, self._slice_pages(r)[2]) for r in ranges])
+
+    def _hold_edges(self, edges_of: list[tuple[int, list[int]]]) -> list[list[int]]:
+        """``_take_edges`` for (file, shared end pages) pairs, in order, under one lock: of two
+        slices sharing a page, the first reads it."""
         if self.space.bounded:
-            return []
-        lo, hi, shared = self._slice_pages(r)
+            return [[] for _ in edges_of]
+        out = []
+        refs = self._edge_refs
         with self._lock:
-            fresh = [edge for edge in shared if self._edge_refs.get((r.file, edge), 0) == 0 or self._edge_read_failed(r.file, edge)]
-            for edge in shared:
-                self._edge_refs[(r.file, edge)] = self._edge_refs.get((r.file, edge), 0) + 1
-        return fresh
+            for file, shared in edges_of:
+                out.append([edge for edge in shared if refs.get((file, edge), 0) == 0 or self._edge_read_failed(file, edge)])
+                for edge in shared:
+                    refs[(file, edge)] = refs.get((file, edge), 0) + 1
+        return out
 
     def _edge_read_failed(self, file: int, edge: int) -> bool:
         """Whether the read that was to bring a held end page failed (its slice is then read
@@ -660,23 +670,23 @@ class Streamer:
         else:  # read through the page cache (O_DIRECT refused): out of our tables and the cache
             self.io.drop(self.fds[file], self._base(file, offset), offset, length)
 
-    def _expert_pieces(self, r) -> list[tuple]:
-        """The slice's pages not already held, as one read: its own whole pages into place, each
-        shared end page no one holds yet copied in (a shared page must never read as zeros: a
-        neighbour's read that found it held reads the file's page meanwhile, or, in the
-        placer's arena, waits for this read)."""
+    def _expert_pieces(self, ranges) -> list[tuple | None]:
+        """For each slice, its pages not already held as one read (None: all held): its own
+        whole pages into place, each shared end page no one holds yet copied in (a shared page
+        must never read as zeros: a neighbour's read that found it held reads the file's page
+        meanwhile, or, in the placer's arena, waits for this read)."""
         page = self.io.page
-        lo, hi, shared = self._slice_pages(r)
-        fresh = self._take_edges(r)
-        held = set(shared) - set(fresh)
-        inner_start = lo + page if lo in shared else lo
-        inner_end = hi - page if hi - page in shared else hi
-        inner = (inner_start, inner_end - inner_start) if inner_end > inner_start else None
-        start = lo + page if lo in held else lo
-        end = hi - page if hi - page in held else hi
-        if end <= start:
-            return []
-        return [(r.file, start, end - start, (SLICE, [inner] if inner is not None else [], fresh))]
+        pages = [self._slice_pages(r) for r in ranges]
+        out = []
+        for r, (lo, hi, shared), fresh in zip(ranges, pages, self._hold_edges([(r.file, p[2]) for r, p in zip(ranges, pages)])):
+            held = [edge for edge in shared if edge not in fresh]
+            inner_start = lo + page if lo in shared else lo
+            inner_end = hi - page if hi - page in shared else hi
+            inner = (inner_start, inner_end - inner_start) if inner_end > inner_start else None
+            start = lo + page if lo in held else lo
+            end = hi - page if hi - page in held else hi
+            out.append((r.file, start, end - start, (SLICE, [inner] if inner is not None else [], fresh)) if end > start else None)
+        return out
 
     def _release_expert(self, r) -> None:
         """Give a slice back: its own pages, and each shared end page no resident slice holds."""
@@ -957,9 +967,8 @@ class Streamer:
         for layer in range(self.model.n_layers):
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
 
-        for unit in pinned:  # locked in anonymous memory by the pin: never read here, never given back
-            for r in unit.ranges:
-                self._take_edges(r)
+        # Locked in anonymous memory by the pin: never read here, never given back.
+        self._take_edges([r for unit in pinned for r in unit.ranges])
         if self.placer is not None and not self.space.bounded:
             self.placer.make_arena(arena_segments(self.model, pinned, self.io.page))
 
