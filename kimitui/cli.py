@@ -275,9 +275,6 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from kimitui.engine.llama_glue import settle_openmp_spinning
-
-    settle_openmp_spinning()  # before anything loads llama.cpp
     try:
         if argv and argv[0] in COMMANDS:
             return _run_subcommand(argv[0], argv[1:])

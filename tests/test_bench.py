@@ -224,24 +224,3 @@ def test_find_hierarchy_v1_and_v2(tmp_path):
 
     (mount / "cgroup.controllers").write_text("cpu io pids\n")
     assert "no memory cgroup controller" in find_hierarchy(tmp_path / "proc")
-
-
-def _spin_after(code: str, **env: str) -> str:
-    """GOMP_SPINCOUNT (or '-') in a fresh interpreter after ``code``, with ``env`` set on top."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "KIMITUI_SET_GOMP_SPINCOUNT")}
-    out = subprocess.run(
-        [sys.executable, "-c", code + "\nimport os; print(os.environ.get('GOMP_SPINCOUNT', '-'))"],
-        env=clean | env, capture_output=True, text=True, check=True,
-    )
-    return out.stdout.strip()
-
-
-def test_the_engine_lets_idle_openmp_threads_sleep_sooner_and_the_baseline_runs_them_stock():
-    settle = "from kimitui.engine.llama_glue import settle_openmp_spinning as s; s()"
-    stock = "from kimitui.engine.llama_glue import stock_openmp_spinning as s; s()"
-    assert _spin_after(settle) == "10000"
-    assert _spin_after(settle, GOMP_SPINCOUNT="5") == "5"  # the user's choice stands
-    assert _spin_after("import llama_cpp\n" + settle) == "-"  # libgomp has read its environment already
-    # A baseline child inherits the engine's value from the bench and takes it away; a user's stays.
-    assert _spin_after(stock, GOMP_SPINCOUNT="10000", KIMITUI_SET_GOMP_SPINCOUNT="1") == "-"
-    assert _spin_after(stock, GOMP_SPINCOUNT="5") == "5"

@@ -584,19 +584,8 @@ PHASES = {
 }
 
 
-# The phases that run plain llama-cpp-python as it comes; with the engine in one process too,
-# both meet the same stock threads.
-STOCK_PHASES = {"llama", "llama-load", "interleaved"}
-
-
 def main(argv: list[str]) -> int:
     phase, spec = argv[0], json.loads(argv[1])
-    from kimitui.engine.llama_glue import settle_openmp_spinning, stock_openmp_spinning
-
-    if phase in STOCK_PHASES:
-        stock_openmp_spinning()
-    else:
-        settle_openmp_spinning()
     try:
         PHASES[phase](spec)
     except Exception as exc:  # reported to the parent as one line; it decides what to show

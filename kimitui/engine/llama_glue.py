@@ -148,35 +148,6 @@ def last_row_f32(ggml, tensor: int):
     return np.ctypeslib.as_array((ctypes.c_float * n_embd).from_address(ggml.ggml_get_data(tensor))).copy()
 
 
-# How long llama.cpp's OpenMP threads spin for work before they sleep, in libgomp's units.
-OPENMP_SPIN = "10000"
-OPENMP_SPIN_SET = "KIMITUI_SET_GOMP_SPINCOUNT"  # marks the value as ours, not the user's
-
-
-def settle_openmp_spinning() -> None:
-    """Let llama.cpp's idle OpenMP threads sleep sooner, where nobody chose otherwise.
-
-    A streamed model's graph is computed in pieces, stopping at each node the eval callback
-    watches (every layer's router, each matrix it waits on) while Python reads experts. By
-    default libgomp spins its idle threads for 300,000 rounds first: on the README's MoE example
-    the worker thread spun through about 1 s of CPU over a 128-token prompt, a core taken from
-    the threads reading the experts. Spinning 10,000 rounds keeps compute in RAM as fast (a
-    node's threads still meet without sleeping) and frees that core; 1,000 slowed compute by a
-    fifth. libgomp reads this once, when llama.cpp is loaded: called before that, or nothing.
-    """
-    if "llama_cpp" in sys.modules or "GOMP_SPINCOUNT" in os.environ:
-        return
-    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN
-    os.environ[OPENMP_SPIN_SET] = "1"  # children that run stock llama.cpp take it away
-
-
-def stock_openmp_spinning() -> None:
-    """Undo ``settle_openmp_spinning`` inherited from a parent: for a process that must run
-    llama.cpp as it comes (a benchmark's baseline). Before llama.cpp is loaded."""
-    if os.environ.pop(OPENMP_SPIN_SET, None):
-        os.environ.pop("GOMP_SPINCOUNT", None)
-
-
 def default_threads() -> int:
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
