@@ -194,6 +194,55 @@ def test_a_slice_whose_end_page_another_read_brings_waits_for_that_read(moe_mode
         engine.close()
 
 
+def test_a_slice_that_found_its_end_page_held_by_a_read_that_then_failed_waits_on_that_failure(moe_model, monkeypatch):
+    """In the arena a slice that counted on another read for its shared end page is handed that
+    read to wait on even when it has failed since: the wait fails (the page is not there)
+    rather than compute reading zeros."""
+    import errno
+    import threading
+
+    engine = expert_engine(moe_model)
+    try:
+        streamer = engine.streamer
+        placer = streamer.placer
+        if placer is None or not placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        model = load_model_map(moe_model)
+        page = os.sysconf("SC_PAGE_SIZE")
+        layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
+        first = next(
+            e for e in range(model.n_expert - 1)
+            if model.expert_ranges(layer, e)[0].end % page and model.expert_ranges(layer, e)[0].end // page == model.expert_ranges(layer, e + 1)[0].offset // page
+        )
+        a = ExpertUnit(layer, first, (model.expert_ranges(layer, first)[0],))
+        b = ExpertUnit(layer, first + 1, (model.expert_ranges(layer, first + 1)[0],))
+        read, go = placer._read, threading.Event()
+
+        def failing_late(file, views, offset):
+            go.wait(10)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(placer, "_read", failing_late)
+        (a_reads,) = streamer._read_experts([a])
+        shared = a.ranges[0].end // page * page
+        assert shared not in streamer._take_edges(list(b.ranges))[0]  # a's read brings it
+        go.set()
+        with pytest.raises(Exception, match="Input/output error"):
+            for f in a_reads:
+                f.result(timeout=10)
+        monkeypatch.setattr(placer, "_read", read)
+        (b_waits,) = streamer._handed([[]], [b.ranges])
+        assert set(b_waits) & set(a_reads)
+        with pytest.raises(Exception, match="Input/output error"):
+            for f in b_waits:
+                f.result(timeout=10)
+        for unit in (a, b):
+            for r in unit.ranges:
+                streamer._release_expert(r)
+    finally:
+        engine.close()
+
+
 def test_an_end_page_whose_read_failed_is_read_by_the_next_slice_that_needs_it(moe_model, monkeypatch):
     """In the arena a failed read leaves its shared end page unread: a neighbour read after it
     reads the page itself rather than counting on the failed one."""

@@ -503,9 +503,9 @@ class ExpertCache:
             matrix = self._matrix_of(deferred.layer, name)
             if matrix is None or matrix in deferred.asked:
                 return None
-            deferred.asked.add(matrix)
             started = time.perf_counter()
             try:
+                deferred.asked.add(matrix)  # asked: waited for, or failed
                 for f in deferred.by_matrix.get(matrix, ()):
                     f.result()  # a failed read raises here, before the matmul runs
             except BaseException:

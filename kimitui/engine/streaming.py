@@ -553,7 +553,11 @@ class Streamer:
                 for r in ranges:
                     for edge in self._slice_pages(r)[2]:
                         future = self._edge_reads.get((r.file, edge))
-                        if future is not None and not future.done() and future not in waits:
+                        # Still bringing the page, or failed to (the wait then fails too and
+                        # the expert is read again: the page is not there).
+                        if future is not None and future not in waits and (
+                            not future.done() or future.cancelled() or future.exception() is not None
+                        ):
                             waits.append(future)
                 out.append(waits)
         return out
