@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -499,11 +500,17 @@ def test_a_prompts_experts_are_waited_for_matrix_by_matrix_and_stay_cached(moe_m
             real_defer(layer, missed)
             deferred[layer] = set(cache._deferred.by_matrix)
 
+        slow = 0.02  # each matrix's wait made long enough to see where its time is counted
+        slept = [0.0]
+
         def stage_matrix(name):
             layer = cache._deferred.layer if cache._deferred is not None else None
             waited = real_stage_matrix(name)
             if waited is not None and layer is not None:
                 asked.setdefault(layer, set()).add(cache._matrix_of(layer, name))
+                time.sleep(slow)
+                slept[0] += slow
+                waited += slow
             return waited
 
         cache._defer, cache.stage_matrix = defer, stage_matrix
@@ -516,6 +523,10 @@ def test_a_prompts_experts_are_waited_for_matrix_by_matrix_and_stay_cached(moe_m
         assert asked == deferred, "every matrix's node waited for its own reads"
         assert cache.staged_layers == 0
         assert {key for key in cache.prefill_seen} & cache.resident_keys(), "read whole: cached as usual"
+        # A matrix node's wait is streaming work beside the stall, not the cost of asking about nodes.
+        streamer = engine.streamer
+        assert streamer.eval_observe_s >= streamer.stall_s >= slept[0]
+        assert streamer.eval_ask_s < slept[0]
     finally:
         engine.close()
 

@@ -51,7 +51,8 @@ class GraphWatch:
     def on_eval(self, tensor, ask, _user) -> bool:
         # ggml asks about every graph node, ~17,600 a token at Kimi K3's full size: what the
         # asking costs (pure overhead) and what the observed nodes cost (the streaming work,
-        # stalls included) are counted apart (kimitui bench shows both per token).
+        # stalls included) are counted apart (kimitui bench-scale shows both per token). Asking
+        # about a staged matrix node reads or waits for its slices: that is streaming work too.
         started = time.perf_counter()
         try:
             name = self._ggml.ggml_get_name(tensor) or b""
@@ -60,12 +61,15 @@ class GraphWatch:
             streamer = self._host.streamer
             if streamer is not None:
                 spent = time.perf_counter() - started
-                if ask:
-                    streamer.eval_asks += 1
-                    streamer.eval_ask_s += spent
-                else:
+                if not ask:
                     streamer.eval_observed += 1
                     streamer.eval_observe_s += spent
+                else:
+                    streamer.eval_asks += 1
+                    if tensor in self._staged_nodes:
+                        streamer.eval_observe_s += spent
+                    else:
+                        streamer.eval_ask_s += spent
 
     def _ask(self, tensor: int, name: bytes) -> bool:
         """Whether to observe ``tensor`` once computed: the node before each layer (the
