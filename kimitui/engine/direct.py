@@ -55,6 +55,7 @@ import ctypes
 import errno
 import os
 import threading
+from collections.abc import Callable
 
 from kimitui.engine.budget import PIECE_BYTES
 from kimitui.engine.platform import (
@@ -478,12 +479,37 @@ class DirectPlacer(PlacedParts):
         i = bisect.bisect_right(spans[0], lo) - 1
         return i >= 0 and hi <= spans[1][i]
 
+    def _gaps(self, offset: int, length: int, inners, edges) -> list[tuple[int, int]]:
+        """What one read of several slices passes over between them, read into the scratch
+        buffer; ValueError for a gap wider than it."""
+        gaps = read_gaps(offset, length, inners, edges, self.page)
+        if any(size > self.gap_bytes for _, size in gaps):
+            raise ValueError(f"a read of {length} bytes at {offset} has a gap wider than {self.gap_bytes}")
+        return gaps
+
+    def _read_into(self, file: int, offset: int, length: int, targets, gaps, undo: Callable[[], None]) -> tuple[int, bool]:
+        """One read of [offset, offset+length) into ``targets`` ((file offset, address, size))
+        and ``gaps`` (into scratch): (bytes read, whether that is all there is). ``undo`` runs
+        where the read fails or comes short."""
+        pieces = sorted(targets + [(start, self._scratch, size) for start, size in gaps])
+        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
+        try:
+            got = self._read(file, views, offset)
+        except OSError:
+            undo()
+            raise
+        whole = self._complete(file, offset, got, length)
+        if not whole:
+            undo()
+        return got, whole
+
     def _read_in_arena(self, file: int, offset: int, length: int, inners, edges) -> int | None:
         """``place_slice`` where the slices' own pages lie in the arena: one read straight into
         place, with no mapping call, but for a shared end page outside it (next to a trunk
         tensor), which is read into a page of its own and moved in after, as ``copy_in`` does."""
         c, page = self._libc, self.page
         base = self.space.at(file, offset) - offset
+        gaps = self._gaps(offset, length, inners, edges)
         buffers: dict[int, int] = {}
         in_place = [(start, size) for start, size in inners]
         for edge in edges:
@@ -504,22 +530,9 @@ class DirectPlacer(PlacedParts):
             for start, size in in_place:
                 c.madvise(base + start, size, MADV_DONTNEED)
 
-        gaps = read_gaps(offset, length, inners, edges, page)
-        if any(size > self.gap_bytes for _, size in gaps):
-            raise ValueError(f"a read of {length} bytes at {offset} has a gap wider than {self.gap_bytes}")
-        pieces = sorted(
-            [(start, base + start, size) for start, size in in_place]
-            + [(edge, buf, page) for edge, buf in buffers.items()]
-            + [(start, self._scratch, size) for start, size in gaps]
-        )
-        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
-        try:
-            got = self._read(file, views, offset)
-        except OSError:
-            undo()
-            raise
-        if not self._complete(file, offset, got, length):
-            undo()
+        targets = [(start, base + start, size) for start, size in in_place] + [(edge, buf, page) for edge, buf in buffers.items()]
+        got, whole = self._read_into(file, offset, length, targets, gaps, undo)
+        if not whole:
             return got
         if buffers:
             with self._moves:
@@ -598,9 +611,7 @@ class DirectPlacer(PlacedParts):
             return self._read_in_arena(file, offset, length, inners, edges)
         c, page = self._libc, self.page
         base = self.space.at(file, offset) - offset  # the slices lie in one run of their layer: offsets map linearly
-        gaps = read_gaps(offset, length, inners, edges, page)  # read into scratch memory
-        if any(size > self.gap_bytes for _, size in gaps):
-            raise ValueError(f"a read of {length} bytes at {offset} has a gap wider than {self.gap_bytes}")
+        gaps = self._gaps(offset, length, inners, edges)
         mapped: list[tuple[int, int]] = []
         buffers: dict[int, int] = {}
 
@@ -624,19 +635,9 @@ class DirectPlacer(PlacedParts):
                 undo()
                 return None
             buffers[edge] = buf
-        pieces = sorted(
-            [(edge, buf, page) for edge, buf in buffers.items()]
-            + [(start, base + start, size) for start, size in inners]
-            + [(start, self._scratch, size) for start, size in gaps]
-        )
-        views = [memoryview((ctypes.c_char * n).from_address(address)).cast("B") for _, address, n in pieces]
-        try:
-            got = self._read(file, views, offset)
-        except OSError:
-            undo()
-            raise
-        if not self._complete(file, offset, got, length):
-            undo()
+        targets = [(edge, buf, page) for edge, buf in buffers.items()] + [(start, base + start, size) for start, size in inners]
+        got, whole = self._read_into(file, offset, length, targets, gaps, undo)
+        if not whole:
             return got
         with self._moves:
             for edge, buf in list(buffers.items()):
