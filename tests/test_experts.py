@@ -146,6 +146,25 @@ def test_the_arena_is_the_routed_slices_whole_pages_less_the_pinned_ones(moe_mod
     assert streaming.arena_segments(model, hot, page) == {}
 
 
+def _arena_neighbours(engine, moe_model):
+    """(streamer, placer, page size, a, b, the page they share): two neighbouring experts' first
+    routed slices of the first MoE layer, sharing an end page. Skips where there is no arena."""
+    streamer = engine.streamer
+    placer = streamer.placer
+    if placer is None or not placer.reads_in_place:
+        pytest.skip("no arena here (no direct reads)")
+    model = load_model_map(moe_model)
+    page = os.sysconf("SC_PAGE_SIZE")
+    layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
+    first = next(
+        e for e in range(model.n_expert - 1)
+        if model.expert_ranges(layer, e)[0].end % page and model.expert_ranges(layer, e)[0].end // page == model.expert_ranges(layer, e + 1)[0].offset // page
+    )
+    a = ExpertUnit(layer, first, (model.expert_ranges(layer, first)[0],))
+    b = ExpertUnit(layer, first + 1, (model.expert_ranges(layer, first + 1)[0],))
+    return streamer, placer, page, a, b, a.ranges[0].end // page * page
+
+
 def test_a_slice_whose_end_page_another_read_brings_waits_for_that_read(moe_model, monkeypatch):
     """In the arena a shared end page reads as zeros until the read that holds it lands: the
     neighbour read after it, even when its own read is done first, is not handed over before."""
@@ -154,20 +173,7 @@ def test_a_slice_whose_end_page_another_read_brings_waits_for_that_read(moe_mode
 
     engine = expert_engine(moe_model)
     try:
-        streamer = engine.streamer
-        placer = streamer.placer
-        if placer is None or not placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
-        model = load_model_map(moe_model)
-        page = os.sysconf("SC_PAGE_SIZE")
-        layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
-        first = next(
-            e for e in range(model.n_expert - 1)
-            if model.expert_ranges(layer, e)[0].end % page and model.expert_ranges(layer, e)[0].end // page == model.expert_ranges(layer, e + 1)[0].offset // page
-        )
-        a = ExpertUnit(layer, first, (model.expert_ranges(layer, first)[0],))
-        b = ExpertUnit(layer, first + 1, (model.expert_ranges(layer, first + 1)[0],))
-        shared = a.ranges[0].end // page * page
+        streamer, placer, page, a, b, shared = _arena_neighbours(engine, moe_model)
         release = threading.Event()
         read = placer._read
 
@@ -204,19 +210,7 @@ def test_a_slice_that_found_its_end_page_held_by_a_read_that_then_failed_waits_o
 
     engine = expert_engine(moe_model)
     try:
-        streamer = engine.streamer
-        placer = streamer.placer
-        if placer is None or not placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
-        model = load_model_map(moe_model)
-        page = os.sysconf("SC_PAGE_SIZE")
-        layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
-        first = next(
-            e for e in range(model.n_expert - 1)
-            if model.expert_ranges(layer, e)[0].end % page and model.expert_ranges(layer, e)[0].end // page == model.expert_ranges(layer, e + 1)[0].offset // page
-        )
-        a = ExpertUnit(layer, first, (model.expert_ranges(layer, first)[0],))
-        b = ExpertUnit(layer, first + 1, (model.expert_ranges(layer, first + 1)[0],))
+        streamer, placer, page, a, b, shared = _arena_neighbours(engine, moe_model)
         read, go = placer._read, threading.Event()
 
         def failing_late(file, views, offset):
@@ -225,7 +219,6 @@ def test_a_slice_that_found_its_end_page_held_by_a_read_that_then_failed_waits_o
 
         monkeypatch.setattr(placer, "_read", failing_late)
         (a_reads,) = streamer._read_experts([a])
-        shared = a.ranges[0].end // page * page
         assert shared not in streamer._take_edges(list(b.ranges))[0]  # a's read brings it
         go.set()
         with pytest.raises(Exception, match="Input/output error"):
@@ -251,20 +244,7 @@ def test_an_end_page_whose_read_failed_is_read_by_the_next_slice_that_needs_it(m
 
     engine = expert_engine(moe_model)
     try:
-        streamer = engine.streamer
-        placer = streamer.placer
-        if placer is None or not placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
-        model = load_model_map(moe_model)
-        page = os.sysconf("SC_PAGE_SIZE")
-        layer = next(layer for layer in range(model.n_layers) if model.layers[layer].n_expert)
-        first = next(
-            e for e in range(model.n_expert - 1)
-            if model.expert_ranges(layer, e)[0].end % page and model.expert_ranges(layer, e)[0].end // page == model.expert_ranges(layer, e + 1)[0].offset // page
-        )
-        a = ExpertUnit(layer, first, (model.expert_ranges(layer, first)[0],))
-        b = ExpertUnit(layer, first + 1, (model.expert_ranges(layer, first + 1)[0],))
-        shared = a.ranges[0].end // page * page
+        streamer, placer, page, a, b, shared = _arena_neighbours(engine, moe_model)
         read = placer._read
 
         def failing_for_a(file, views, offset):
