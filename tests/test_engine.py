@@ -53,6 +53,25 @@ def test_stock_load_reports_llama_progress():
         eng.close()
 
 
+def test_a_load_leaves_the_processs_output_where_it_was():
+    # A terminal UI draws, and its main thread prints, while a load runs in a worker thread:
+    # neither may go to /dev/null meanwhile (llama-cpp-python's verbose=False redirects both).
+    import os
+    import sys
+
+    def where() -> tuple:
+        return tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)) + (sys.stdout, sys.stderr)
+
+    before = where()
+    during: list[tuple] = []
+    eng = Engine(default_model_path(), n_ctx=256, fast_load=False)  # the stock load calls back mid-load
+    try:
+        eng.load(lambda _value: during.append(where()))
+        assert during and all(seen == before for seen in during)
+    finally:
+        eng.close()
+
+
 def test_chat_streams_tokens_with_timings(engine):
     gen = engine.chat(MESSAGES, GREEDY)
     events = list(gen)

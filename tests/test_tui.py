@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import threading
 
@@ -120,6 +121,15 @@ async def test_status_bar_shows_pinning_progress_then_what_was_pinned():
         status.pinning = progress[0].describe()  # as it showed while the reads ran
         rendered = str(status.render())
         assert "pinning" in rendered and "MB/s" in rendered and "ETA" in rendered
+
+
+async def test_the_app_watches_for_a_hangup_only_while_it_runs():
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.main.ready)
+        assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL  # the loop's own handler
+    # The loop outlives the app here: a hangup after it must not reach an app that is gone.
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
 async def test_escape_cancels_a_reply_and_keeps_history():

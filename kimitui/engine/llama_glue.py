@@ -223,7 +223,8 @@ _log_sink = None
 
 
 def silence_llama_log(llama_cpp) -> None:
-    """Send llama.cpp's log lines nowhere, without a Python call per line.
+    """Send llama.cpp's log lines nowhere, without a Python call per line, and leave the
+    process's output descriptors where they are.
 
     llama-cpp-python installs a Python log callback; a load logs thousands of lines, each one a
     wait for the GIL while the UI starts beside it. libc's getpid stands in as the callback: it
@@ -234,6 +235,26 @@ def silence_llama_log(llama_cpp) -> None:
     if _log_sink is None:
         _log_sink = ctypes.cast(ctypes.CDLL(None).getpid, llama_cpp.llama_log_callback)
     llama_cpp.llama_log_set(_log_sink, None)
+    # With its log silenced, llama-cpp-python's ``verbose=False`` has nothing left to hide, yet it
+    # still points the process's stdout and stderr (descriptors 1 and 2, and sys.stdout/stderr)
+    # at /dev/null for the whole load: a terminal UI drawing beside a load in a worker thread, or
+    # a line the main thread prints meanwhile, would be lost.
+    from llama_cpp import _internals, llama as llama_module
+
+    _internals.suppress_stdout_stderr = llama_module.suppress_stdout_stderr = _DescriptorsKept
+
+
+class _DescriptorsKept:
+    """Takes the place of llama-cpp-python's ``suppress_stdout_stderr``: redirects nothing."""
+
+    def __init__(self, disable: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> "_DescriptorsKept":
+        return self
+
+    def __exit__(self, *_) -> None:
+        return None
 
 
 class LlamaLog:

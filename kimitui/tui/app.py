@@ -64,6 +64,7 @@ class KimituiApp(App[int]):
         # The main screen is the app's one mode: a mode's screen brings its own CSS (main.tcss).
         self.add_mode("main", lambda: self.main)
         self._on_exit = on_exit
+        self._hangup_watched = False
 
     def on_mount(self) -> None:
         for theme in bundled_themes():
@@ -73,6 +74,7 @@ class KimituiApp(App[int]):
         start_up_finished()  # the imports are done and the load runs in C: the collector may run again
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._terminal_closed)
+            self._hangup_watched = True
         except (NotImplementedError, RuntimeError, ValueError):  # no SIGHUP here, or not the main thread (tests)
             pass
 
@@ -89,6 +91,9 @@ class KimituiApp(App[int]):
         self.main.terminal_lost()
 
     def on_unmount(self) -> None:
+        if self._hangup_watched:  # the loop may outlive the app (an app run inside another program)
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._hangup_watched = False
         self.history.close()
         if self._on_exit is not None:
             self._on_exit()
