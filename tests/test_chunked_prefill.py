@@ -4,6 +4,7 @@ back after, with stock llama.cpp's greedy tokens, the budget holding and the rea
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from kimitui.engine.budget import matrix_footprint, minimum_budget, plan_memory
 from kimitui.engine.experts import ExpertCache, StagingError
 from kimitui.engine.generation import Sampling
+from kimitui.engine import streaming
 from kimitui.engine.session import Engine
 from kimitui.model import synth
 from kimitui.model.gguf_map import ROUTED_EXPERTS, load_model_map
@@ -55,12 +57,17 @@ def test_the_plan_prefills_whole_batches_where_one_matrix_of_every_expert_fits(k
     assert plan.ubatch == 512
 
 
-def test_chunked_prefill_gives_stock_and_one_token_greedy_tokens_within_the_budget(k3_48):
+@pytest.fixture(scope="module")
+def stock_tokens(k3_48) -> list[int]:
     stock = engine_for(k3_48)
     try:
-        expected = reply(stock)
+        return reply(stock)
     finally:
         stock.close()
+
+
+def test_chunked_prefill_gives_stock_and_one_token_greedy_tokens_within_the_budget(k3_48, stock_tokens):
+    expected = stock_tokens
     model = load_model_map(k3_48)
     budget = minimum_budget(model) + 2 * MIB
 
@@ -89,6 +96,29 @@ def test_chunked_prefill_gives_stock_and_one_token_greedy_tokens_within_the_budg
         assert peak <= budget
         assert engine.streamer.error is None
         assert reply(engine) == expected  # and again, from what the first reply left cached
+    finally:
+        engine.close()
+
+
+def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_stock_tokens(k3_48, stock_tokens, monkeypatch):
+    """Slices of a huge page or more (K3's are 5.85 MB) have no arena: a staged matrix's slices
+    are paged into the file mapping in compute order while its node computes, and given back
+    behind it, the budget holding."""
+    monkeypatch.setattr(streaming, "HUGE_ALIGN", 4096)  # this model's small slices as if they were large
+    model = load_model_map(k3_48)
+    budget = minimum_budget(model) + 2 * MIB
+    engine = engine_for(k3_48, budget)
+    try:
+        placer = engine.streamer.placer
+        assert placer is not None and not placer.reads_in_place
+        peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine))
+        assert tokens == stock_tokens
+        experts = engine.streamer.experts
+        assert experts.staged_layers >= sum(layer.is_moe for layer in model.layers)
+        assert 0 < experts.prefill_paged_in_bytes <= experts.prefill_read_bytes <= experts.prefill_bound_bytes
+        assert peak <= budget
+        assert engine.streamer.error is None
+        assert reply(engine) == stock_tokens
     finally:
         engine.close()
 
@@ -146,6 +176,43 @@ def test_a_staged_layer_holds_one_matrix_at_a_time_and_fails_loudly_when_one_is_
         for name in names:
             small.stage_matrix(name)
             small.matrix_done(name)
+
+
+def test_a_matrix_paged_in_does_not_hold_its_node_and_a_page_in_that_failed_stops_the_token(k3_48):
+    model, layer, names, read_unit, reads, drops = staged_layer_parts(k3_48)
+    paged: list[tuple] = []
+
+    def page_in(units):
+        out = []
+        for unit in units:
+            future = Future()
+            paged.append((unit, future))
+            out.append([future])
+        return out
+
+    cache = ExpertCache(
+        model, 20 * model.bytes_per_expert, [], [[0] * model.n_expert for _ in model.layers], read_unit, drops.append,
+        page_in_units=page_in,
+    )
+    cache.ensure(layer, range(model.n_expert))
+    assert cache.staging and paged and not [u for u in reads if u.matrix is not None]
+    first = paged[0][0].matrix
+    name = next(n for n in names if cache._matrix_of(layer, n) == first)
+    # Were the node held for its page-ins, they would land only when this timer fires.
+    land = threading.Timer(2.0, lambda: [f.set_result(0) for _, f in paged if not f.done()])
+    land.start()
+    try:
+        assert cache.stage_matrix(name) is not None
+        assert not any(f.done() for _, f in paged), "the node waited for its page-ins"
+    finally:
+        land.cancel()
+    for _unit, future in paged[:-1]:
+        future.set_result(0)
+    paged[-1][1].set_exception(OSError("drive removed"))
+    with pytest.raises(OSError, match="drive removed"):
+        cache.matrix_done(name)
+    assert sorted(u.expert for u in drops if u.matrix == first) == list(range(model.n_expert))  # given back all the same
+    assert cache.paged_in_bytes == sum(u.length for u, _ in paged)
 
 
 def test_a_matrix_asked_before_the_one_read_ahead_takes_its_room(k3_48):

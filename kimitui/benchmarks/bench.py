@@ -594,6 +594,7 @@ def _table(report: dict, names: list[tuple[str, str]]) -> list[tuple[str, ...]]:
         row("  bound at the disk rate / TTFT", "prefill_bound_share", _share),
         row("  that or compute in RAM / TTFT", "prefill_limit_share", _share),
         row("  layers staged by matrix", "prefill_staged_layers", _count),
+        row("  their slices paged in under compute", "prefill_paged_in_bytes", format_bytes),
         row("prefill experts read", "prefill_expert_read_bytes", format_bytes),
         row("  of which gaps read through", "prefill_gap_bytes", format_bytes),
         row("  distinct experts used", "prefill_distinct_expert_bytes", format_bytes),

@@ -152,13 +152,15 @@ class ExpertCache:
         read_ahead: Callable[[ExpertUnit], list[Future]] | None = None,
         read_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
         cancel_reads: bool = True,
+        page_in_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
     ) -> None:
         """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
         look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
         ``read_units`` reads a layer's misses together, neighbours in the file as one request
         (default: ``read_unit`` each). ``cancel_reads``: an expert evicted before its read
         started has that read cancelled (not where one read may bring pages other experts
-        wait for)."""
+        wait for). ``page_in_units``: where given, a staged matrix's slices are paged into the
+        mapping in compute order and its node is not held for them (see ``stage_matrix``)."""
         self.model = model
         self.capacity = capacity
         self.pinned = {(u.layer, u.expert) for u in pinned}
@@ -166,6 +168,7 @@ class ExpertCache:
         self._read_unit = read_unit
         self._read_ahead = read_ahead or read_unit
         self._read_units = read_units or (lambda units: [read_unit(unit) for unit in units])
+        self._page_in_units = page_in_units
         self._drop_unit = drop_unit
         self._cancel_reads = cancel_reads
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
@@ -188,6 +191,8 @@ class ExpertCache:
         # distinct unpinned ones, once (cached hits read less).
         self.prefill_bound_bytes = 0
         self.staged_layers = 0  # micro-batch layers computed matrix by matrix
+        self.paged_in_bytes = 0  # of their slices, read while their node computed (page_in_units)
+        self.prefill_paged_in_bytes = 0  # the same, the prompt's
         self._stage: _Stage | None = None
         self._deferred: _Deferred | None = None
         self._matrices: dict[int, dict[bytes, int]] = {}  # layer -> routed tensor name -> its index
@@ -481,7 +486,11 @@ class ExpertCache:
         self.bytes_needed += read
         if self.prefilling:
             self.prefill_read_bytes += read
-        stage.reads[matrix] = list(zip(units, self._read_units(units)))
+        if self._page_in_units is not None:
+            self.paged_in_bytes += read
+            if self.prefilling:
+                self.prefill_paged_in_bytes += read
+        stage.reads[matrix] = list(zip(units, (self._page_in_units or self._read_units)(units)))
         return True
 
     def _read_ahead_matrices(self) -> None:
@@ -526,7 +535,11 @@ class ExpertCache:
                 self._start_matrix(stage, matrix, needed=True)
             for _unit, futures in stage.reads[matrix]:
                 for f in futures:
-                    f.result()  # a failed read raises here, before the matmul runs
+                    # Paged in, the node computes while the slices arrive in the order it uses
+                    # them (an expert's rows fault in what has not landed yet): at a budget with
+                    # room for one matrix, reads and compute overlap instead of taking turns.
+                    if self._page_in_units is None or f.done():
+                        f.result()  # a failed read raises here, before the matmul runs
         except BaseException:
             self.end_stage(strict=False)
             raise
@@ -540,7 +553,13 @@ class ExpertCache:
         matrix = self._matrix_of(stage.layer, name)
         if matrix is None or matrix not in stage.reads or matrix not in stage.computed:
             return
+        reads = stage.reads[matrix]
         self._give_back_matrix(stage, matrix)
+        if self._page_in_units is not None:
+            for _unit, futures in reads:
+                for f in futures:
+                    if not f.cancelled():
+                        f.result()  # a page-in that failed under compute stops the token
         self._read_ahead_matrices()
 
     def _give_back_matrix(self, stage: _Stage, matrix: int) -> None:

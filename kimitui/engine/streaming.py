@@ -43,6 +43,7 @@ from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap, Shard
 CHUNK_BYTES = 4 * 2**20
 COPY_IN = "copy in"  # a piece read into memory of its own and moved into place in one step
 SLICE = "slice"  # an expert slice: its own pages read into place, its shared end pages copied in
+PAGE_IN = "page in"  # an expert slice paged into the file mapping through the page cache
 MERGED_READ_BYTES = 8 * 2**20  # the most one request of neighbouring expert slices reads
 MERGED_READ_PIECES = 512  # and the most buffers it fills (preadv takes at most IOV_MAX, 1024)
 
@@ -390,6 +391,8 @@ class Streamer:
             expected = size - offset if placed and 0 < offset + length - size < self.io.page else length
             if offset + expected > size:
                 got = max(0, size - offset)
+            elif placed == PAGE_IN:
+                got = length if self.io.populate(self.fds[file], self._base(file, offset), offset, length) else self._pread(file, offset, length)
             elif placed and (
                 got := self.placer.copy_in(file, offset, length)
                 if placed == COPY_IN
@@ -531,6 +534,18 @@ class Streamer:
             for index in owners:
                 futures[index].append(future)
         return self._handed(futures, [unit.ranges for unit in units])
+
+    def _page_in_experts(self, units: list[ExpertUnit]) -> list[list[Future]]:
+        """A staged matrix's slices paged into the file mapping (Linux: MADV_POPULATE_READ
+        after WILLNEED), in the order ``units`` come (the order compute uses them), for compute
+        to meet as they land. Their shared end pages are counted as held, as a placed slice's,
+        so the release (``_release_expert``) gives back what no one else holds."""
+        room = self._dropper.mark()
+        out = []
+        for unit in units:
+            self._take_edges(unit.ranges)
+            out.append([self._pool.submit(self._read_chunk, unit, r.file, r.offset, r.length, None, PAGE_IN, room) for r in unit.ranges])
+        return out
 
     def _reading_edges(self, file: int, edges: list[int], future: Future) -> None:
         """``future`` brings the shared end pages ``edges`` (see ``_handed``)."""
@@ -989,12 +1004,23 @@ class Streamer:
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
             read_units=self._read_experts if self.placer is not None else None,
             cancel_reads=self.placer is None or not self.placer.reads_in_place,
+            page_in_units=self._page_in_experts if self._pages_in_staged() else None,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
         self._set_trimmer()
         if self.placer is not None:
             self._size_pool()  # the window is trunk bytes now
+
+    def _pages_in_staged(self) -> bool:
+        """Staged matrices page in (see ``ExpertCache.stage_matrix``) where the mapping is the
+        whole file and the OS can fault a range in ahead of compute (Linux): not in the arena,
+        whose unplaced pages read as zeros, nor in the bounded layout's slots."""
+        return (
+            self.io.platform.startswith("linux")
+            and not self.space.bounded
+            and not (self.placer is not None and self.placer.reads_in_place)
+        )
 
     def _set_trimmer(self) -> None:
         """Expert trimming follows the settings; its counts carry over a change of rule."""
