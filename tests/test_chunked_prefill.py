@@ -115,7 +115,9 @@ def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_sto
         assert tokens == stock_tokens
         experts = engine.streamer.experts
         assert experts.staged_layers >= sum(layer.is_moe for layer in model.layers)
-        assert 0 < experts.prefill_paged_in_bytes <= experts.prefill_read_bytes <= experts.prefill_bound_bytes
+        assert 0 < experts.prefill_read_bytes <= experts.prefill_bound_bytes
+        # the staged slices and the trunk the prompt streams, both paged in (so more than the slices)
+        assert engine.streamer.paged_in_bytes > experts.prefill_read_bytes
         assert peak <= budget
         assert engine.streamer.error is None
         assert reply(engine) == stock_tokens
@@ -212,7 +214,6 @@ def test_a_matrix_paged_in_does_not_hold_its_node_and_a_page_in_that_failed_stop
     with pytest.raises(OSError, match="drive removed"):
         cache.matrix_done(name)
     assert sorted(u.expert for u in drops if u.matrix == first) == list(range(model.n_expert))  # given back all the same
-    assert cache.paged_in_bytes == sum(u.length for u, _ in paged)
 
 
 def test_a_matrix_asked_before_the_one_read_ahead_takes_its_room(k3_48):

@@ -327,7 +327,7 @@ def phase_engine(spec: dict) -> None:
         prefill["prefill_chunks"] = chunks
         prefill["prefill_bound_bytes"] = len(chunks) * engine.streamer.streamed_bytes_per_token + experts.prefill_bound_bytes
         prefill["prefill_staged_layers"] = experts.staged_layers
-        prefill["prefill_paged_in_bytes"] = experts.prefill_paged_in_bytes
+        prefill["prefill_paged_in_bytes"] = engine.streamer.paged_in_bytes  # only a prompt pages in
     emit(
         "result",
         load_s=load_s,

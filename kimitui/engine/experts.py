@@ -191,8 +191,6 @@ class ExpertCache:
         # distinct unpinned ones, once (cached hits read less).
         self.prefill_bound_bytes = 0
         self.staged_layers = 0  # micro-batch layers computed matrix by matrix
-        self.paged_in_bytes = 0  # of their slices, read while their node computed (page_in_units)
-        self.prefill_paged_in_bytes = 0  # the same, the prompt's
         self._stage: _Stage | None = None
         self._deferred: _Deferred | None = None
         self._matrices: dict[int, dict[bytes, int]] = {}  # layer -> routed tensor name -> its index
@@ -486,10 +484,6 @@ class ExpertCache:
         self.bytes_needed += read
         if self.prefilling:
             self.prefill_read_bytes += read
-        if self._page_in_units is not None:
-            self.paged_in_bytes += read
-            if self.prefilling:
-                self.prefill_paged_in_bytes += read
         stage.reads[matrix] = list(zip(units, (self._page_in_units or self._read_units)(units)))
         return True
 

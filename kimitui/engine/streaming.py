@@ -271,6 +271,7 @@ class Streamer:
         self.state = [Residency.PINNED if s.index in pinned else Residency.COLD for s in model.shards]
         self.layer_shards = [[s for s in model.layer_shards(layer) if s.index not in pinned] for layer in range(model.n_layers)]
         self._futures: dict[int, list[Future]] = {}
+        self._paged_in: set[int] = set()  # shards a prompt's layer pages in under compute (_submit)
         self._prefetched: set[int] = set()  # read ahead, not yet reached by compute
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._resident_bytes = 0
@@ -301,6 +302,7 @@ class Streamer:
         self._pending: StreamSettings | None = None
         # Counters (cumulative; the trace and panels read them).
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
+        self.paged_in_bytes = 0  # read while compute ran on them (a prompt's trunk, staged matrices)
         # The eval callback's calls and the time spent in them (counted by the engine's callback,
         # on the compute thread only): ggml asking about each node, and the nodes observed.
         self.eval_asks = self.eval_observed = 0
@@ -430,6 +432,8 @@ class Streamer:
             )
         with self._lock:
             self.bytes_read += expected
+            if placed == PAGE_IN:
+                self.paged_in_bytes += expected
         on_read = self.on_read
         if on_read is not None:
             ended = time.perf_counter()
@@ -453,11 +457,22 @@ class Streamer:
     def _what(unit) -> str:
         return f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
 
-    def _read_ranges(self, unit, ranges, pool: ThreadPoolExecutor | None = None, hold: bool = True) -> list[Future]:
+    def _read_ranges(
+        self, unit, ranges, pool: ThreadPoolExecutor | None = None, hold: bool = True, page_in: bool = False,
+    ) -> list[Future]:
         """``hold``: count the ranges' shared end pages as held (not when a cancelled release
-        left them held already)."""
+        left them held already). ``page_in``: into the file mapping, in file order, for compute
+        to meet as they land (end pages counted all the same: the release balances them)."""
         expert = isinstance(unit, ExpertUnit)
-        if self.placer is not None and expert:
+        if page_in:
+            if hold:
+                self._take_edges(ranges)
+            pieces = [
+                (r.file, start, min(CHUNK_BYTES, r.end - start), PAGE_IN)
+                for r in ranges
+                for start in range(r.offset, r.end, CHUNK_BYTES)
+            ]
+        elif self.placer is not None and expert:
             pieces = [piece for piece in self._expert_pieces(ranges) if piece is not None]
         elif self.placer is not None:
             page = self.placer.page
@@ -722,7 +737,15 @@ class Streamer:
         kept = self._dropper.keep(("shard", shard.index))  # its end pages are still held then
         if self.placer is None:  # a placer reads past the cache: read-ahead into it would read twice
             self.io.advise_read(self.fds[shard.file], shard.offset, shard.length)
-        self._futures[shard.index] = self._read_ranges(shard, [shard.range], hold=not kept)
+        # A prompt's layer computes while its trunk pages in: the layer's attention starts on
+        # the first bytes instead of after the last (the tensors lie in the file about in the
+        # order the graph uses them). A decoded token reads its trunk ahead instead (prefetch).
+        page_in = self.experts is not None and self.experts.prefilling and self._can_page_in()
+        if page_in:
+            self._paged_in.add(shard.index)
+        else:
+            self._paged_in.discard(shard.index)
+        self._futures[shard.index] = self._read_ranges(shard, [shard.range], hold=not kept, page_in=page_in)
         self.state[shard.index] = Residency.INFLIGHT
         self._resident_bytes += shard.length
 
@@ -802,12 +825,13 @@ class Streamer:
                 if self.state[i] == Residency.COLD:
                     self._submit(shard)
                 t0 = time.perf_counter()
-                for f in self._futures[i]:
+                for f in self._futures[i] if i not in self._paged_in else ():
                     f.exception()  # waits; the error itself is raised just below
                 waited += time.perf_counter() - t0
             try:
                 for f in self._futures.get(i, []):
-                    f.result()  # raises StreamAbort for a failed read, before compute touches the bytes
+                    if i not in self._paged_in or f.done():
+                        f.result()  # raises StreamAbort for a failed read, before compute touches the bytes
             except Exception:
                 self._drop(shard)  # not kept as failed: the next token reads it again
                 raise
@@ -825,6 +849,11 @@ class Streamer:
     def _finish_layer(self, layer: int) -> None:
         if layer >= self.model.n_layers:
             return
+        for shard in self.layer_shards[layer]:  # a page-in that failed under compute stops the token
+            if shard.index in self._paged_in:
+                for f in self._futures.get(shard.index, []):
+                    if not f.cancelled():
+                        f.result()
         if self.settings.policy == "pin-stream":
             for shard in self.layer_shards[layer]:
                 self._drop(shard)
@@ -1004,7 +1033,8 @@ class Streamer:
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
             read_units=self._read_experts if self.placer is not None else None,
             cancel_reads=self.placer is None or not self.placer.reads_in_place,
-            page_in_units=self._page_in_experts if self._pages_in_staged() else None,
+            # Not into the arena: its unplaced pages read as zeros, not the file's.
+            page_in_units=self._page_in_experts if self._can_page_in() and not (self.placer is not None and self.placer.reads_in_place) else None,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
@@ -1012,15 +1042,11 @@ class Streamer:
         if self.placer is not None:
             self._size_pool()  # the window is trunk bytes now
 
-    def _pages_in_staged(self) -> bool:
-        """Staged matrices page in (see ``ExpertCache.stage_matrix``) where the mapping is the
-        whole file and the OS can fault a range in ahead of compute (Linux): not in the arena,
-        whose unplaced pages read as zeros, nor in the bounded layout's slots."""
-        return (
-            self.io.platform.startswith("linux")
-            and not self.space.bounded
-            and not (self.placer is not None and self.placer.reads_in_place)
-        )
+    def _can_page_in(self) -> bool:
+        """Reads may page in under compute (staged matrices, see ``ExpertCache.stage_matrix``,
+        and a prompt's trunk, see ``_submit``) where the mapping is the whole file and the OS
+        can fault a range in ahead of compute (Linux), not in the bounded layout's slots."""
+        return self.io.platform.startswith("linux") and not self.space.bounded
 
     def _set_trimmer(self) -> None:
         """Expert trimming follows the settings; its counts carry over a change of rule."""
