@@ -420,16 +420,20 @@ class Streamer:
                     for gap_start, gap_length in read_gaps(offset, length, placed[1], placed[2], self.io.page):
                         self.io.uncache(self.fds[file], gap_start, gap_length)
         except OSError as exc:
-            raise StreamAbort(
+            failure = (
                 f"cannot read {self._what(unit)} of layer {unit.layer} from model file "
                 f"{os.path.basename(self.model.files[file])} at byte {offset}: {exc.strerror or exc} (drive removed or failing?)"
-            ) from None
-        if got < expected:
-            raise StreamAbort(
+            )
+        else:
+            failure = None if got >= expected else (
                 f"model file {os.path.basename(self.model.files[file])} ended at byte {offset + got}; "
                 f"{self._what(unit)} of layer {unit.layer} needs bytes up to {offset + expected} "
                 "(file truncated or drive removed?)"
             )
+        if failure is not None:
+            if placed == PAGE_IN:  # compute may be reaching for these pages now: shield them at once
+                self.fail(failure)
+            raise StreamAbort(failure)
         with self._lock:
             self.bytes_read += expected
             if placed == PAGE_IN:
