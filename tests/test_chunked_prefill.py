@@ -4,6 +4,7 @@ back after, with stock llama.cpp's greedy tokens, the budget holding and the rea
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -120,6 +121,35 @@ def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_sto
         assert engine.streamer.paged_in_bytes > experts.prefill_read_bytes
         assert peak <= budget
         assert engine.streamer.error is None
+        assert reply(engine) == stock_tokens
+    finally:
+        engine.close()
+
+
+def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_48, stock_tokens, monkeypatch):
+    import errno
+
+    from kimitui.engine.state import EngineError
+
+    monkeypatch.setattr(streaming, "HUGE_ALIGN", 4096)  # no arena: staged matrices page in
+    model = load_model_map(k3_48)
+    engine = engine_for(k3_48, minimum_budget(model) + 2 * MIB)
+    try:
+        io = engine.streamer.io
+        real_populate = io.populate
+        routed = [(t.offset, t.offset + t.n_bytes) for t in model.tensors if t.role == ROUTED_EXPERTS]
+
+        def failing_populate(fd, address, offset, length):
+            if any(lo <= offset < hi for lo, hi in routed):  # the drive fails under a staged slice
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_populate(fd, address, offset, length)
+
+        io.populate = failing_populate
+        gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=8))
+        with pytest.raises(EngineError, match=r"cannot read expert \d+ of layer \d+ from model file k3c\.gguf at byte \d+: Input/output error"):
+            list(gen)
+        assert gen.result.finish_reason == "error"
+        io.populate = real_populate  # the drive is back
         assert reply(engine) == stock_tokens
     finally:
         engine.close()
