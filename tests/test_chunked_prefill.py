@@ -14,7 +14,7 @@ import pytest
 from kimitui.engine.budget import matrix_footprint, minimum_budget, plan_memory
 from kimitui.engine.experts import ExpertCache, StagingError
 from kimitui.engine.generation import Sampling
-from kimitui.engine import streaming
+from kimitui.engine.memory import pagemap_resident_bytes
 from kimitui.engine.session import Engine
 from kimitui.model import synth
 from kimitui.model.gguf_map import ROUTED_EXPERTS, load_model_map
@@ -101,39 +101,83 @@ def test_chunked_prefill_gives_stock_and_one_token_greedy_tokens_within_the_budg
         engine.close()
 
 
-def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_stock_tokens(k3_48, stock_tokens, monkeypatch):
-    """Slices of a huge page or more (K3's are 5.85 MB) have no arena: a staged matrix's slices
-    are paged into the file mapping in compute order while its node computes, and given back
-    behind it, the budget holding."""
-    monkeypatch.setattr(streaming, "HUGE_ALIGN", 4096)  # this model's small slices as if they were large
-    model = load_model_map(k3_48)
+@pytest.fixture(scope="module")
+def k3_large_slices(tmp_path_factory) -> Path:
+    """Kimi K3's graph cut to one dense and one MoE layer of 24 experts at three fifths of its
+    widths: slices of 2.02 MiB, a huge page or more, as at full size (no arena)."""
+    spec = synth.plan_like("kimi-k3", None, 0.6, "q4_1", synth.default_tokenizer(), synth.Cut(layers=2, experts=24))
+    out = tmp_path_factory.mktemp("k3l") / "k3l.gguf"
+    return synth.write_model(spec, out, seed=11, progress=False).paths[0]
+
+
+@pytest.fixture(scope="module")
+def large_slices_stock(k3_large_slices) -> list[int]:
+    stock = engine_for(k3_large_slices)
+    try:
+        return reply(stock, tokens=4)
+    finally:
+        stock.close()
+
+
+def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_stock_tokens(k3_large_slices, large_slices_stock):
+    """A staged matrix's slices are paged into the file mapping in compute order while its node
+    computes, and given back behind it, the budget holding; what the page-ins' faults mapped
+    about them is given back when the stage ends."""
+    model = load_model_map(k3_large_slices)
     budget = minimum_budget(model) + 2 * MIB
-    engine = engine_for(k3_48, budget)
+    engine = engine_for(k3_large_slices, budget)
     try:
         placer = engine.streamer.placer
         assert placer is not None and not placer.reads_in_place
-        peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine))
-        assert tokens == stock_tokens
+        peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine, tokens=4))
+        assert tokens == large_slices_stock
         experts = engine.streamer.experts
-        assert experts.staged_layers >= sum(layer.is_moe for layer in model.layers)
+        assert experts.staged_layers >= 1
         assert 0 < experts.prefill_read_bytes <= experts.prefill_bound_bytes
         # the staged slices and the trunk the prompt streams, both paged in (so more than the slices)
         assert engine.streamer.paged_in_bytes > experts.prefill_read_bytes
         assert peak <= budget
         assert engine.streamer.error is None
-        assert reply(engine) == stock_tokens
+        assert reply(engine, tokens=4) == large_slices_stock
     finally:
         engine.close()
 
 
-def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_48, stock_tokens, monkeypatch):
+def test_a_staged_layers_sweep_gives_back_every_file_page_of_its_routed_tensors_but_the_kept_experts(k3_large_slices):
+    """A page-in's faults map the cached pages about it too (fault-around), which its own
+    release leaves: the stage's end gives back all of the layer's but the kept experts'."""
+    model = load_model_map(k3_large_slices)
+    engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
+    try:
+        streamer, page = engine.streamer, os.sysconf("SC_PAGE_SIZE")
+        layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+        kept, stray = 3, 7
+        assert (layer, kept) not in streamer.experts.resident_keys() | streamer.experts.pinned
+
+        def resident(expert: int) -> int:
+            return sum(
+                pagemap_resident_bytes([(engine.space.at(r.file, r.offset // page * page), engine.space.at(r.file, r.end))])
+                for r in model.expert_ranges(layer, expert)
+            )
+
+        for expert in (kept, stray):  # mapped from the page cache, as fault-around leaves them
+            for r in model.expert_ranges(layer, expert):
+                assert streamer.io.populate(streamer.fds[r.file], streamer._base(r.file, r.offset), r.offset, r.length)
+        assert resident(stray) >= model.bytes_per_expert
+        streamer._sweep_layer(layer, {kept})
+        assert resident(stray) == 0
+        assert resident(kept) >= model.bytes_per_expert  # a kept expert's pages are never touched
+    finally:
+        engine.close()
+
+
+def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
     import errno
 
     from kimitui.engine.state import EngineError
 
-    monkeypatch.setattr(streaming, "HUGE_ALIGN", 4096)  # no arena: staged matrices page in
-    model = load_model_map(k3_48)
-    engine = engine_for(k3_48, minimum_budget(model) + 2 * MIB)
+    model = load_model_map(k3_large_slices)
+    engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
     try:
         io = engine.streamer.io
         real_populate = io.populate
@@ -146,11 +190,11 @@ def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_give
 
         io.populate = failing_populate
         gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=8))
-        with pytest.raises(EngineError, match=r"cannot read expert \d+ of layer \d+ from model file k3c\.gguf at byte \d+: Input/output error"):
+        with pytest.raises(EngineError, match=r"cannot read expert \d+ of layer \d+ from model file k3l\.gguf at byte \d+: Input/output error"):
             list(gen)
         assert gen.result.finish_reason == "error"
         io.populate = real_populate  # the drive is back
-        assert reply(engine) == stock_tokens
+        assert reply(engine, tokens=4) == large_slices_stock
     finally:
         engine.close()
 
@@ -222,9 +266,10 @@ def test_a_matrix_paged_in_does_not_hold_its_node_and_a_page_in_that_failed_stop
             out.append([future])
         return out
 
+    sweeps: list = []
     cache = ExpertCache(
         model, 20 * model.bytes_per_expert, [], [[0] * model.n_expert for _ in model.layers], read_unit, drops.append,
-        page_in_units=page_in,
+        page_in_units=page_in, sweep_layer=lambda layer, kept: sweeps.append((layer, kept)),
     )
     cache.ensure(layer, range(model.n_expert))
     assert cache.staging and paged and not [u for u in reads if u.matrix is not None]
@@ -244,6 +289,9 @@ def test_a_matrix_paged_in_does_not_hold_its_node_and_a_page_in_that_failed_stop
     with pytest.raises(OSError, match="drive removed"):
         cache.matrix_done(name)
     assert sorted(u.expert for u in drops if u.matrix == first) == list(range(model.n_expert))  # given back all the same
+    assert not sweeps
+    cache.end_stage(strict=False)
+    assert sweeps == [(layer, set())]  # what the page-ins' faults mapped about them goes too
 
 
 def test_a_matrix_asked_before_the_one_read_ahead_takes_its_room(k3_48):

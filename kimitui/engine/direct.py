@@ -160,6 +160,10 @@ class PlacedParts:
     # The widest stretch between two slices that one request may read through into scratch
     # memory instead of ending there (0: this placer reads only what it is asked).
     gap_bytes = 0
+    # Whether ranges it has not placed may be paged into the file mapping under compute instead
+    # (Streamer._can_page_in): its releases leave only the file's pages there, which the page
+    # cache's drop then frees.
+    pages_in = False
 
     def holds(self, file: int, offset: int) -> bool:
         with self._lock:
@@ -219,6 +223,7 @@ class DirectPlacer(PlacedParts):
     # A read that finds the pool spent waits this long for a buffer on its way back from a
     # release (the dropper runs beside compute) before it goes through the page cache instead.
     WAIT_FOR_BUFFER_S = 0.5
+    pages_in = True
     # A prompt's experts are scattered slices with short gaps between them (a 32-token prompt
     # routes to about 40% of a small-expert layer). Where a disk serves such reads at a tenth of
     # its sequential rate, a request costs what some hundred KiB cost in sequence (about 300 KiB

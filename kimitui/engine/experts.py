@@ -153,6 +153,7 @@ class ExpertCache:
         read_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
         cancel_reads: bool = True,
         page_in_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
+        sweep_layer: Callable[[int, set[int]], None] | None = None,
     ) -> None:
         """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
         look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
@@ -160,7 +161,9 @@ class ExpertCache:
         (default: ``read_unit`` each). ``cancel_reads``: an expert evicted before its read
         started has that read cancelled (not where one read may bring pages other experts
         wait for). ``page_in_units``: where given, a staged matrix's slices are paged into the
-        mapping in compute order and its node is not held for them (see ``stage_matrix``)."""
+        mapping in compute order and its node is not held for them (see ``stage_matrix``);
+        ``sweep_layer(layer, kept experts)`` then gives back, at the stage's end, the file pages
+        its page-ins left mapped outside their slices."""
         self.model = model
         self.capacity = capacity
         self.pinned = {(u.layer, u.expert) for u in pinned}
@@ -169,6 +172,7 @@ class ExpertCache:
         self._read_ahead = read_ahead or read_unit
         self._read_units = read_units or (lambda units: [read_unit(unit) for unit in units])
         self._page_in_units = page_in_units
+        self._sweep_layer = sweep_layer
         self._drop_unit = drop_unit
         self._cancel_reads = cancel_reads
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
@@ -579,6 +583,9 @@ class ExpertCache:
         left = [m for m in stage.reads if m not in stage.computed]
         for matrix in list(stage.reads):
             self._give_back_matrix(stage, matrix)
+        if self._page_in_units is not None and self._sweep_layer is not None:
+            layer = stage.layer
+            self._sweep_layer(layer, {e for (l, e) in self.pinned if l == layer} | {e for (l, e) in self._resident if l == layer})
         if strict and (left or len(stage.computed) < len(self.model.expert_ranges(stage.layer, 0))):
             raise StagingError(
                 f"layer {stage.layer}: llama.cpp computed the routed experts without asking for "

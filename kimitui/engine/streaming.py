@@ -284,6 +284,8 @@ class Streamer:
         # (the placer's arena): a slice that finds the page held waits for it too.
         self._edge_reads: dict[tuple[int, int], Future] = {}
         self._blanked: list[tuple] = []  # (file, offset, length[, address]) shielded as zeros, see _shield
+        self._failing = threading.Lock()  # held while a failure raises the shield
+        self._resetting = False  # reset_error under way: the failed token's reads are settling
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
         # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
@@ -566,6 +568,28 @@ class Streamer:
             out.append([self._pool.submit(self._read_chunk, unit, r.file, r.offset, r.length, None, PAGE_IN, room) for r in unit.ranges])
         return out
 
+    def _sweep_layer(self, layer: int, kept: set[int]) -> None:
+        """A staged layer's page-ins are over: give back every page of its routed tensors but the
+        kept experts' (and pages shared with other tensors). A fault maps the cached pages about
+        it too (fault-around: 64 KiB), and a paged-in slice's release gives back only its own,
+        so without this its neighbours' pages would stay mapped, resident and counted nowhere.
+        No read of this layer is under way: the stage's page-ins were waited for, and reads
+        ahead for it are of kept experts."""
+        page = self.io.page
+        routed = [t for t in self.model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
+        for matrix, t in enumerate(routed):
+            at, stop = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
+            holes = sorted(
+                (r.offset // page * page, -(-r.end // page) * page)
+                for r in (self.model.expert_ranges(layer, e)[matrix] for e in kept)
+            )
+            for lo, hi in holes + [(stop, stop)]:
+                if lo > at:
+                    self.io.drop(self.fds[t.file], self._base(t.file, at), at, min(lo, stop) - at)
+                at = max(at, hi)
+                if at >= stop:
+                    break
+
     def _reading_edges(self, file: int, edges: list[int], future: Future) -> None:
         """``future`` brings the shared end pages ``edges`` (see ``_handed``)."""
         if edges and self.placer.reads_in_place:
@@ -597,10 +621,14 @@ class Streamer:
         return out
 
     def fail(self, message: str) -> None:
-        """Stop the token: the abort callback ends it, the reply ends with ``message``."""
-        if self.error is None:
-            self.error = message
-            self._shield()
+        """Stop the token: the abort callback ends it, the reply ends with ``message``. From an
+        I/O thread (a page-in), the token may end before the shield is up: ``reset_error`` waits
+        for it, or it would come up after, zeros over the model's file pages for good. Page-ins
+        of the failed token that fail while ``reset_error`` waits for them are its failure too."""
+        with self._failing:
+            if self.error is None and not self._resetting:
+                self.error = message
+                self._shield()
 
     def _shield(self) -> None:
         """Until the aborted token is over, no page compute may touch faults on the file.
@@ -1037,8 +1065,8 @@ class Streamer:
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
             read_units=self._read_experts if self.placer is not None else None,
             cancel_reads=self.placer is None or not self.placer.reads_in_place,
-            # Not into the arena: its unplaced pages read as zeros, not the file's.
-            page_in_units=self._page_in_experts if self._can_page_in() and not (self.placer is not None and self.placer.reads_in_place) else None,
+            page_in_units=self._page_in_experts if self._pages_in_slices() else None,
+            sweep_layer=self._sweep_layer,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
@@ -1049,8 +1077,26 @@ class Streamer:
     def _can_page_in(self) -> bool:
         """Reads may page in under compute (staged matrices, see ``ExpertCache.stage_matrix``,
         and a prompt's trunk, see ``_submit``) where the mapping is the whole file and the OS
-        can fault a range in ahead of compute (Linux), not in the bounded layout's slots."""
-        return self.io.platform.startswith("linux") and not self.space.bounded
+        can fault a range in ahead of compute (Linux), not in the bounded layout's slots, and
+        the placer's releases leave the file's pages behind (see ``PlacedParts.pages_in``)."""
+        return (
+            self.io.platform.startswith("linux")
+            and not self.space.bounded
+            and (self.placer is None or self.placer.pages_in)
+        )
+
+    def _pages_in_slices(self) -> bool:
+        """Staged slices page in where each is a huge page or more (Kimi K3's are 5.85 MB). A
+        fault also maps the cached pages about it (fault-around: 64 KiB), which a smaller slice's
+        release would leave behind, resident past the budget until the stage's sweep; and small
+        slices have the arena, whose unplaced pages read as zeros, not the file's."""
+        routed = [t for t in self.model.tensors if t.role == ROUTED_EXPERTS]
+        return (
+            self._can_page_in()
+            and bool(routed)
+            and min(t.n_bytes // max(t.n_expert, 1) for t in routed) >= HUGE_ALIGN
+            and not (self.placer is not None and self.placer.reads_in_place)
+        )
 
     def _set_trimmer(self) -> None:
         """Expert trimming follows the settings; its counts carry over a change of rule."""
@@ -1256,6 +1302,15 @@ class Streamer:
         """The aborted token is over: the file goes back under the shielded pages, releases run
         again, and what the shield may have covered (bytes read through the page cache) is read
         again when next needed."""
+        with self._failing:  # a shield still going up is up first
+            self._resetting = True
+        try:
+            self._reset_error()
+        finally:
+            with self._failing:
+                self._resetting = False
+
+    def _reset_error(self) -> None:
         self._dropper.resume()
         for slot in list(self._claiming):  # a slot's mapping changes on the slot lane until collected
             try:
