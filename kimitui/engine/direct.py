@@ -169,6 +169,9 @@ class PlacedParts:
         with self._lock:
             return (file, offset) in self._placed or (file, offset) in self._parked
 
+    def free_idle_buffers(self) -> None:
+        """Give the read pool's free buffers back to the system (a placer without a pool has none)."""
+
     def make_arena(self, segments: dict[int, list[tuple[int, int]]]) -> bool:
         """Anonymous memory over ``segments`` (file -> [(lo, hi)], whole pages), slices read
         into it in place: False where this placer cannot (it keeps mapping each slice)."""
@@ -442,6 +445,18 @@ class DirectPlacer(PlacedParts):
                 return
             self._made -= 1
         self._libc.munmap(buf, PIECE_BYTES)
+
+    def free_idle_buffers(self) -> None:
+        """The budget counts the pool as the streamed window's memory: where the window is paged
+        in through the file instead (a prompt's trunk), buffers left idle by the last token go."""
+        with self._lock:
+            free = self._free[True] + self._free[False]
+            for kind in self._free.values():
+                kind.clear()
+            self._made -= len(free)
+            self._returned.notify_all()
+        for buf in free:
+            self._libc.munmap(buf, PIECE_BYTES)
 
     def buffer_spans(self) -> list[tuple[int, int]]:
         """Every pool buffer's address range, free or lent: what of them is resident is memory

@@ -164,10 +164,15 @@ class Dropper:
         with self._lock:
             return self._seq
 
-    def wait_released(self, mark: int) -> None:
-        """Wait until every release queued up to ``mark`` is done (or cancelled)."""
+    def wait_released(self, mark: int) -> bool:
+        """Wait until every release queued up to ``mark`` is done (or cancelled); False if the
+        dropper is paused first (a failure's shield holds the releases back until the token is
+        over, and a read must not wait for it: compute may be waiting for that read)."""
         with self._released:
-            self._released.wait_for(lambda: not self._pending or next(iter(self._pending.values()))[2] > mark)
+            self._released.wait_for(
+                lambda: not self._open.is_set() or not self._pending or next(iter(self._pending.values()))[2] > mark
+            )
+            return self._open.is_set() or not self._pending or next(iter(self._pending.values()))[2] > mark
 
     def settle(self, mark: int) -> bool:
         """Wait until every release queued up to ``mark`` is done; False if the dropper is
@@ -183,9 +188,11 @@ class Dropper:
         """Hold every release back (a release maps the file back in) until ``resume``; returns
         once none is under way."""
         self._open.clear()
-        if threading.current_thread() is not self._thread:  # (the dropper's own failure holds the lock)
+        if threading.current_thread() is not self._thread:
             with self._lock:  # a release runs under the lock, and none starts while paused
-                pass
+                self._released.notify_all()  # reads waiting for a release stop waiting
+        else:  # the dropper's own failure: it holds the lock
+            self._released.notify_all()
 
     def resume(self) -> None:
         self._open.set()
@@ -284,8 +291,9 @@ class Streamer:
         # (the placer's arena): a slice that finds the page held waits for it too.
         self._edge_reads: dict[tuple[int, int], Future] = {}
         self._blanked: list[tuple] = []  # (file, offset, length[, address]) shielded as zeros, see _shield
-        self._failing = threading.Lock()  # held while a failure raises the shield
-        self._resetting = False  # reset_error under way: the failed token's reads are settling
+        self._failing = threading.Condition()  # guards error, _shielding and _resetting
+        self._shielding = 0  # failures raising the shield now (see fail)
+        self._resetting = False  # reset_error or close under way: the failed token's reads are settling
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
         # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
@@ -384,8 +392,8 @@ class Streamer:
         ``whole`` gathers an expert's slices into one read for the trace; ``placed``: whole
         pages that go to the mapping by direct read (None back: the pool is spent, or O_DIRECT
         was refused); ``room``: the dropper's mark to wait for before reading."""
-        if room is not None:
-            self._dropper.wait_released(room)
+        if room is not None and not self._dropper.wait_released(room):
+            raise StreamAbort(self.error or "streaming stopped: the releases this read waits for are held back")
         started = time.perf_counter()
         expert = isinstance(unit, ExpertUnit)
         try:
@@ -579,9 +587,11 @@ class Streamer:
         routed = [t for t in self.model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
         for matrix, t in enumerate(routed):
             at, stop = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
+            with self._lock:  # a held end page may be a placed copy a neighbour counts on
+                held = [(edge, edge + page) for (file, edge), refs in self._edge_refs.items() if file == t.file and at <= edge < stop and refs > 0]
             holes = sorted(
-                (r.offset // page * page, -(-r.end // page) * page)
-                for r in (self.model.expert_ranges(layer, e)[matrix] for e in kept)
+                [(r.offset // page * page, -(-r.end // page) * page) for r in (self.model.expert_ranges(layer, e)[matrix] for e in kept)]
+                + held
             )
             for lo, hi in holes + [(stop, stop)]:
                 if lo > at:
@@ -626,9 +636,16 @@ class Streamer:
         for it, or it would come up after, zeros over the model's file pages for good. Page-ins
         of the failed token that fail while ``reset_error`` waits for them are its failure too."""
         with self._failing:
-            if self.error is None and not self._resetting:
-                self.error = message
-                self._shield()
+            if self.error is not None or self._resetting:
+                return
+            self.error = message
+            self._shielding += 1
+        try:  # not under the lock: the dropper's own failure comes here while the shield waits for it
+            self._shield()
+        finally:
+            with self._failing:
+                self._shielding -= 1
+                self._failing.notify_all()
 
     def _shield(self) -> None:
         """Until the aborted token is over, no page compute may touch faults on the file.
@@ -774,6 +791,8 @@ class Streamer:
         # order the graph uses them). A decoded token reads its trunk ahead instead (prefetch).
         page_in = self.experts is not None and self.experts.prefilling and self._can_page_in()
         if page_in:
+            if self.placer is not None:  # the window is the file's pages now: the budget has no room for both
+                self.placer.free_idle_buffers()
             self._paged_in.add(shard.index)
         else:
             self._paged_in.discard(shard.index)
@@ -1303,6 +1322,7 @@ class Streamer:
         again, and what the shield may have covered (bytes read through the page cache) is read
         again when next needed."""
         with self._failing:  # a shield still going up is up first
+            self._failing.wait_for(lambda: self._shielding == 0)
             self._resetting = True
         try:
             self._reset_error()
@@ -1332,6 +1352,15 @@ class Streamer:
         self.error = None
 
     def close(self) -> None:
+        with self._failing:  # a read failing from here on shields nothing; one shielding now is done first
+            self._failing.wait_for(lambda: self._shielding == 0)
+            self._resetting = True
+        for entry in self._blanked:  # a shield no token took down (a read ahead failed after the reply)
+            try:
+                self.placer.map_file(*entry)
+            except OSError:
+                pass
+        self._blanked = []
         self._dropper.resume()  # reads waiting on a release must be able to finish
         for pool in (self._pool, self._guess_pool, *self._retired_pools, self._slot_lane):
             if pool is not None:

@@ -91,12 +91,14 @@ class KimituiApp(App[int]):
         self.main.terminal_lost()
 
     def on_unmount(self) -> None:
-        if self._hangup_watched:  # the loop may outlive the app (an app run inside another program)
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-            self._hangup_watched = False
-        self.history.close()
-        if self._on_exit is not None:
-            self._on_exit()
+        try:
+            if self._hangup_watched:  # the loop may outlive the app (an app run inside another program)
+                self._hangup_watched = False
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        finally:
+            self.history.close()
+            if self._on_exit is not None:
+                self._on_exit()
 
     def on_history_failed(self, message: HistoryFailed) -> None:
         self.notify(f"could not save the chat history: {message.error}", severity="error", timeout=15)
