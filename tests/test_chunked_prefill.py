@@ -369,3 +369,21 @@ def test_a_prompts_trunk_paging_in_gives_back_the_read_pools_idle_buffers(k3_lar
         assert freed and freed[0] == idle  # the next prompt gave them back as its trunk paged in
     finally:
         engine.close()
+
+
+def test_a_key_given_back_twice_before_its_first_release_runs_is_released_twice():
+    """Each read of a slice holds its shared end pages once: an expert read again and given back
+    again before its first release ran must give them back twice, or they stay held for good."""
+    from kimitui.engine.streaming import Dropper
+
+    released: list[str] = []
+    dropper = Dropper(released.append, lambda message: None)
+    try:
+        dropper.pause()
+        dropper.later(("expert", 1, 2, 0), ["first read"])
+        dropper.later(("expert", 1, 2, 0), ["second read"])
+        dropper.resume()
+        dropper.flush()
+        assert released == ["first read", "second read"]
+    finally:
+        dropper.close()

@@ -144,11 +144,13 @@ class Dropper:
         self._thread.start()
 
     def later(self, key, ranges, release: Callable[[object], None] | None = None) -> None:
-        """Release ``ranges`` soon, with ``release`` (default: the dropper's own)."""
+        """Release ``ranges`` soon, with ``release`` (default: the dropper's own). A key still
+        waiting keeps its ranges too: each release gives back the end pages its read held (an
+        expert read again and evicted again before its first release ran holds them twice)."""
         with self._lock:
             self._seq += 1
-            self._pending.pop(key, None)  # to the back of the queue, in sequence order
-            self._pending[key] = (tuple(ranges), release or self._release, self._seq)
+            waiting = self._pending.pop(key, None)  # to the back of the queue, in sequence order
+            self._pending[key] = ((waiting[0] if waiting else ()) + tuple(ranges), release or self._release, self._seq)
             self._idle.clear()
         self._wake.set()
 
