@@ -892,13 +892,7 @@ class DirectPlacer(PlacedParts):
                     self._map_file(file, lo, hi - lo)
                 except OSError:
                     pass
-        with self._lock:
-            free = self._free[True] + self._free[False]
-            for kind in self._free.values():
-                kind.clear()
-            self._made -= len(free)
-        for buf in free:
-            self._libc.munmap(buf, PIECE_BYTES)
+        self.free_idle_buffers()
         if self._scratch is not None:
             self._libc.munmap(self._scratch, self.gap_bytes)
             self._scratch = None

@@ -571,12 +571,7 @@ class Streamer:
         after WILLNEED), in the order ``units`` come (the order compute uses them), for compute
         to meet as they land. Their shared end pages are counted as held, as a placed slice's,
         so the release (``_release_expert``) gives back what no one else holds."""
-        room = self._dropper.mark()
-        out = []
-        for unit in units:
-            self._take_edges(unit.ranges)
-            out.append([self._pool.submit(self._read_chunk, unit, r.file, r.offset, r.length, None, PAGE_IN, room) for r in unit.ranges])
-        return out
+        return [self._read_ranges(unit, unit.ranges, page_in=True) for unit in units]
 
     def _sweep_layer(self, layer: int, kept: set[int]) -> None:
         """A staged layer's page-ins are over: give back every page of its routed tensors but the
@@ -1348,21 +1343,26 @@ class Streamer:
             if self.experts is not None:
                 self.experts.clear()
             self._dropper.flush()
-            blanked, self._blanked = self._blanked, []
-            for entry in blanked:
-                self.placer.map_file(*entry)
+            self._unshield()
         self.error = None
+
+    def _unshield(self) -> None:
+        """The file again over the ranges the shield blanked (``_shield``): each one tried, the
+        first failure raised after."""
+        blanked, self._blanked = self._blanked, []
+        failures = []
+        for entry in blanked:
+            try:
+                self.placer.map_file(*entry)
+            except OSError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def close(self) -> None:
         with self._failing:  # a read failing from here on shields nothing; one shielding now is done first
             self._failing.wait_for(lambda: self._shielding == 0)
             self._resetting = True
-        for entry in self._blanked:  # a shield no token took down (a read ahead failed after the reply)
-            try:
-                self.placer.map_file(*entry)
-            except OSError:
-                pass
-        self._blanked = []
         self._dropper.resume()  # reads waiting on a release must be able to finish
         for pool in (self._pool, self._guess_pool, *self._retired_pools, self._slot_lane):
             if pool is not None:
@@ -1370,5 +1370,9 @@ class Streamer:
         self._dropper.close()
         if self.placer is not None:
             self.placer.close()  # the mapping is the file's again before llama.cpp unmaps it
+            try:
+                self._unshield()  # a shield no token took down (a read ahead failed after the reply)
+            except OSError:
+                pass
         for fd in self.fds.values():
             os.close(fd)
