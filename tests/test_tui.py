@@ -132,6 +132,21 @@ async def test_the_app_watches_for_a_hangup_only_while_it_runs():
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
+async def test_a_hangup_handler_of_the_program_running_the_app_is_back_after_it():
+    def own_handler(signum, frame):  # a program that embeds the app and handles hangups itself
+        pass
+
+    signal.signal(signal.SIGHUP, own_handler)
+    try:
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.main.ready)
+            assert signal.getsignal(signal.SIGHUP) is not own_handler
+        assert signal.getsignal(signal.SIGHUP) is own_handler
+    finally:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 async def test_escape_cancels_a_reply_and_keeps_history():
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:

@@ -65,6 +65,7 @@ class KimituiApp(App[int]):
         self.add_mode("main", lambda: self.main)
         self._on_exit = on_exit
         self._hangup_watched = False
+        self._hangup_before = None  # the process's SIGHUP handler before the app's
 
     def on_mount(self) -> None:
         for theme in bundled_themes():
@@ -73,6 +74,8 @@ class KimituiApp(App[int]):
         self.theme_changed_signal.subscribe(self, lambda theme: self.history.post(self.store.set_setting, "theme", theme.name))
         start_up_finished()  # the imports are done and the load runs in C: the collector may run again
         try:
+            # A program that runs the app may have its own handler: it is put back on unmount.
+            self._hangup_before = signal.getsignal(signal.SIGHUP)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._terminal_closed)
             self._hangup_watched = True
         except (NotImplementedError, RuntimeError, ValueError):  # no SIGHUP here, or not the main thread (tests)
@@ -95,6 +98,8 @@ class KimituiApp(App[int]):
             if self._hangup_watched:  # the loop may outlive the app (an app run inside another program)
                 self._hangup_watched = False
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+                if self._hangup_before is not None:  # None: one not set from Python, left as the loop leaves it
+                    signal.signal(signal.SIGHUP, self._hangup_before)
         finally:
             self.history.close()
             if self._on_exit is not None:
