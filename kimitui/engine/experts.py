@@ -204,7 +204,6 @@ class ExpertCache:
         self.last_choice: list[set[int]] = [set() for _ in range(n)]
         self._inflight: dict[tuple[int, int], list[Future]] = {}
         self._prefetched: set[tuple[int, int]] = set()
-        self._units: dict[tuple[int, int], ExpertUnit] = {}
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.prefetch_wasted_bytes = 0
 
@@ -214,11 +213,7 @@ class ExpertCache:
             self.policy = make_policy(policy, self._resident, self.counts)
 
     def _unit(self, layer: int, expert: int) -> ExpertUnit:
-        # Made once each: a long prompt asks for thousands per chunk, and the ranges never change.
-        unit = self._units.get((layer, expert))
-        if unit is None:
-            unit = self._units[(layer, expert)] = ExpertUnit(layer, expert, tuple(self.model.expert_ranges(layer, expert)))
-        return unit
+        return ExpertUnit(layer, expert, tuple(self.model.expert_ranges(layer, expert)))
 
     def _touch(self, key: tuple[int, int], unit: ExpertUnit | None = None) -> None:
         """``key`` was just used (or, with ``unit``, just became resident)."""
