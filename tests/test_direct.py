@@ -156,6 +156,39 @@ def test_slices_in_the_arena_are_read_in_place_with_no_mapping_call_each(mapped_
     assert ctypes.string_at(address, len(data)) == data
 
 
+def test_neighbouring_slices_in_the_arena_go_back_in_one_call_and_a_failed_call_keeps_them(mapped_file, monkeypatch):
+    """The slices one eviction gives back together: those side by side freed by one madvise, the
+    others left as they were, a part the placer does not hold handed back to the caller; where
+    the call fails, the slices stay placed with their bytes and the failure is raised."""
+    path, data, address, placer = mapped_file
+    drop_from_page_cache(path)
+    lo, hi = 2 * MIB, 18 * MIB
+    assert placer.make_arena({0: [(lo, hi)]})
+    pieces = [(lo + i * 8 * PAGE, 8 * PAGE) for i in range(40)]  # whole-page slices, side by side
+    for start, length in pieces:
+        assert placer.place_slice(0, start, length, [(start, length)], []) == length
+    calls = []
+    madvise = placer._libc.madvise
+    monkeypatch.setattr(placer._libc, "madvise", lambda at, length, advice: calls.append(length) or madvise(at, length, advice))
+    given = pieces[:10] + pieces[20:30]
+    not_held = (hi + PAGE, PAGE)
+    assert placer.release_many(0, given + [not_held]) == [not_held]
+    assert sorted(calls) == [10 * 8 * PAGE, 10 * 8 * PAGE], "one call for each run of neighbours"
+    assert _resident_pages(address + pieces[0][0], 10 * 8 * PAGE) == 0
+    kept = pieces[10][0], pieces[20][0]
+    assert ctypes.string_at(address + kept[0], kept[1] - kept[0]) == data[kept[0] : kept[1]]
+    assert placer.placed_bytes == 20 * 8 * PAGE
+
+    monkeypatch.setattr(placer._libc, "madvise", lambda at, length, advice: ctypes.set_errno(22) or -1)
+    with pytest.raises(OSError, match="madvise"):
+        placer.release_many(0, pieces[10:20])
+    assert placer.placed_bytes == 20 * 8 * PAGE, "a slice that could not be given back stays placed"
+    assert ctypes.string_at(address + kept[0], kept[1] - kept[0]) == data[kept[0] : kept[1]]
+    monkeypatch.setattr(placer._libc, "madvise", madvise)
+    assert placer.release_many(0, pieces[10:20] + pieces[30:]) == []
+    assert placer.placed_bytes == 0
+
+
 def test_pool_buffers_are_reused_and_a_spent_pool_says_so(mapped_file):
     path, data, address, placer = mapped_file
     pieces = [(s, n) for s, n, p in split_pieces(0, len(data), PAGE) if p]

@@ -320,6 +320,23 @@ def test_cache_evicts_by_policy(moe_model):
     assert lru.hits == 2
 
 
+def test_the_experts_one_ask_evicts_go_back_as_one_release(moe_model):
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    size = max(ExpertUnit(layer, e, tuple(model.expert_ranges(layer, e))).footprint for e in range(8))
+    counts = [[0] * model.n_expert for _ in model.layers]
+    released: list[list[int]] = []
+    cache = ExpertCache(
+        model, 4 * size, [], counts, lambda unit: [], lambda unit: released.append([unit.expert]), "lru",
+        drop_units=lambda units: released.append([u.expert for u in units]),
+    )
+    cache.ensure(layer, [0, 1, 2, 3])
+    assert released == []
+    cache.ensure(layer, [4, 5, 6])  # three must go: one release, oldest first
+    assert released == [[0, 1, 2]]
+    assert cache.resident_bytes <= 4 * size
+
+
 def test_the_expert_policy_switched_live_keeps_the_capacity(moe_model):
     """Experts made resident under LRU carry no LFU rank: after a switch to LFU they must still
     be the ones evicted, or every read passes the capacity (the budget)."""

@@ -202,6 +202,23 @@ class PlacedParts:
         """Give one part read in place back to the file (its anonymous pages are freed)."""
         self._unplace(file, offset)
 
+    def release_many(self, file: int, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Give back many parts read in place, (offset, length) each; returns the ones it does not
+        hold (read through the page cache: the caller drops those). Each is tried; OSError for
+        the first that could not be (it stays placed, its bytes still right)."""
+        rest, failure = [], None
+        for offset, length in parts:
+            if not self.holds(file, offset):
+                rest.append((offset, length))
+                continue
+            try:
+                self._unplace(file, offset)
+            except OSError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return rest
+
     def release(self, file: int, offset: int, length: int) -> None:
         """Give every placed piece inside [offset, offset+length) back to the file. Raises
         OSError if one cannot be; that piece then stays placed, its bytes still right."""
@@ -491,6 +508,38 @@ class DirectPlacer(PlacedParts):
     @property
     def reads_in_place(self) -> bool:
         return bool(self._arena)
+
+    def release_many(self, file: int, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """In the arena, parts that lie side by side are freed in one call and the records are taken
+        under one lock (a prompt's chunk evicts hundreds of slices at once); the rest as
+        ``release_in_place``."""
+        with self._lock:
+            taken = sorted(
+                (offset, self._placed.pop((file, offset)))
+                for offset, _ in parts
+                if (entry := self._placed.get((file, offset))) is not None
+                and entry[0] == 0
+                and self._in_arena(file, offset, offset + entry[2])
+            )
+        spans: list[list] = []  # [start, end, the records taken]
+        for offset, entry in taken:
+            if spans and spans[-1][1] == offset:
+                spans[-1][1] += entry[2]
+                spans[-1][2].append((offset, entry))
+            else:
+                spans.append([offset, offset + entry[2], [(offset, entry)]])
+        failure = None
+        for start, end, records in spans:
+            if self._libc.madvise(self.space.at(file, start), end - start, MADV_DONTNEED) != 0:
+                err = ctypes.get_errno()
+                with self._lock:  # still placed, their bytes still right
+                    self._placed.update(((file, offset), entry) for offset, entry in records)
+                failure = failure or OSError(err, f"madvise(MADV_DONTNEED) of {end - start} bytes: {os.strerror(err)}")
+        taken_offsets = {offset for offset, _ in taken}
+        rest = super().release_many(file, [part for part in parts if part[0] not in taken_offsets])
+        if failure is not None:
+            raise failure
+        return rest
 
     def _in_arena(self, file: int, lo: int, hi: int) -> bool:
         spans = self._arena.get(file)

@@ -154,6 +154,7 @@ class ExpertCache:
         cancel_reads: bool = True,
         page_in_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
         sweep_layer: Callable[[int, set[int]], None] | None = None,
+        drop_units: Callable[[list[ExpertUnit]], None] | None = None,
     ) -> None:
         """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
         look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
@@ -163,7 +164,8 @@ class ExpertCache:
         wait for). ``page_in_units``: where given, a staged matrix's slices are paged into the
         mapping in compute order and its node is not held for them (see ``stage_matrix``);
         ``sweep_layer(layer, kept experts)`` then gives back, at the stage's end, the file pages
-        its page-ins left mapped outside their slices."""
+        its page-ins left mapped outside their slices. ``drop_units`` gives many experts back as
+        one release (default: ``drop_unit`` each): the experts one call evicts."""
         self.model = model
         self.capacity = capacity
         self.pinned = {(u.layer, u.expert) for u in pinned}
@@ -174,6 +176,7 @@ class ExpertCache:
         self._page_in_units = page_in_units
         self._sweep_layer = sweep_layer
         self._drop_unit = drop_unit
+        self._drop_units = drop_units or (lambda units: [drop_unit(unit) for unit in units])
         self._cancel_reads = cancel_reads
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
         self.policy: ExpertPolicy = make_policy(policy, self._resident, counts)
@@ -223,20 +226,25 @@ class ExpertCache:
         self.policy.used(key)
 
     def _make_room(self, length: int, protect: set[tuple[int, int]]) -> bool:
-        while self._resident and self._resident_bytes + length > self.capacity:
-            victim = self.policy.victim(protect)
-            if victim is None:
-                return False
-            evicted = self._resident.pop(victim)
-            self.policy.forgot(victim)
-            self._settle(self._inflight.pop(victim, None))
-            if victim in self._prefetched:  # read ahead and never used
-                self._prefetched.discard(victim)
-                self.prefetch_wasted += 1
-                self.prefetch_wasted_bytes += evicted.length
-            self._drop_unit(evicted)
-            self._resident_bytes -= evicted.footprint
-        return self._resident_bytes + length <= self.capacity
+        evicted: list[ExpertUnit] = []
+        try:
+            while self._resident and self._resident_bytes + length > self.capacity:
+                victim = self.policy.victim(protect)
+                if victim is None:
+                    return False
+                unit = self._resident.pop(victim)
+                self.policy.forgot(victim)
+                self._settle(self._inflight.pop(victim, None))
+                if victim in self._prefetched:  # read ahead and never used
+                    self._prefetched.discard(victim)
+                    self.prefetch_wasted += 1
+                    self.prefetch_wasted_bytes += unit.length
+                evicted.append(unit)
+                self._resident_bytes -= unit.footprint
+            return self._resident_bytes + length <= self.capacity
+        finally:
+            if evicted:
+                self._drop_units(evicted)
 
     def _settle(self, futures: list[Future] | None) -> None:
         """An expert read ahead is evicted before its read landed: cancel what has not started
@@ -315,9 +323,11 @@ class ExpertCache:
             self.bytes_needed += unit.length
             if self.prefilling:
                 self.prefill_read_bytes += unit.length
-            self._make_room(unit.footprint, needed)
             missed.append(unit)
-            self._touch(key, unit)
+        # Room for all of them at once: the experts it evicts go back as one release.
+        self._make_room(sum(u.footprint for u in missed), needed)
+        for unit in missed:
+            self._touch((unit.layer, unit.expert), unit)
             self._resident_bytes += unit.footprint
         if missed and self.prefilling and self._stages:
             self._defer(layer, missed)  # waited for at each matrix's node (stage_matrix)
