@@ -156,36 +156,47 @@ def test_slices_in_the_arena_are_read_in_place_with_no_mapping_call_each(mapped_
     assert ctypes.string_at(address, len(data)) == data
 
 
-def test_neighbouring_slices_in_the_arena_go_back_in_one_call_and_a_failed_call_keeps_them(mapped_file, monkeypatch):
+def test_neighbouring_slices_in_the_arena_go_back_in_one_call_and_a_failed_one_keeps_only_its_own(mapped_file, monkeypatch):
     """The slices one eviction gives back together: those side by side freed by one madvise, the
-    others left as they were, a part the placer does not hold handed back to the caller; where
-    the call fails, the slices stay placed with their bytes and the failure is raised."""
+    others left as they were, a part the placer does not hold handed back to the caller. Where
+    a run's call fails, each of its slices is tried on its own: only one that cannot be given
+    back stays placed, and the failure is returned."""
     path, data, address, placer = mapped_file
     drop_from_page_cache(path)
     lo, hi = 2 * MIB, 18 * MIB
     assert placer.make_arena({0: [(lo, hi)]})
-    pieces = [(lo + i * 8 * PAGE, 8 * PAGE) for i in range(40)]  # whole-page slices, side by side
+    size = 8 * PAGE
+    pieces = [(lo + i * size, size) for i in range(40)]  # whole-page slices, side by side
     for start, length in pieces:
         assert placer.place_slice(0, start, length, [(start, length)], []) == length
     calls = []
     madvise = placer._libc.madvise
     monkeypatch.setattr(placer._libc, "madvise", lambda at, length, advice: calls.append(length) or madvise(at, length, advice))
-    given = pieces[:10] + pieces[20:30]
     not_held = (hi + PAGE, PAGE)
-    assert placer.release_many(0, given + [not_held]) == [not_held]
-    assert sorted(calls) == [10 * 8 * PAGE, 10 * 8 * PAGE], "one call for each run of neighbours"
-    assert _resident_pages(address + pieces[0][0], 10 * 8 * PAGE) == 0
+    assert placer.release_many(0, pieces[:10] + pieces[20:30] + [not_held]) == ([not_held], None)
+    assert sorted(calls) == [10 * size, 10 * size], "one call for each run of neighbours"
+    assert _resident_pages(address + pieces[0][0], 10 * size) == 0
+    assert _resident_pages(address + pieces[20][0], 10 * size) == 0
     kept = pieces[10][0], pieces[20][0]
     assert ctypes.string_at(address + kept[0], kept[1] - kept[0]) == data[kept[0] : kept[1]]
-    assert placer.placed_bytes == 20 * 8 * PAGE
+    assert placer.placed_bytes == 20 * size
 
-    monkeypatch.setattr(placer._libc, "madvise", lambda at, length, advice: ctypes.set_errno(22) or -1)
-    with pytest.raises(OSError, match="madvise"):
-        placer.release_many(0, pieces[10:20])
-    assert placer.placed_bytes == 20 * 8 * PAGE, "a slice that could not be given back stays placed"
-    assert ctypes.string_at(address + kept[0], kept[1] - kept[0]) == data[kept[0] : kept[1]]
+    stuck = address + pieces[13][0]  # the one slice whose pages cannot be given back
+
+    def failing(at, length, advice):
+        if length > size or at == stuck:
+            ctypes.set_errno(22)
+            return -1
+        return madvise(at, length, advice)
+
+    monkeypatch.setattr(placer._libc, "madvise", failing)
+    rest, failure = placer.release_many(0, pieces[10:20])
+    assert rest == [] and isinstance(failure, OSError) and "madvise" in str(failure)
+    assert placer.placed_bytes == 11 * size, "only the slice that could not be given back stays placed"
+    assert placer.holds(0, pieces[13][0])
+    assert _resident_pages(address + pieces[10][0], 3 * size) == 0
     monkeypatch.setattr(placer._libc, "madvise", madvise)
-    assert placer.release_many(0, pieces[10:20] + pieces[30:]) == []
+    assert placer.release_many(0, [pieces[13]] + pieces[30:]) == ([], None)
     assert placer.placed_bytes == 0
 
 

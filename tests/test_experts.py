@@ -337,6 +337,46 @@ def test_the_experts_one_ask_evicts_go_back_as_one_release(moe_model):
     assert cache.resident_bytes <= 4 * size
 
 
+def test_an_evictions_experts_given_back_in_one_release_leave_no_page_placed_and_the_tokens_stay(moe_model):
+    """Through the real streamer: every cached expert evicted by one call goes back in one
+    release, after which none of their own pages is placed or resident, each end page they
+    shared is held once less for each of them, and the next reply reads them again and gives
+    the same tokens."""
+    from collections import Counter
+
+    from kimitui.engine.memory import pagemap_resident_bytes
+
+    engine = expert_engine(moe_model)
+    try:
+        first = run(engine)
+        streamer, experts = engine.streamer, engine.streamer.experts
+        if streamer.placer is None or not streamer.placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        evicted = len(experts._resident)
+        slices = [r for unit in experts._resident.values() for r in unit.ranges]
+        assert evicted > 10
+        shared = Counter((r.file, edge) for r in slices for edge in streamer._slice_pages(r)[2])
+        refs_before = dict(streamer._edge_refs)
+        releases = []
+        drop_units = experts._drop_units
+        experts._drop_units = lambda units: releases.append(len(units)) or drop_units(units)
+        capacity, experts.capacity = experts.capacity, 0
+        experts._make_room(1, set())
+        streamer._dropper.flush()
+        assert releases == [evicted] and experts.resident_bytes == 0
+        own = [(r.file, streamer._slice_own(r)) for r in slices]
+        assert not any(streamer.placer.holds(file, part[0]) for file, part in own if part)
+        spans = [(engine.space.at(file, part[0]), engine.space.at(file, part[0] + part[1])) for file, part in own if part]
+        assert pagemap_resident_bytes(spans) == 0
+        for key, count in shared.items():
+            assert streamer._edge_refs.get(key, 0) == refs_before[key] - count
+        experts.capacity = capacity
+        experts._drop_units = drop_units
+        assert run(engine) == first
+    finally:
+        engine.close()
+
+
 def test_the_expert_policy_switched_live_keeps_the_capacity(moe_model):
     """Experts made resident under LRU carry no LFU rank: after a switch to LFU they must still
     be the ones evicted, or every read passes the capacity (the budget)."""

@@ -202,10 +202,10 @@ class PlacedParts:
         """Give one part read in place back to the file (its anonymous pages are freed)."""
         self._unplace(file, offset)
 
-    def release_many(self, file: int, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Give back many parts read in place, (offset, length) each; returns the ones it does not
-        hold (read through the page cache: the caller drops those). Each is tried; OSError for
-        the first that could not be (it stays placed, its bytes still right)."""
+    def release_many(self, file: int, parts: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], OSError | None]:
+        """Give back many parts read in place, (offset, length) each. Each is tried: returns the
+        ones it does not hold (read through the page cache: the caller drops those) and the
+        first failure (that part stays placed)."""
         rest, failure = [], None
         for offset, length in parts:
             if not self.holds(file, offset):
@@ -215,9 +215,7 @@ class PlacedParts:
                 self._unplace(file, offset)
             except OSError as exc:
                 failure = failure or exc
-        if failure is not None:
-            raise failure
-        return rest
+        return rest, failure
 
     def release(self, file: int, offset: int, length: int) -> None:
         """Give every placed piece inside [offset, offset+length) back to the file. Raises
@@ -509,10 +507,9 @@ class DirectPlacer(PlacedParts):
     def reads_in_place(self) -> bool:
         return bool(self._arena)
 
-    def release_many(self, file: int, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def release_many(self, file: int, parts: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], OSError | None]:
         """In the arena, parts that lie side by side are freed in one call and the records are taken
-        under one lock (a prompt's chunk evicts hundreds of slices at once); the rest as
-        ``release_in_place``."""
+        under one lock (a prompt's chunk evicts hundreds of slices at once); the rest one by one."""
         with self._lock:
             taken = sorted(
                 (offset, self._placed.pop((file, offset)))
@@ -530,16 +527,19 @@ class DirectPlacer(PlacedParts):
                 spans.append([offset, offset + entry[2], [(offset, entry)]])
         failure = None
         for start, end, records in spans:
-            if self._libc.madvise(self.space.at(file, start), end - start, MADV_DONTNEED) != 0:
-                err = ctypes.get_errno()
-                with self._lock:  # still placed, their bytes still right
-                    self._placed.update(((file, offset), entry) for offset, entry in records)
-                failure = failure or OSError(err, f"madvise(MADV_DONTNEED) of {end - start} bytes: {os.strerror(err)}")
+            if self._libc.madvise(self.space.at(file, start), end - start, MADV_DONTNEED) == 0:
+                continue
+            # Each on its own then: only a part that cannot be given back stays placed (counted
+            # in placed_bytes until it is read again or the placer closes).
+            for offset, entry in records:
+                if self._libc.madvise(self.space.at(file, offset), entry[2], MADV_DONTNEED) != 0:
+                    err = ctypes.get_errno()
+                    with self._lock:
+                        self._placed[(file, offset)] = entry
+                    failure = failure or OSError(err, f"madvise(MADV_DONTNEED) of {entry[2]} bytes: {os.strerror(err)}")
         taken_offsets = {offset for offset, _ in taken}
-        rest = super().release_many(file, [part for part in parts if part[0] not in taken_offsets])
-        if failure is not None:
-            raise failure
-        return rest
+        rest, other = super().release_many(file, [part for part in parts if part[0] not in taken_offsets])
+        return rest, failure or other
 
     def _in_arena(self, file: int, lo: int, hi: int) -> bool:
         spans = self._arena.get(file)

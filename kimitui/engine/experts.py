@@ -324,8 +324,8 @@ class ExpertCache:
             if self.prefilling:
                 self.prefill_read_bytes += unit.length
             missed.append(unit)
-        # Room for all of them at once: the experts it evicts go back as one release.
-        self._make_room(sum(u.footprint for u in missed), needed)
+        if missed:  # room for all of them at once: the experts it evicts go back as one release
+            self._make_room(sum(u.footprint for u in missed), needed)
         for unit in missed:
             self._touch((unit.layer, unit.expert), unit)
             self._resident_bytes += unit.footprint

@@ -788,10 +788,10 @@ class Streamer:
 
     def _release_slices(self, batch) -> None:
         """``_release_expert`` for many slices at once (the experts one call of the cache
-        evicted): their end pages counted under one lock, the placer's records taken under one,
-        and neighbouring pages freed in one call each. A prompt's chunk evicts hundreds, and
-        its reads wait for their release: one by one, the dropper took 1.4 s of a 128-token
-        prompt's I/O threads on the README's MoE example."""
+        evicted, where the placer has the arena): their end pages counted under one lock, the
+        placer's records taken under one, and neighbouring pages freed in one call each. A
+        prompt's chunk evicts hundreds, and its reads wait for their release: one by one, the
+        dropper took 1.4 s of a 128-token prompt's I/O threads on the README's MoE example."""
         by_file: dict[int, list[tuple[int, int]]] = {}
         for r in batch:
             own = self._slice_own(r)
@@ -800,13 +800,14 @@ class Streamer:
         for file, offset, length in self._give_back_edges(batch):
             by_file.setdefault(file, []).append((offset, length))
         failure = None
-        for file, parts in by_file.items():  # each file's tried, the first failure raised after
-            try:
-                # What the placer does not hold was read through the page cache.
-                for offset, length in self.placer.release_many(file, parts) if self.placer is not None else parts:
+        for file, parts in by_file.items():  # every part tried, the first failure raised after
+            rest, failed = self.placer.release_many(file, parts)
+            failure = failure or failed
+            for offset, length in rest:  # read through the page cache
+                try:
                     self.io.drop(self.fds[file], self._base(file, offset), offset, length)
-            except OSError as exc:
-                failure = failure or exc
+                except OSError as exc:
+                    failure = failure or exc
         if failure is not None:
             raise failure
 
@@ -1113,7 +1114,8 @@ class Streamer:
             cancel_reads=self.placer is None or not self.placer.reads_in_place,
             page_in_units=self._page_in_experts if self._pages_in_slices() else None,
             sweep_layer=self._sweep_layer,
-            drop_units=drop_units,
+            # Where a release is one madvise each (the arena), an eviction's go as one.
+            drop_units=drop_units if self.placer is not None and self.placer.reads_in_place else None,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
