@@ -280,10 +280,10 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         self.end_stage(strict=False)
-        unpinned = [self._unit(layer, e) for e in wanted if (layer, e) not in self.pinned]
+        units = {e: self._unit(layer, e) for e in wanted if (layer, e) not in self.pinned}
         if self.prefilling:
-            self.prefill_bound_bytes += sum(u.length for u in unpinned)
-        if self._stages and sum(u.footprint for u in unpinned) > self.capacity:
+            self.prefill_bound_bytes += sum(u.length for u in units.values())
+        if self._stages and sum(u.footprint for u in units.values()) > self.capacity:
             return self._begin_stage(layer, wanted)
         pending: list[tuple[ExpertUnit, list[Future]]] = []
         missed: list[ExpertUnit] = []  # read below, together
@@ -310,7 +310,7 @@ class ExpertCache:
             if key in self.pinned or key in self._resident:
                 self.hits += 1
                 self.layer_hits[layer] += 1
-                unit = self._resident.get(key) or self._unit(layer, e)
+                unit = self._resident.get(key) or units.get(e) or self._unit(layer, e)
                 self.bytes_from_cache += unit.length
                 if read_ahead:  # in memory in time, but read from storage for this token
                     self.bytes_needed += unit.length
@@ -319,7 +319,7 @@ class ExpertCache:
                 continue
             self.misses += 1
             self.layer_misses[layer] += 1
-            unit = self._unit(layer, e)
+            unit = units[e]  # a miss is never pinned
             self.bytes_needed += unit.length
             if self.prefilling:
                 self.prefill_read_bytes += unit.length

@@ -163,9 +163,9 @@ class Dropper:
             return kept
 
     def mark(self) -> int:
-        """The releases queued so far."""
-        with self._lock:
-            return self._seq
+        """The releases queued so far. Read without the lock, which a release holds while it runs
+        (a batch of an eviction's experts): the caller's own ``later`` calls came before it."""
+        return self._seq
 
     def wait_released(self, mark: int) -> bool:
         """Wait until every release queued up to ``mark`` is done (or cancelled); False if the

@@ -300,9 +300,14 @@ class ModelMap:
         """Embeddings, output and final norm: no layer's, every token's."""
         return merge_ranges([t.range for t in self._by_layer.get(None, ())], gap=self.alignment)
 
+    @cached_property
+    def _routed_by_layer(self) -> dict[int | None, tuple[TensorInfo, ...]]:
+        # Asked for thousands of times a prompt (an expert's slices), so found once.
+        return {layer: tuple(t for t in tensors if t.role == ROUTED_EXPERTS) for layer, tensors in self._by_layer.items()}
+
     def expert_ranges(self, layer: int, expert: int) -> list[ByteRange]:
         """One range per routed tensor of `layer` (gate, up, down, ...) for expert `expert`."""
-        routed = [t for t in self.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
+        routed = self._routed_by_layer.get(layer)
         if not routed:
             raise IndexError(f"layer {layer} has no routed experts")
         return [t.expert_range(expert) for t in routed]
