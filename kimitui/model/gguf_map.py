@@ -307,6 +307,7 @@ class ModelMap:
 
     def expert_ranges(self, layer: int, expert: int) -> list[ByteRange]:
         """One range per routed tensor of `layer` (gate, up, down, ...) for expert `expert`."""
+        self._check_layer(layer)
         routed = self._routed_by_layer.get(layer)
         if not routed:
             raise IndexError(f"layer {layer} has no routed experts")
