@@ -143,6 +143,44 @@ def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_sto
         engine.close()
 
 
+def test_a_staged_layers_first_matrix_pages_in_from_the_layer_before_with_the_stock_tokens(k3_large_slices, large_slices_stock):
+    """A prompt whose chunk will route to most of the next MoE layer's experts starts paging in
+    that layer's first matrix when the layer before starts (here the dense first layer), not
+    after the router; the stage then computes on those reads, with the stock tokens and the
+    budget held."""
+    model = load_model_map(k3_large_slices)
+    budget = minimum_budget(model) + 2 * MIB
+    engine = engine_for(k3_large_slices, budget)
+    try:
+        experts = engine.streamer.experts
+        started: list[tuple[int, int]] = []  # (layer the early read is for, the layer starting)
+        taken: list[bool] = []
+        read_first, take = experts.read_first_matrix, experts._take_early
+
+        def read_first_matrix(layer, n_tokens):
+            before = experts._early
+            read_first(layer, n_tokens)
+            if experts._early is not None and experts._early is not before:
+                started.append((experts._early.layer, layer))
+
+        def take_early(stage):
+            early = experts._early
+            take(stage)
+            taken.append(early is not None and early.layer == stage.layer and bool(stage.reads.get(early.matrix)))
+
+        experts.read_first_matrix, experts._take_early = read_first_matrix, take_early
+        peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine, tokens=4))
+        assert tokens == large_slices_stock
+        moe = next(i for i, info in enumerate(model.layers) if info.is_moe)
+        assert (moe, 0) in started, "read from the dense layer's start"
+        assert taken and all(taken), "each staged layer computed its first matrix on the early reads"
+        assert peak <= budget
+        assert engine.streamer.error is None
+        assert reply(engine, tokens=4) == large_slices_stock
+    finally:
+        engine.close()
+
+
 def test_a_staged_layers_sweep_gives_back_every_file_page_of_its_routed_tensors_but_the_kept_experts(k3_large_slices):
     """A page-in's faults map the cached pages about it too (fault-around), which its own
     release leaves: the stage's end gives back all of the layer's but the kept experts'."""

@@ -83,6 +83,16 @@ class _Stage:
 
 
 @dataclass
+class _Early:
+    """A prompt's staged layer whose first matrix started paging in at the layer's start, for
+    every expert not in memory, before its router chose (``ExpertCache.read_first_matrix``)."""
+
+    layer: int
+    matrix: int
+    reads: list[tuple[ExpertUnit, list[Future]]]
+
+
+@dataclass
 class _Deferred:
     """A prompt's layer whose missed experts are read whole and cached as usual, but waited for
     matrix by matrix, each just before its node: llama.cpp computes the gate projection while
@@ -198,6 +208,7 @@ class ExpertCache:
         # distinct unpinned ones, once (cached hits read less).
         self.prefill_bound_bytes = 0
         self.staged_layers = 0  # micro-batch layers computed matrix by matrix
+        self._early: _Early | None = None
         self._stage: _Stage | None = None
         self._deferred: _Deferred | None = None
         self._matrices: dict[int, dict[bytes, int]] = {}  # layer -> routed tensor name -> its index
@@ -285,6 +296,7 @@ class ExpertCache:
             self.prefill_bound_bytes += sum(u.length for u in units.values())
         if self._stages and sum(u.footprint for u in units.values()) > self.capacity:
             return self._begin_stage(layer, wanted)
+        self._give_back_early()  # not staged after all
         pending: list[tuple[ExpertUnit, list[Future]]] = []
         missed: list[ExpertUnit] = []  # read below, together
         needed = self._in_use = {(layer, e) for e in wanted}
@@ -445,8 +457,77 @@ class ExpertCache:
         self._stage = stage
         self.staged_layers += 1
         self._in_use = held
+        self._take_early(stage)
         self._read_ahead_matrices()
         return waited
+
+    def read_first_matrix(self, layer: int, n_tokens: int) -> None:
+        """A prompt's layer starts, its graph computing ``n_tokens`` tokens: where they will
+        likely route to most experts of the next MoE layer (from here on), and that layer is
+        then staged, the first matrix llama.cpp computes starts paging in now, for every expert
+        not in memory, and the reads run under this layer's compute (a dense layer's, or the
+        MoE layer's attention) instead of after the router; where the trunk is pinned, nothing
+        else is read then. The experts the router leaves out are given back."""
+        target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), None)
+        if self._early is not None and self._early.layer == target:
+            return
+        self._give_back_early()
+        if not self.prefilling or self._page_in_units is None or self._stage is not None or target is None:
+            return
+        n_expert, used = self.model.layers[target].n_expert, self.model.n_expert_used
+        union = n_expert * (1 - (1 - used / n_expert) ** n_tokens)  # under flat routing
+        if 3 * union < 2 * n_expert or union * self.model.bytes_per_expert <= self.capacity:
+            return
+        matrix = self._compute_order(target)[0]
+        units = [
+            ExpertUnit(target, e, (self.model.expert_ranges(target, e)[matrix],), matrix)
+            for e in range(n_expert)
+            if (target, e) not in self.pinned and (target, e) not in self._resident
+        ]
+        footprint = sum(u.footprint for u in units)
+        cached = {key for key in self._resident if key[0] == target}  # hits for its router, likely
+        if not units or not self._make_room(footprint, cached):
+            return
+        self._resident_bytes += footprint
+        read = sum(u.length for u in units)
+        self.bytes_needed += read
+        self.prefill_read_bytes += read
+        self._early = _Early(target, matrix, list(zip(units, self._page_in_units(units))))
+
+    def _take_early(self, stage: _Stage) -> None:
+        """The staged layer's first matrix, paging in since the layer started: its reads of the
+        staged experts become the stage's; the others go back."""
+        early = self._early
+        if early is None or early.layer != stage.layer:
+            return
+        self._early = None
+        staged = set(stage.experts)
+        kept = [(u, f) for u, f in early.reads if u.expert in staged]
+        self._give_back_reads([(u, f) for u, f in early.reads if u.expert not in staged])
+        missing = [ExpertUnit(stage.layer, e, (self.model.expert_ranges(stage.layer, e)[early.matrix],), early.matrix)
+                   for e in sorted(staged - {u.expert for u, _ in kept})]
+        if missing:  # cached when the layer started, given up for room since
+            footprint = sum(u.footprint for u in missing)
+            if not self._make_room(footprint, stage.held):
+                self._give_back_reads(kept)
+                return  # read when its node asks, as without the early start
+            self._resident_bytes += footprint
+            read = sum(u.length for u in missing)
+            self.bytes_needed += read
+            self.prefill_read_bytes += read
+            kept += list(zip(missing, self._page_in_units(missing)))
+        stage.reads[early.matrix] = kept
+
+    def _give_back_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            self._give_back_reads(early.reads)
+
+    def _give_back_reads(self, reads: list[tuple[ExpertUnit, list[Future]]]) -> None:
+        for unit, futures in reads:
+            self._settle(futures)
+            self._drop_unit(unit)
+            self._resident_bytes -= unit.footprint
 
     def _matrix_units(self, stage: _Stage, matrix: int) -> list[ExpertUnit]:
         return [ExpertUnit(stage.layer, e, (self.model.expert_ranges(stage.layer, e)[matrix],), matrix) for e in stage.experts]
@@ -571,11 +652,7 @@ class ExpertCache:
         self._read_ahead_matrices()
 
     def _give_back_matrix(self, stage: _Stage, matrix: int) -> None:
-        reads = stage.reads.pop(matrix)
-        for unit, futures in reads:
-            self._settle(futures)
-            self._drop_unit(unit)
-            self._resident_bytes -= unit.footprint
+        self._give_back_reads(stage.reads.pop(matrix))
 
     def end_stage(self, strict: bool) -> None:
         """The staged layer is over (the next one starts, or a new graph): give back what is still
@@ -611,8 +688,9 @@ class ExpertCache:
 
     def clear(self) -> None:
         """Forget every cached expert (the pinned hot ones stay): each is read again when next routed
-        to. A staged layer's slices are waited for and given back too."""
+        to. A staged layer's slices are waited for and given back too, and an early first matrix."""
         self.end_stage(strict=False)
+        self._give_back_early()
         for key in list(self._resident):
             self._forget(key)
 

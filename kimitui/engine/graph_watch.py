@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from kimitui.engine.addressing import SRC_OFFSET
-from kimitui.engine.llama_glue import LAYER_ZERO_NODES, WATCHED_NODES, last_row_f32, numbered, topk_ids
+from kimitui.engine.llama_glue import LAYER_ZERO_NODES, WATCHED_NODES, last_row_f32, numbered, token_columns, topk_ids
 from kimitui.engine.trimming import routing_views
 from kimitui.engine.state import EngineError
 
@@ -144,8 +144,11 @@ class GraphWatch:
                 hidden = last_row_f32(self._ggml, tensor)
                 if hidden is not None:
                     streamer.on_router_input(layer, hidden)
+            elif name in LAYER_ZERO_NODES:
+                streamer.chunk_tokens = token_columns(tensor)
+                streamer.on_layer_start(0)
             else:
-                streamer.on_layer_start(0 if name in LAYER_ZERO_NODES else numbered(name, b"l_out-") + 1)
+                streamer.on_layer_start(numbered(name, b"l_out-") + 1)
         except Exception as exc:  # noqa: BLE001 - a C callback must not raise
             streamer.fail(f"streaming failed at graph node {name.decode(errors='replace')}: {type(exc).__name__}: {exc}")
         return True

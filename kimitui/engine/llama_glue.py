@@ -123,6 +123,11 @@ def numbered(name: bytes, prefix: bytes) -> int | None:
 GGML_NE_OFFSET, GGML_NB_OFFSET = 16, 48
 
 
+def token_columns(tensor: int) -> int:
+    """ne[1] of a node shaped [width, n_tokens] (the embeddings): the tokens its graph computes."""
+    return ctypes.c_int64.from_address(tensor + GGML_NE_OFFSET + 8).value
+
+
 def topk_ids(ggml, tensor: int) -> set[int]:
     """Expert ids in a router's top-k node: int32, ne = [k, n_tokens], rows nb[1] apart."""
     k, n_tokens = (ctypes.c_int64 * 2).from_address(tensor + GGML_NE_OFFSET)

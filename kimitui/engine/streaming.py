@@ -313,6 +313,7 @@ class Streamer:
         self._local = threading.local()
         self.error: str | None = None
         self.current_layer: int | None = None
+        self.chunk_tokens = 1  # the tokens the graph computing now evaluates (the engine's callback sets it)
         self._pending: StreamSettings | None = None
         # Counters (cumulative; the trace and panels read them).
         self.page_cache_fallback_bytes = 0  # shard pages meant for a direct read that went through the page cache
@@ -923,6 +924,8 @@ class Streamer:
             self._lru[i] = None
             self._lru.move_to_end(i)
         self.stall_s += waited
+        if self.experts is not None:  # after the trunk: the layer's attention needs it first
+            self.experts.read_first_matrix(layer, self.chunk_tokens)
         self._prefetch_from(layer + 1)
         if layer + 1 < n:
             self._claim_ahead(layer + 1)
