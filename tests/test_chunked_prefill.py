@@ -174,6 +174,9 @@ def test_a_staged_layers_first_matrix_pages_in_from_the_layer_before_with_the_st
         moe = next(i for i, info in enumerate(model.layers) if info.is_moe)
         assert (moe, 0) in started, "read from the dense layer's start"
         assert taken and all(taken), "each staged layer computed its first matrix on the early reads"
+        # every early read was handed to a stage or given back, and counted out again
+        assert experts._early is None and experts._stage is None
+        assert experts.resident_bytes == sum(unit.footprint for unit in experts._resident.values())
         assert peak <= budget
         assert engine.streamer.error is None
         assert reply(engine, tokens=4) == large_slices_stock

@@ -271,6 +271,8 @@ class ExpertCache:
         """Start reading ``experts`` of ``layer`` without waiting; only into free or colder room."""
         if self._stage is not None:  # the staged matrices need the room
             return
+        if self._early is not None and self._early.layer == layer:  # its first matrix is on its way
+            return
         keys = {(layer, e) for e in experts}
         for key in sorted(keys):
             if key in self.pinned or key in self._resident:
@@ -469,15 +471,17 @@ class ExpertCache:
         MoE layer's attention) instead of after the router; where the trunk is pinned, nothing
         else is read then. The experts the router leaves out are given back."""
         target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), None)
+        if not self.prefilling or self._page_in_units is None or self._stage is not None or target is None:
+            self._give_back_early()
+            return
         if self._early is not None and self._early.layer == target:
             return
         self._give_back_early()
-        if not self.prefilling or self._page_in_units is None or self._stage is not None or target is None:
-            return
         n_expert, used = self.model.layers[target].n_expert, self.model.n_expert_used
         union = n_expert * (1 - (1 - used / n_expert) ** n_tokens)  # under flat routing
-        if 3 * union < 2 * n_expert or union * self.model.bytes_per_expert <= self.capacity:
-            return
+        pinned = sum(1 for key in self.pinned if key[0] == target)
+        if 3 * union < 2 * n_expert or union * (n_expert - pinned) / n_expert * self.model.bytes_per_expert <= self.capacity:
+            return  # not most of them, or not staged (the cache holds them whole)
         matrix = self._compute_order(target)[0]
         units = [
             ExpertUnit(target, e, (self.model.expert_ranges(target, e)[matrix],), matrix)
@@ -486,7 +490,9 @@ class ExpertCache:
         ]
         footprint = sum(u.footprint for u in units)
         cached = {key for key in self._resident if key[0] == target}  # hits for its router, likely
-        if not units or not self._make_room(footprint, cached):
+        if not units or footprint + sum(self._resident[key].footprint for key in cached) > self.capacity:
+            return  # no room beside them: nothing evicted for it
+        if not self._make_room(footprint, cached):
             return
         self._resident_bytes += footprint
         read = sum(u.length for u in units)
@@ -498,12 +504,21 @@ class ExpertCache:
         """The staged layer's first matrix, paging in since the layer started: its reads of the
         staged experts become the stage's; the others go back."""
         early = self._early
-        if early is None or early.layer != stage.layer:
+        if early is None:
             return
         self._early = None
+        if early.layer != stage.layer:
+            self._give_back_reads(early.reads)
+            return
         staged = set(stage.experts)
-        kept = [(u, f) for u, f in early.reads if u.expert in staged]
-        self._give_back_reads([(u, f) for u, f in early.reads if u.expert not in staged])
+
+        def failed(futures: list[Future]) -> bool:
+            return any(f.done() and (f.cancelled() or f.exception() is not None) for f in futures)
+
+        # A read that failed is read again below (its failure stopped the token it came in).
+        kept = [(u, f) for u, f in early.reads if u.expert in staged and not failed(f)]
+        kept_units = {id(u) for u, _ in kept}
+        self._give_back_reads([(u, f) for u, f in early.reads if id(u) not in kept_units])
         missing = [ExpertUnit(stage.layer, e, (self.model.expert_ranges(stage.layer, e)[early.matrix],), early.matrix)
                    for e in sorted(staged - {u.expert for u, _ in kept})]
         if missing:  # cached when the layer started, given up for room since
@@ -721,6 +736,7 @@ class ExpertCache:
             self._drop_unit(unit)
 
     def begin_prefill(self) -> None:
+        self._give_back_early()  # one a reply that failed left
         self.prefilling = True
         self.prefill_seen = set()
         self.prefill_read_bytes = 0
