@@ -31,7 +31,7 @@ from pathlib import Path
 from kimitui.config import replace_file
 from kimitui.engine.budget import stages_by_matrix
 from kimitui.engine.expert_policies import ExpertPolicy, make_policy
-from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap
+from kimitui.model.gguf_map import ModelMap
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -484,7 +484,7 @@ class ExpertCache:
             return  # not most of them, or not staged (the cache holds them whole)
         matrix = self._compute_order(target)[0]
         units = [
-            ExpertUnit(target, e, (self.model.expert_ranges(target, e)[matrix],), matrix)
+            self._matrix_unit(target, e, matrix)
             for e in range(n_expert)
             if (target, e) not in self.pinned and (target, e) not in self._resident
         ]
@@ -494,10 +494,7 @@ class ExpertCache:
             return  # no room beside them: nothing evicted for it
         if not self._make_room(footprint, cached):
             return
-        self._resident_bytes += footprint
-        read = sum(u.length for u in units)
-        self.bytes_needed += read
-        self.prefill_read_bytes += read
+        self._count_read(units)
         self._early = _Early(target, matrix, list(zip(units, self._page_in_units(units))))
 
     def _take_early(self, stage: _Stage) -> None:
@@ -519,17 +516,12 @@ class ExpertCache:
         kept = [(u, f) for u, f in early.reads if u.expert in staged and not failed(f)]
         kept_units = {id(u) for u, _ in kept}
         self._give_back_reads([(u, f) for u, f in early.reads if id(u) not in kept_units])
-        missing = [ExpertUnit(stage.layer, e, (self.model.expert_ranges(stage.layer, e)[early.matrix],), early.matrix)
-                   for e in sorted(staged - {u.expert for u, _ in kept})]
+        missing = [self._matrix_unit(stage.layer, e, early.matrix) for e in sorted(staged - {u.expert for u, _ in kept})]
         if missing:  # cached when the layer started, given up for room since
-            footprint = sum(u.footprint for u in missing)
-            if not self._make_room(footprint, stage.held):
+            if not self._make_room(sum(u.footprint for u in missing), stage.held):
                 self._give_back_reads(kept)
                 return  # read when its node asks, as without the early start
-            self._resident_bytes += footprint
-            read = sum(u.length for u in missing)
-            self.bytes_needed += read
-            self.prefill_read_bytes += read
+            self._count_read(missing)
             kept += list(zip(missing, self._page_in_units(missing)))
         stage.reads[early.matrix] = kept
 
@@ -544,8 +536,12 @@ class ExpertCache:
             self._drop_unit(unit)
             self._resident_bytes -= unit.footprint
 
+    def _matrix_unit(self, layer: int, expert: int, matrix: int) -> ExpertUnit:
+        """One routed matrix's slice of an expert: what a staged read is about."""
+        return ExpertUnit(layer, expert, (self.model.expert_ranges(layer, expert)[matrix],), matrix)
+
     def _matrix_units(self, stage: _Stage, matrix: int) -> list[ExpertUnit]:
-        return [ExpertUnit(stage.layer, e, (self.model.expert_ranges(stage.layer, e)[matrix],), matrix) for e in stage.experts]
+        return [self._matrix_unit(stage.layer, e, matrix) for e in stage.experts]
 
     def _matrix_footprint(self, stage: _Stage, matrix: int) -> int:
         return sum(u.footprint for u in self._matrix_units(stage, matrix))
@@ -554,8 +550,7 @@ class ExpertCache:
         """``layer``'s routed tensors by name, each with its index in ``expert_ranges``."""
         names = self._matrices.get(layer)
         if names is None:
-            routed = [t for t in self.model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
-            names = self._matrices[layer] = {t.name.encode(): i for i, t in enumerate(routed)}
+            names = self._matrices[layer] = {t.name.encode(): i for i, t in enumerate(self.model.routed_tensors(layer))}
         return names
 
     def _down_matrix(self, layer: int) -> int | None:
@@ -589,13 +584,17 @@ class ExpertCache:
                 f"{format_bytes(footprint)}, more than the expert cache's {format_bytes(self.capacity)} beside its "
                 f"{len(stage.held)} cached ones; lower model.n_batch or raise the budget"
             )
-        self._resident_bytes += footprint
+        self._count_read(units)
+        stage.reads[matrix] = list(zip(units, (self._page_in_units or self._read_units)(units)))
+        return True
+
+    def _count_read(self, units: list[ExpertUnit]) -> None:
+        """``units`` (one matrix's slices) are read into room made for them: counted."""
+        self._resident_bytes += sum(u.footprint for u in units)
         read = sum(u.length for u in units)
         self.bytes_needed += read
         if self.prefilling:
             self.prefill_read_bytes += read
-        stage.reads[matrix] = list(zip(units, (self._page_in_units or self._read_units)(units)))
-        return True
 
     def _read_ahead_matrices(self) -> None:
         """Start the staged matrices not yet read that fit beside those being read, in the order

@@ -171,11 +171,12 @@ class Dropper:
         """Wait until every release queued up to ``mark`` is done (or cancelled); False if the
         dropper is paused first (a failure's shield holds the releases back until the token is
         over, and a read must not wait for it: compute may be waiting for that read)."""
+        def released() -> bool:
+            return not self._pending or next(iter(self._pending.values()))[2] > mark
+
         with self._released:
-            self._released.wait_for(
-                lambda: not self._open.is_set() or not self._pending or next(iter(self._pending.values()))[2] > mark
-            )
-            return self._open.is_set() or not self._pending or next(iter(self._pending.values()))[2] > mark
+            self._released.wait_for(lambda: not self._open.is_set() or released())
+            return self._open.is_set() or released()
 
     def settle(self, mark: int) -> bool:
         """Wait until every release queued up to ``mark`` is done; False if the dropper is
@@ -584,8 +585,7 @@ class Streamer:
         No read of this layer is under way: the stage's page-ins were waited for, and reads
         ahead for it are of kept experts."""
         page = self.io.page
-        routed = [t for t in self.model.layer_tensors(layer) if t.role == ROUTED_EXPERTS]
-        for matrix, t in enumerate(routed):
+        for matrix, t in enumerate(self.model.routed_tensors(layer)):
             at, stop = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
             with self._lock:  # a held end page may be a placed copy a neighbour counts on
                 held = [(edge, edge + page) for (file, edge), refs in self._edge_refs.items() if file == t.file and at <= edge < stop and refs > 0]
@@ -765,9 +765,7 @@ class Streamer:
         out = []
         for r, (lo, hi, shared), fresh in zip(ranges, pages, self._hold_edges([(r.file, p[2]) for r, p in zip(ranges, pages)])):
             held = [edge for edge in shared if edge not in fresh]
-            inner_start = lo + page if lo in shared else lo
-            inner_end = hi - page if hi - page in shared else hi
-            inner = (inner_start, inner_end - inner_start) if inner_end > inner_start else None
+            inner = self._own_span(lo, hi, shared)
             start = lo + page if lo in held else lo
             end = hi - page if hi - page in held else hi
             out.append((r.file, start, end - start, (SLICE, [inner] if inner is not None else [], fresh)) if end > start else None)
@@ -775,8 +773,11 @@ class Streamer:
 
     def _slice_own(self, r) -> tuple[int, int] | None:
         """(offset, length) of a slice's pages that are its alone (its shared end pages aside)."""
+        return self._own_span(*self._slice_pages(r))
+
+    def _own_span(self, lo: int, hi: int, shared: list[int]) -> tuple[int, int] | None:
+        """``_slice_own`` from the slice's pages (``_slice_pages``)."""
         page = self.io.page
-        lo, hi, shared = self._slice_pages(r)
         inner_start = lo + page if lo in shared else lo
         inner_end = hi - page if hi - page in shared else hi
         return (inner_start, inner_end - inner_start) if inner_end > inner_start else None

@@ -305,10 +305,14 @@ class ModelMap:
         # Asked for thousands of times a prompt (an expert's slices), so found once.
         return {layer: tuple(t for t in tensors if t.role == ROUTED_EXPERTS) for layer, tensors in self._by_layer.items()}
 
+    def routed_tensors(self, layer: int) -> tuple[TensorInfo, ...]:
+        """`layer`'s routed expert tensors (gate, up, down, ...), in file order."""
+        self._check_layer(layer)
+        return self._routed_by_layer.get(layer, ())
+
     def expert_ranges(self, layer: int, expert: int) -> list[ByteRange]:
         """One range per routed tensor of `layer` (gate, up, down, ...) for expert `expert`."""
-        self._check_layer(layer)
-        routed = self._routed_by_layer.get(layer)
+        routed = self.routed_tensors(layer)
         if not routed:
             raise IndexError(f"layer {layer} has no routed experts")
         return [t.expert_range(expert) for t in routed]
