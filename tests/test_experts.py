@@ -666,3 +666,115 @@ def test_an_expert_read_ahead_and_evicted_is_released_only_after_its_read(moe_mo
     assert events == ["read 3", "drop 3"]
     assert cache.resident_bytes <= cache.capacity
     pool.shutdown()
+
+
+def _arena_flags(engine: Engine, ranges) -> list[tuple[str, int]]:
+    """(VmFlags, AnonHugePages kB) of each area of this process over the whole pages of ``ranges``
+    of the model (their partial end pages are their neighbours' too)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    spans = [(engine.space.at(r.file, -(-r.offset // page) * page), engine.space.at(r.file, r.end // page * page)) for r in ranges]
+    out, area, huge = [], None, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                area = (lo, hi) if any(lo < b and a < hi for a, b in spans) else None
+            elif area is not None and head == "AnonHugePages:":
+                huge = int(line.split()[1])
+            elif area is not None and head == "VmFlags:":
+                out.append((line, huge))
+    return out
+
+
+def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_tokens(moe_model):
+    """A prompt whose chunk routes to most of each layer's experts reads its MoE layers whole
+    (pool pieces moved into the arena, a layer ahead of compute) instead of expert by expert: the
+    greedy tokens are stock llama.cpp's, every piece goes back after its layer, the arena allows
+    no huge pages again (a slice read there later would fault in 2 MiB), the cache has its room
+    back, and the next reply does it again with the same tokens."""
+    prompts = [PREFILL_PROMPT, "Seven wizards quietly juggle while the lazy dog sleeps and the quick brown fox " * 3]
+    stock = Engine(moe_model, n_ctx=256, fast_load=False)
+    stock.load()
+    expected = []
+    for prompt in prompts:
+        gen = stock.complete(prompt, Sampling(temperature=0.0, max_tokens=6))
+        list(gen)
+        expected.append(gen.result.text)
+    stock.close()
+
+    engine = expert_engine(moe_model, budget_mib=170)
+    try:
+        streamer = engine.streamer
+        placer, cache = streamer.placer, streamer.experts
+        if placer is None or not placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        model = load_model_map(moe_model)
+        moe_layers = [i for i, info in enumerate(model.layers) if info.is_moe]
+        assert sorted(streamer._whole_ranges) == moe_layers
+        capacity = cache.capacity
+        whole: list[int] = []
+        routed_whole = streamer._routed_whole
+        streamer._routed_whole = lambda layer, experts: whole.append(layer) or routed_whole(layer, experts)
+        for prompt, text in zip(prompts, expected):
+            whole.clear()
+            gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=6))
+            list(gen)
+            assert gen.result.text == text
+            assert whole == moe_layers  # the prompt's layers, each once; decode read expert by expert
+            streamer._dropper.flush()
+            assert not streamer._layer_reads and streamer._lent == 0 and cache.capacity == capacity
+            assert not cache.whole_layers
+            assert not any(entry[0] for entry in placer._placed.values()), "no pool piece left placed"
+            areas = _arena_flags(engine, [r for layer in moe_layers for r in streamer._whole_ranges[layer]])
+            assert areas and all(" nh" in flags and huge == 0 for flags, huge in areas)
+            assert cache.prefill_read_bytes > cache.prefill_bound_bytes > 0  # read whole: more than the experts used
+            assert cache.prefill_gap_bytes == cache.prefill_read_bytes - cache.prefill_bound_bytes
+            assert cache.resident_bytes <= cache.capacity
+    finally:
+        engine.close()
+
+
+def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_the_next_one_works(moe_model, monkeypatch):
+    """A layer read whole whose read fails ends the reply with the layer and file named; nothing
+    of it stays placed, and with the drive back the next reply gives stock llama.cpp's tokens."""
+    import errno
+
+    from kimitui.engine.state import EngineError
+
+    stock = Engine(moe_model, n_ctx=256, fast_load=False)
+    stock.load()
+    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+    list(gen)
+    expected = gen.result.text
+    stock.close()
+
+    engine = expert_engine(moe_model, budget_mib=170)
+    try:
+        streamer = engine.streamer
+        placer = streamer.placer
+        if placer is None or not placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        layer = sorted(streamer._whole_ranges)[1]
+        lo = streamer._whole_ranges[layer][0].offset
+        hi = streamer._whole_ranges[layer][-1].end
+        read = placer._read
+
+        def failing(file, views, offset):
+            if lo <= offset < hi:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return read(file, views, offset)
+
+        monkeypatch.setattr(placer, "_read", failing)
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+        with pytest.raises(EngineError, match=rf"cannot read the routed experts of layer {layer} from model file moe\.gguf at byte \d+: Input/output error"):
+            list(gen)
+        assert gen.result.finish_reason == "error"
+        monkeypatch.setattr(placer, "_read", read)  # the drive is back
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+        list(gen)
+        assert gen.result.text == expected
+        streamer._dropper.flush()
+        assert not streamer._layer_reads and not any(entry[0] for entry in placer._placed.values())
+    finally:
+        engine.close()

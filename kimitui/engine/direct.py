@@ -541,6 +541,10 @@ class DirectPlacer(PlacedParts):
         rest, other = super().release_many(file, [part for part in parts if part[0] not in taken_offsets])
         return rest, failure or other
 
+    def in_arena(self, file: int, lo: int, hi: int) -> bool:
+        """Whether [lo, hi) of ``file`` lies in one segment of the arena."""
+        return self._in_arena(file, lo, hi)
+
     def _in_arena(self, file: int, lo: int, hi: int) -> bool:
         spans = self._arena.get(file)
         if spans is None:
@@ -625,15 +629,18 @@ class DirectPlacer(PlacedParts):
     def place(self, file: int, offset: int, length: int) -> int | None:
         """Read [offset, offset+length) (whole pages, within one piece) into the mapping.
         Returns the bytes read (short at the end of the file), or None where the caller must
-        read through the page cache instead (the pool spent, no mapping left to split). Raises
-        OSError for a failed read."""
+        read through the page cache instead (the pool spent, no mapping left to split; in the
+        arena the range is then read in place). Raises OSError for a failed read."""
         with self._lock:
             if (file, offset) in self._placed:
                 return length  # still there: a release was cancelled by a read asked for again
         whole = length == PIECE_BYTES
-        buf = self._take(whole)
+        in_arena = self._in_arena(file, offset, offset + length)
+        # In the arena (a layer read whole) a part of a piece is read in place: no buffer of
+        # small pages to fault in for it, and the arena has no file pages to fall back on.
+        buf = self._take(whole) if whole or not in_arena else None
         if buf is None:
-            return None
+            return self._read_in_arena(file, offset, length, [(offset, length)], []) if in_arena else None
         # The same place within the buffer as within the file's 4 MiB block, so that source
         # and target agree modulo a huge page and mremap can move huge pages whole.
         at = offset % PIECE_BYTES
@@ -890,6 +897,18 @@ class DirectPlacer(PlacedParts):
             with self._lock:
                 self._placed[(file, offset)] = entry
             raise
+        if self._in_arena(file, offset, offset + length):
+            # A piece of a layer read whole (a prompt's chunk): the range it leaves is empty
+            # anonymous memory again, the arena's, but with the pool buffer's huge pages, which a
+            # 30 KiB slice read there later would fault in whole: off again, as the arena has them.
+            if c.madvise(target, length, MADV_NOHUGEPAGE) != 0:
+                err = ctypes.get_errno()
+                c.mremap(buf + at, length, length, moves, target)
+                with self._lock:
+                    self._placed[(file, offset)] = entry
+                raise OSError(err, f"madvise(MADV_NOHUGEPAGE) of {length} bytes: {os.strerror(err)}")
+            self._give_back(buf, whole)
+            return
         try:
             self._map_file(file, offset, length)
         except OSError as exc:

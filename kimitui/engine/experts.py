@@ -209,6 +209,7 @@ class ExpertCache:
         self.prefill_bound_bytes = 0
         self.staged_layers = 0  # micro-batch layers computed matrix by matrix
         self._early: _Early | None = None
+        self.whole_layers: set[int] = set()  # read whole by the streamer for a prompt's chunk (give_up_layer)
         self._stage: _Stage | None = None
         self._deferred: _Deferred | None = None
         self._matrices: dict[int, dict[bytes, int]] = {}  # layer -> routed tensor name -> its index
@@ -272,6 +273,8 @@ class ExpertCache:
         if self._stage is not None:  # the staged matrices need the room
             return
         if self._early is not None and self._early.layer == layer:  # its first matrix is on its way
+            return
+        if layer in self.whole_layers:  # read whole by the streamer
             return
         keys = {(layer, e) for e in experts}
         for key in sorted(keys):
@@ -477,10 +480,10 @@ class ExpertCache:
         if self._early is not None and self._early.layer == target:
             return
         self._give_back_early()
-        n_expert, used = self.model.layers[target].n_expert, self.model.n_expert_used
-        union = n_expert * (1 - (1 - used / n_expert) ** n_tokens)  # under flat routing
+        n_expert = self.model.layers[target].n_expert
+        union = n_expert * self.routes_to_most(target, n_tokens)
         pinned = sum(1 for key in self.pinned if key[0] == target)
-        if 3 * union < 2 * n_expert or union * (n_expert - pinned) / n_expert * self.model.bytes_per_expert <= self.capacity:
+        if not union or union * (n_expert - pinned) / n_expert * self.model.bytes_per_expert <= self.capacity:
             return  # not most of them, or not staged (the cache holds them whole)
         matrix = self._compute_order(target)[0]
         units = [
@@ -496,6 +499,62 @@ class ExpertCache:
             return
         self._count_read(units)
         self._early = _Early(target, matrix, list(zip(units, self._page_in_units(units))))
+
+    def routes_to_most(self, layer: int, n_tokens: int) -> float:
+        """The share of ``layer``'s experts that ``n_tokens`` tokens route to under flat routing,
+        where that is two thirds or more (0.0 below): such a chunk's layer is best read whole."""
+        n_expert, used = self.model.layers[layer].n_expert, self.model.n_expert_used
+        share = 1 - (1 - used / n_expert) ** n_tokens if n_expert else 0.0
+        return share if 3 * share >= 2 else 0.0
+
+    # -- a prompt's layers read whole (the streamer's, in the arena) ---------------------------
+
+    def lend(self, room: int) -> bool:
+        """Give ``room`` bytes of the cache to the streamer for a while (a prompt's layers read
+        whole), the coldest experts evicted for it; False where that would leave the cache less
+        than half of it."""
+        if 2 * room > self.capacity:
+            return False
+        self.capacity -= room
+        self._make_room(0, self._in_use)
+        return True
+
+    def take_back(self, room: int) -> None:
+        self.capacity += room
+
+    def give_up_layer(self, layer: int) -> None:
+        """``layer`` is about to be read whole: its cached experts go back (one release), and
+        nothing of it is read here until ``routed_whole`` and the streamer's release."""
+        evicted = []
+        for key in [key for key in self._resident if key[0] == layer]:
+            unit = self._resident.pop(key)
+            self.policy.forgot(key)
+            self._settle(self._inflight.pop(key, None))
+            self._prefetched.discard(key)
+            self._resident_bytes -= unit.footprint
+            evicted.append(unit)
+        if evicted:
+            self._drop_units(evicted)
+        self.whole_layers.add(layer)
+
+    def routed_whole(self, layer: int, experts: Iterable[int], read_bytes: int) -> None:
+        """The router of a layer read whole (``read_bytes``) chose ``experts``: counted as the
+        cache counts a layer's misses, the experts left out as read through."""
+        wanted = sorted(set(experts))
+        self.last_choice[layer] = set(wanted)
+        self.end_stage(strict=False)
+        self._in_use = set()
+        used = len(wanted) * self.model.layers[layer].expert_bytes
+        for e in wanted:
+            self.counts[layer][e] += 1
+        self.misses += len(wanted)
+        self.layer_misses[layer] += len(wanted)
+        self.bytes_needed += used
+        if self.prefilling:
+            self.prefill_seen |= {(layer, e) for e in wanted}
+            self.prefill_bound_bytes += used
+            self.prefill_read_bytes += read_bytes
+            self.prefill_gap_bytes += max(0, read_bytes - used)
 
     def _take_early(self, stage: _Stage) -> None:
         """The staged layer's first matrix, paging in since the layer started: its reads of the

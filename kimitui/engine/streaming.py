@@ -28,10 +28,10 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from kimitui.engine.budget import pool_buffers
+from kimitui.engine.budget import PIECE_BYTES, pool_buffers
 from kimitui.engine.direct import read_gaps, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
 from kimitui.engine.metrics import EngineMetrics
@@ -39,7 +39,7 @@ from kimitui.engine.placers import make_placer
 from kimitui.engine.platform import HUGE_ALIGN, PlatformIO
 from kimitui.engine.settings import StreamSettings, check_changes
 from kimitui.engine.trimming import SOFTMAX_WEIGHTED_ARCHS, RouteTrimmer
-from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap, Shard
+from kimitui.model.gguf_map import ROUTED_EXPERTS, ByteRange, ModelMap, Shard
 
 CHUNK_BYTES = 4 * 2**20
 COPY_IN = "copy in"  # a piece read into memory of its own and moved into place in one step
@@ -109,6 +109,15 @@ class _WholeRead:
             self.left -= 1
             self.start, self.end = min(self.start, started), max(self.end, ended)
             return self.left == 0
+
+
+@dataclass(frozen=True)
+class _LayerRead:
+    """A layer's routed tensors read whole (for read errors and the trace)."""
+
+    layer: int
+    file: int
+    index = None  # not a shard
 
 
 class StreamAbort(Exception):
@@ -301,6 +310,11 @@ class Streamer:
         # Shard pages are read past the page cache into anonymous memory at their place in the
         # mapping (O_DIRECT on Linux, direct.py; F_NOCACHE on Darwin, darwin_placer.py); None
         # where that cannot be done (Linux before 5.7), and compute uses the file's own pages.
+        # A prompt's MoE layers read whole (see _read_layers_whole): layer -> its reads, the
+        # layers that may be, and the cache's bytes lent for them (with the pool pieces they make).
+        self._layer_reads: dict[int, list[Future]] = {}
+        self._whole_ranges: dict[int, list[ByteRange]] = {}  # layer -> what of it is read whole
+        self._lent = self._lent_pieces = self._whole_pieces = self._whole_bytes = 0
         self.placer = make_placer(model.files, space, self.fds | (mapping_fds or {}), 0, self.io.platform)
         if self.placer is not None:
             self._size_pool()
@@ -380,7 +394,8 @@ class Streamer:
         wanted = self._pool_pieces()
         capped = self.pool_limit is not None and wanted > self.pool_limit
         self.placer.short = capped
-        self.placer.capacity = self.pool_limit if capped else wanted
+        # What the expert cache lends for a prompt's layers read whole comes on top.
+        self.placer.capacity = (self.pool_limit if capped else wanted) + self._lent_pieces
 
     # -- reads --------------------------------------------------------------------------
 
@@ -475,7 +490,9 @@ class Streamer:
 
     @staticmethod
     def _what(unit) -> str:
-        return f"expert {unit.expert}" if isinstance(unit, ExpertUnit) else f"shard {unit.index}"
+        if isinstance(unit, ExpertUnit):
+            return f"expert {unit.expert}"
+        return "the routed experts" if isinstance(unit, _LayerRead) else f"shard {unit.index}"
 
     def _read_ranges(
         self, unit, ranges, pool: ThreadPoolExecutor | None = None, hold: bool = True, page_in: bool = False,
@@ -876,6 +893,8 @@ class Streamer:
             self._apply_pending()
         if layer > 0:
             self._finish_layer(layer - 1)
+        if self._lent:
+            self._return_lent_room()
         if layer >= n:  # output stage: non-layer tensors are always pinned
             self.current_layer = None
             self._check_files(None)
@@ -926,6 +945,7 @@ class Streamer:
             self._lru.move_to_end(i)
         self.stall_s += waited
         if self.experts is not None:  # after the trunk: the layer's attention needs it first
+            self._read_layers_whole(layer)
             self.experts.read_first_matrix(layer, self.chunk_tokens)
         self._prefetch_from(layer + 1)
         if layer + 1 < n:
@@ -934,6 +954,8 @@ class Streamer:
     def _finish_layer(self, layer: int) -> None:
         if layer >= self.model.n_layers:
             return
+        if layer in self._layer_reads:
+            self._give_back_layer(layer)
         for shard in self.layer_shards[layer]:  # a page-in that failed under compute stops the token
             if shard.index in self._paged_in:
                 for f in self._futures.get(shard.index, []):
@@ -1124,8 +1146,116 @@ class Streamer:
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
         self._set_trimmer()
+        self._find_whole_layers(pinned)
         if self.placer is not None:
             self._size_pool()  # the window is trunk bytes now
+
+    # -- a prompt's layers read whole --------------------------------------------------------
+    #
+    # Where a prompt's chunk routes to most of a small-expert layer (128 tokens on the MoE
+    # example: 93% of its 384 experts), reading its experts one by one is thousands of slices,
+    # each with its books, its end pages and its place in the arena: on two cores that work,
+    # not the disk, was the prompt's wait. Such a layer's routed tensors are read whole instead,
+    # as the trunk is: a few 4 MiB pieces into the pool's huge pages, moved into the arena, one
+    # layer ahead of compute, and moved out again when the layer is done. The cache lends the
+    # room for two layers while the prompt lasts.
+
+    def _find_whole_layers(self, pinned: list[ExpertUnit]) -> None:
+        """The MoE layers that may be read whole: their routed tensors less the pinned hot
+        experts' pages (locked in place for good), each stretch's whole pages in the arena."""
+        placer = self.placer
+        if placer is None or not placer.reads_in_place or self.experts is None:
+            return
+        page = placer.page
+        held: dict[int, list[tuple[int, int]]] = {}  # layer -> pinned pages (file offsets; one file a layer)
+        for unit in pinned:
+            held.setdefault(unit.layer, []).extend((r.offset // page * page, -(-r.end // page) * page) for r in unit.ranges)
+        most_pieces = most_bytes = 0
+        for layer in range(self.model.n_layers):
+            ranges = []
+            for shard in (s for s in self.model.layer_shards(layer) if s.routed):
+                at = shard.offset
+                for lo, hi in sorted(held.get(layer, [])):
+                    if hi <= at or lo >= shard.offset + shard.length:
+                        continue
+                    if lo > at:
+                        ranges.append(ByteRange(shard.file, at, lo - at))
+                    at = max(at, hi)
+                if at < shard.offset + shard.length:
+                    ranges.append(ByteRange(shard.file, at, shard.offset + shard.length - at))
+            pieces = [(r.file, start, length) for r in ranges for start, length, placed in split_pieces(r.offset, r.end, page) if placed]
+            if not pieces or not all(placer.in_arena(file, start, start + length) for file, start, length in pieces):
+                continue
+            whole = sum(1 for _, _, length in pieces if length == PIECE_BYTES)
+            read = sum(length for _, _, length in pieces)
+            # Pinned experts scattered through a layer leave few whole pieces, and the rest read in
+            # place costs the kernel a fault per page: the MoE example's 128-token prompt took
+            # 2.2-2.3 s that way with the hot experts of a run before pinned, 1.9 s expert by expert.
+            if 4 * whole * PIECE_BYTES < 3 * read:
+                continue
+            self._whole_ranges[layer] = ranges
+            most_pieces, most_bytes = max(most_pieces, whole), max(most_bytes, read)
+        # Two layers in flight: the one computing and the next. A whole piece takes a pool
+        # buffer; the rest is read in place (DirectPlacer.place).
+        self._whole_pieces, self._whole_bytes = 2 * most_pieces, 2 * most_bytes
+
+    def _read_layers_whole(self, layer: int) -> None:
+        """A prompt's layer starts: the next two MoE layers from it are read whole where its
+        chunk routes to most of their experts (the first time, the cache lends the room)."""
+        experts = self.experts
+        if not self._whole_ranges or not experts.prefilling:
+            return
+        targets = [i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe][:2]
+        for target in targets:
+            if target in self._layer_reads or target not in self._whole_ranges:
+                continue
+            if not experts.routes_to_most(target, self.chunk_tokens):
+                continue
+            if not self._lent:
+                if not experts.lend(self._whole_bytes):
+                    self._whole_ranges.clear()  # the cache is too small for it: never
+                    return
+                self._lent, self._lent_pieces = self._whole_bytes, self._whole_pieces
+                self._size_pool()
+            experts.give_up_layer(target)  # its releases run before the reads below (their room mark)
+            # A release of the same layer still queued is cancelled: its pieces are still placed
+            # (the reads find them there) and its end pages still held.
+            kept = self._dropper.keep(("layer", target))
+            unit = _LayerRead(target, self._whole_ranges[target][0].file)
+            self._layer_reads[target] = self._read_ranges(unit, self._whole_ranges[target], hold=not kept)
+
+    def _routed_whole(self, layer: int, experts: set[int]) -> float:
+        """The router of a layer read whole has chosen: wait for its reads; seconds waited."""
+        started = time.perf_counter()
+        futures = self._layer_reads[layer]
+        for f in futures:
+            f.exception()  # waits
+        waited = time.perf_counter() - started
+        for f in futures:
+            f.result()  # a failed read stops the token here, before the expert matmuls
+        read = sum(r.length for r in self._whole_ranges[layer])
+        self.experts.routed_whole(layer, experts, read)
+        return waited
+
+    def _give_back_layer(self, layer: int) -> None:
+        """A layer read whole is done (or its token stopped): its pieces go back to the pool."""
+        futures = self._layer_reads.pop(layer, None)
+        if futures is None:
+            return
+        for f in futures:
+            f.exception()  # a read still under way lands first: its release must come after it
+        self._dropper.later(("layer", layer), self._whole_ranges[layer])
+        self.experts.whole_layers.discard(layer)
+
+    def _return_lent_room(self) -> None:
+        """The prompt is over: the pool pieces its layers used go, and the cache has its room back."""
+        if not self._lent or self._layer_reads or self.experts.prefilling:
+            return
+        self._dropper.flush()  # the last layers' pieces are back in the pool first
+        self.experts.take_back(self._lent)
+        self._lent = self._lent_pieces = 0
+        self._size_pool()
+        self.placer.free_idle_buffers()
 
     def _can_page_in(self) -> bool:
         """Reads may page in under compute (staged matrices, see ``ExpertCache.stage_matrix``,
@@ -1197,7 +1327,10 @@ class Streamer:
             return
         try:
             hits = self.experts.hits
-            self.stall_s += self.experts.ensure(layer, experts)
+            if layer in self._layer_reads:
+                self.stall_s += self._routed_whole(layer, experts)
+            else:
+                self.stall_s += self.experts.ensure(layer, experts)
             on_route = self.on_route
             if on_route is not None:
                 on_route(layer, sorted(experts), self.experts.hits - hits)
@@ -1371,6 +1504,8 @@ class Streamer:
                 self._collect_claim(slot)
             except OSError:
                 pass  # the slot is held by no one: the next layer to need it maps it again
+        for layer in list(self._layer_reads):  # the stopped token's: read again when next needed
+            self._give_back_layer(layer)
         if self._blanked:
             # Reads under way when the shield went up may have placed pages inside it since:
             # everything streamed is given back first (reads waited for, releases done), so
