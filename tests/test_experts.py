@@ -716,21 +716,37 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
         whole: list[int] = []
         routed_whole = streamer._routed_whole
         streamer._routed_whole = lambda layer, experts: whole.append(layer) or routed_whole(layer, experts)
+        from kimitui.engine.memory import pagemap_resident_bytes
+
+        address, page = engine.mappings[0].address, os.sysconf("SC_PAGE_SIZE")
+        with open(moe_model, "rb") as f:
+            data = f.read()
         for prompt, text in zip(prompts, expected):
             whole.clear()
+            before = cache.resident_keys()
             gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=6))
             list(gen)
             assert gen.result.text == text
             assert whole == moe_layers  # the prompt's layers, each once; decode read expert by expert
             streamer._dropper.flush()
             assert not streamer._layer_reads and streamer._lent == 0 and cache.capacity == capacity
-            assert not cache.whole_layers
-            assert not any(entry[0] for entry in placer._placed.values()), "no pool piece left placed"
+            assert not cache.whole_layers and not placer._pieces, "every piece back in the pool"
             areas = _arena_flags(engine, [r for layer in moe_layers for r in streamer._whole_ranges[layer]])
             assert areas and all(" nh" in flags and huge == 0 for flags, huge in areas)
             assert cache.prefill_read_bytes > cache.prefill_bound_bytes > 0  # read whole: more than the experts used
-            assert cache.prefill_gap_bytes == cache.prefill_read_bytes - cache.prefill_bound_bytes
             assert cache.resident_bytes <= cache.capacity
+            # The experts cached before stay, and the prompt's chosen ones are taken in: each
+            # cached expert's bytes are in place, the rest of the layers' own pages given back.
+            resident = cache.resident_keys()
+            assert before <= resident and len(resident) > len(before)
+            cached_pages = set()
+            for (layer, expert) in resident:
+                for r in model.expert_ranges(layer, expert):
+                    assert ctypes.string_at(address + r.offset, r.length) == data[r.offset : r.end]
+                    cached_pages.update(range(r.offset // page * page, r.end, page))
+            ranges = [r for layer in moe_layers for r in streamer._whole_ranges[layer]]
+            inner = [(address + -(-r.offset // page) * page, address + r.end // page * page) for r in ranges]
+            assert pagemap_resident_bytes(inner) <= len(cached_pages) * page
     finally:
         engine.close()
 

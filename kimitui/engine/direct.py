@@ -271,6 +271,8 @@ class DirectPlacer(PlacedParts):
         self._made = 0
         # (file, offset) -> (buffer, where in it, length, whole)
         self._placed: dict[tuple[int, int], tuple[int, int, int, bool]] = {}
+        # (file, offset) -> the same, for the pieces of a layer read whole in the arena
+        self._pieces: dict[tuple[int, int], tuple[int, int, int, bool]] = {}
         # (file, offset) -> (address, length): parts read in place, moved out of a slot another
         # layer has taken (the bounded layout), until theirs takes it again
         self._parked: dict[tuple[int, int], tuple[int, int]] = {}
@@ -477,7 +479,7 @@ class DirectPlacer(PlacedParts):
         """Every pool buffer's address range, free or lent: what of them is resident is memory
         beside the model's pages (a placed piece's pages are in the mapping, not here)."""
         with self._lock:
-            bufs = self._free[True] + self._free[False] + [entry[0] for entry in self._placed.values() if entry[0]]
+            bufs = self._free[True] + self._free[False] + [entry[0] for entry in (*self._placed.values(), *self._pieces.values()) if entry[0]]
         return [(buf, buf + PIECE_BYTES) for buf in bufs]
 
     # -- the arena ---------------------------------------------------------------------------
@@ -544,6 +546,90 @@ class DirectPlacer(PlacedParts):
     def in_arena(self, file: int, lo: int, hi: int) -> bool:
         """Whether [lo, hi) of ``file`` lies in one segment of the arena."""
         return self._in_arena(file, lo, hi)
+
+    def place_in_arena(self, file: int, offset: int, length: int) -> int:
+        """``place`` for a piece of a layer read whole, in the arena: a whole piece through a pool
+        buffer (huge pages, moved into place), a partial one, or one that finds the pool spent,
+        read in place. Kept apart from the slices' records (a slice's own pages may start where a
+        piece does) until ``release_keeping``. Returns the bytes read; OSError for a failed read."""
+        with self._lock:
+            if (file, offset) in self._pieces:
+                return length
+        whole = length == PIECE_BYTES
+        buf = self._take(True) if whole else None
+        c, target = self._libc, self.space.at(file, offset)
+        at = offset % PIECE_BYTES
+        views = [memoryview((ctypes.c_char * length).from_address((buf + at) if buf else target)).cast("B")]
+        try:
+            got = self._read(file, views, offset)
+        except OSError:
+            if buf:
+                self._give_back(buf, whole)
+            else:
+                c.madvise(target, length, MADV_DONTNEED)
+            raise
+        if not buf:
+            with self._lock:
+                self._pieces[(file, offset)] = (0, 0, length, False)
+            return got
+        if got != length:
+            self._give_back(buf, whole)
+            return got
+        with self._moves:
+            if c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
+                err = ctypes.get_errno()
+                self._give_back(buf, whole)
+                raise OSError(err, f"mremap: {os.strerror(err)}")
+            with self._lock:
+                self._pieces[(file, offset)] = (buf, at, length, whole)
+        return length
+
+    def release_keeping(self, file: int, lo: int, hi: int, keep: list[tuple[int, int]], records: list[tuple[int, int]]) -> None:
+        """Give back the pieces placed in the arena inside [lo, hi) of ``file`` (a layer read
+        whole) but for the pages of ``keep`` ((offset, length), whole pages, sorted: cached
+        experts'), copied back into place from each piece before its buffer goes back to the
+        pool. ``records`` (whole pages) are recorded as read in place from then on (experts taken
+        into the cache), those outside [lo, hi) aside. Each piece is tried; the first failure is
+        raised after (that piece stays placed)."""
+        c, page = self._libc, self.page
+        inner_lo, inner_hi = -(-lo // page) * page, hi // page * page
+        with self._lock:
+            pieces = [
+                (start, entry) for start, _size, placed in split_pieces(lo, hi, page)
+                if placed and (entry := self._pieces.pop((file, start), None)) is not None
+            ]
+        failure = None
+        moves = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
+        for start, entry in pieces:
+            buf, at, length, whole = entry
+            end, target = start + length, self.space.at(file, start)
+            kept = [(max(k, start), min(k + n, end)) for k, n in keep if k < end and k + n > start]
+            if buf == 0:  # read in place (the pool was spent): only the pages between kept parts go
+                at_page = start
+                for k_lo, k_hi in kept + [(end, end)]:
+                    if k_lo > at_page and c.madvise(self.space.at(file, at_page), k_lo - at_page, MADV_DONTNEED) != 0:
+                        failure = failure or OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a layer read whole")
+                    at_page = max(at_page, k_hi)
+                continue
+            if c.mremap(target, length, length, moves, buf + at) != buf + at:
+                err = ctypes.get_errno()
+                with self._lock:
+                    self._pieces[(file, start)] = entry
+                failure = failure or OSError(err, f"mremap: {os.strerror(err)}")
+                continue
+            # The range left behind is empty anonymous memory, with the pool buffer's huge pages
+            # allowed: off again, as in the arena (a 30 KiB slice read there would fault 2 MiB).
+            if c.madvise(target, length, MADV_NOHUGEPAGE) != 0:
+                failure = failure or OSError(ctypes.get_errno(), "madvise(MADV_NOHUGEPAGE) of a layer read whole")
+            for k_lo, k_hi in kept:
+                ctypes.memmove(target + (k_lo - start), buf + at + (k_lo - start), k_hi - k_lo)
+            self._give_back(buf, whole)
+        with self._lock:
+            for start, length in records:
+                if inner_lo <= start and start + length <= inner_hi:
+                    self._placed[(file, start)] = (0, 0, length, False)
+        if failure is not None:
+            raise failure
 
     def _in_arena(self, file: int, lo: int, hi: int) -> bool:
         spans = self._arena.get(file)
@@ -629,18 +715,15 @@ class DirectPlacer(PlacedParts):
     def place(self, file: int, offset: int, length: int) -> int | None:
         """Read [offset, offset+length) (whole pages, within one piece) into the mapping.
         Returns the bytes read (short at the end of the file), or None where the caller must
-        read through the page cache instead (the pool spent, no mapping left to split; in the
-        arena the range is then read in place). Raises OSError for a failed read."""
+        read through the page cache instead (the pool spent, no mapping left to split). Raises
+        OSError for a failed read."""
         with self._lock:
             if (file, offset) in self._placed:
                 return length  # still there: a release was cancelled by a read asked for again
         whole = length == PIECE_BYTES
-        in_arena = self._in_arena(file, offset, offset + length)
-        # In the arena (a layer read whole) a part of a piece is read in place: no buffer of
-        # small pages to fault in for it, and the arena has no file pages to fall back on.
-        buf = self._take(whole) if whole or not in_arena else None
+        buf = self._take(whole)
         if buf is None:
-            return self._read_in_arena(file, offset, length, [(offset, length)], []) if in_arena else None
+            return None
         # The same place within the buffer as within the file's 4 MiB block, so that source
         # and target agree modulo a huge page and mremap can move huge pages whole.
         at = offset % PIECE_BYTES
@@ -897,18 +980,6 @@ class DirectPlacer(PlacedParts):
             with self._lock:
                 self._placed[(file, offset)] = entry
             raise
-        if self._in_arena(file, offset, offset + length):
-            # A piece of a layer read whole (a prompt's chunk): the range it leaves is empty
-            # anonymous memory again, the arena's, but with the pool buffer's huge pages, which a
-            # 30 KiB slice read there later would fault in whole: off again, as the arena has them.
-            if c.madvise(target, length, MADV_NOHUGEPAGE) != 0:
-                err = ctypes.get_errno()
-                c.mremap(buf + at, length, length, moves, target)
-                with self._lock:
-                    self._placed[(file, offset)] = entry
-                raise OSError(err, f"madvise(MADV_NOHUGEPAGE) of {length} bytes: {os.strerror(err)}")
-            self._give_back(buf, whole)
-            return
         try:
             self._map_file(file, offset, length)
         except OSError as exc:
@@ -943,7 +1014,7 @@ class DirectPlacer(PlacedParts):
     @property
     def placed_bytes(self) -> int:
         with self._lock:
-            return sum(entry[2] for entry in self._placed.values())
+            return sum(entry[2] for entry in (*self._placed.values(), *self._pieces.values()))
 
     def close(self) -> None:
         """Give every range back to the file, free the pool. A range that cannot be given back
@@ -953,6 +1024,11 @@ class DirectPlacer(PlacedParts):
                 self._unplace(file, offset)
             except OSError:
                 pass
+        with self._lock:
+            pieces, self._pieces = self._pieces, {}
+        for buf, _at, _length, whole in pieces.values():  # their place becomes the file's below
+            if buf:
+                self._give_back(buf, whole)
         arena, self._arena = self._arena, {}
         for file, (starts, ends) in arena.items():  # the mapping is the file's again
             for lo, hi in zip(starts, ends):

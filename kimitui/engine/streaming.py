@@ -45,6 +45,7 @@ CHUNK_BYTES = 4 * 2**20
 COPY_IN = "copy in"  # a piece read into memory of its own and moved into place in one step
 SLICE = "slice"  # an expert slice: its own pages read into place, its shared end pages copied in
 PAGE_IN = "page in"  # an expert slice paged into the file mapping through the page cache
+ARENA = "arena"  # a piece of a layer read whole, into the arena (DirectPlacer.place_in_arena)
 MERGED_READ_BYTES = 8 * 2**20  # the most one request of neighbouring expert slices reads
 MERGED_READ_PIECES = 512  # and the most buffers it fills (preadv takes at most IOV_MAX, 1024)
 
@@ -313,6 +314,7 @@ class Streamer:
         # A prompt's MoE layers read whole (see _read_layers_whole): layer -> its reads, the
         # layers that may be, and the cache's bytes lent for them (with the pool pieces they make).
         self._layer_reads: dict[int, list[Future]] = {}
+        self._layer_released: dict[int, int] = {}  # layer -> the dropper's mark of its release
         self._whole_ranges: dict[int, list[ByteRange]] = {}  # layer -> what of it is read whole
         self._lent = self._lent_pieces = self._whole_pieces = self._whole_bytes = 0
         self.placer = make_placer(model.files, space, self.fds | (mapping_fds or {}), 0, self.io.platform)
@@ -424,6 +426,8 @@ class Streamer:
             expected = size - offset if placed and 0 < offset + length - size < self.io.page else length
             if offset + expected > size:
                 got = max(0, size - offset)
+            elif placed == ARENA:
+                got = self.placer.place_in_arena(file, offset, length)
             elif placed == PAGE_IN:
                 got = length if self.io.populate(self.fds[file], self._base(file, offset), offset, length) else self._pread(file, offset, length)
             elif placed and (
@@ -514,10 +518,11 @@ class Streamer:
         elif self.placer is not None:
             page = self.placer.page
             pieces = []
+            kind = ARENA if isinstance(unit, _LayerRead) else True
             for r in ranges:
                 for start, length, whole_pages in split_pieces(r.offset, r.end, page):
                     if whole_pages:
-                        pieces.append((r.file, start, length, True))
+                        pieces.append((r.file, start, length, kind))
                 for edge in self._take_edges([r])[0] if hold else ():
                     pieces.append((r.file, edge, page, COPY_IN))
         else:
@@ -1217,12 +1222,10 @@ class Streamer:
                     return
                 self._lent, self._lent_pieces = self._whole_bytes, self._whole_pieces
                 self._size_pool()
-            experts.give_up_layer(target)  # its releases run before the reads below (their room mark)
-            # A release of the same layer still queued is cancelled: its pieces are still placed
-            # (the reads find them there) and its end pages still held.
-            kept = self._dropper.keep(("layer", target))
+            experts.read_whole(target)
             unit = _LayerRead(target, self._whole_ranges[target][0].file)
-            self._layer_reads[target] = self._read_ranges(unit, self._whole_ranges[target], hold=not kept)
+            # The release of its last reading, if still queued, runs first (the reads' room mark).
+            self._layer_reads[target] = self._read_ranges(unit, self._whole_ranges[target])
 
     def _routed_whole(self, layer: int, experts: set[int]) -> float:
         """The router of a layer read whole has chosen: wait for its reads; seconds waited."""
@@ -1237,15 +1240,50 @@ class Streamer:
         self.experts.routed_whole(layer, experts, read)
         return waited
 
-    def _give_back_layer(self, layer: int) -> None:
-        """A layer read whole is done (or its token stopped): its pieces go back to the pool."""
+    def _give_back_layer(self, layer: int, done: bool = False) -> None:
+        """A layer read whole is over (``done``: its token computed it): its pieces go back to the
+        pool but for its cached experts' pages, the chosen ones taken in where there is room."""
         futures = self._layer_reads.pop(layer, None)
         if futures is None:
             return
         for f in futures:
             f.exception()  # a read still under way lands first: its release must come after it
-        self._dropper.later(("layer", layer), self._whole_ranges[layer])
-        self.experts.whole_layers.discard(layer)
+        failed = any(f.cancelled() or f.exception() is not None for f in futures)
+        cached, adopted = self.experts.keep_layer(layer, adopt=done and not failed)
+        self._dropper.later(("layer", layer), [(layer, tuple(cached), tuple(adopted))], self._release_layer)
+        # Its cached experts' pages are back only when that release has run: the layer's next
+        # use waits for it (on_experts).
+        self._layer_released[layer] = self._dropper.mark()
+
+    def _release_layer(self, item) -> None:
+        """The dropper's work for a layer read whole: the pool has its pieces back, each cached
+        expert's pages (own and shared end pages) copied back into place first; the experts
+        taken in hold their end pages and are recorded as read in place, as if each had been."""
+        layer, cached, adopted = item
+        page = self.io.page
+        new = [r for unit in adopted for r in unit.ranges]
+        new_pages = [self._slice_pages(r) for r in new]
+        records: dict[int, list[tuple[int, int]]] = {}
+        for r, (lo, hi, shared), fresh in zip(new, new_pages, self._hold_edges([(r.file, p[2]) for r, p in zip(new, new_pages)])):
+            own = self._own_span(lo, hi, shared)
+            records.setdefault(r.file, []).extend(([own] if own else []) + [(edge, page) for edge in fresh])
+        keep: dict[int, set[tuple[int, int]]] = {}
+        for r in (r for unit in cached for r in unit.ranges):
+            lo, hi, shared = self._slice_pages(r)
+            keep.setdefault(r.file, set()).update([(lo, hi - lo)])
+        failure = None
+        for r in self._whole_ranges[layer]:
+            try:
+                self.placer.release_keeping(r.file, r.offset, r.end, sorted(keep.get(r.file, ())), records.get(r.file, []))
+            except OSError as exc:
+                failure = failure or exc
+        for file, offset, length in self._give_back_edges(self._whole_ranges[layer]):
+            try:
+                self._give_back(file, offset, length)
+            except OSError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _return_lent_room(self) -> None:
         """The prompt is over: the pool pieces its layers used go, and the cache has its room back."""
@@ -1327,6 +1365,12 @@ class Streamer:
             return
         try:
             hits = self.experts.hits
+            released = self._layer_released.pop(layer, None)
+            if released is not None:  # its cached experts' pages come back with a layer's release
+                started = time.perf_counter()
+                if not self._dropper.settle(released):
+                    raise StreamAbort(self.error or "streaming stopped: a layer's release is held back")
+                self.stall_s += time.perf_counter() - started
             if layer in self._layer_reads:
                 self.stall_s += self._routed_whole(layer, experts)
             else:
