@@ -551,7 +551,7 @@ class DirectPlacer(PlacedParts):
         """``place`` for a piece of a layer read whole, in the arena: a whole piece through a pool
         buffer (huge pages, moved into place), a partial one, or one that finds the pool spent,
         read in place. Kept apart from the slices' records (a slice's own pages may start where a
-        piece does) until ``release_keeping``. Returns the bytes read; OSError for a failed read."""
+        piece does) until ``release_pieces``. Returns the bytes read; OSError for a failed read."""
         with self._lock:
             if (file, offset) in self._pieces:
                 return length
@@ -584,50 +584,36 @@ class DirectPlacer(PlacedParts):
                 self._pieces[(file, offset)] = (buf, at, length, whole)
         return length
 
-    def release_keeping(self, file: int, lo: int, hi: int, keep: list[tuple[int, int]], records: list[tuple[int, int]]) -> None:
-        """Give back the pieces placed in the arena inside [lo, hi) of ``file`` (a layer read
-        whole) but for the pages of ``keep`` ((offset, length), whole pages, sorted: cached
-        experts'), copied back into place from each piece before its buffer goes back to the
-        pool. ``records`` (whole pages) are recorded as read in place from then on (experts taken
-        into the cache), those outside [lo, hi) aside. Each piece is tried; the first failure is
-        raised after (that piece stays placed)."""
-        c, page = self._libc, self.page
-        inner_lo, inner_hi = -(-lo // page) * page, hi // page * page
+    def release_pieces(self, file: int, lo: int, hi: int) -> None:
+        """Give back the pieces ``place_in_arena`` placed inside [lo, hi) of ``file``: each pool
+        buffer's pages back to it, a piece read in place freed; the arena is empty anonymous
+        memory there again. Each piece is tried; the first failure is raised after (that piece
+        stays placed)."""
+        c = self._libc
         with self._lock:
             pieces = [
-                (start, entry) for start, _size, placed in split_pieces(lo, hi, page)
+                (start, entry) for start, _size, placed in split_pieces(lo, hi, self.page)
                 if placed and (entry := self._pieces.pop((file, start), None)) is not None
             ]
         failure = None
-        moves = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
         for start, entry in pieces:
             buf, at, length, whole = entry
-            end, target = start + length, self.space.at(file, start)
-            kept = [(max(k, start), min(k + n, end)) for k, n in keep if k < end and k + n > start]
-            if buf == 0:  # read in place (the pool was spent): only the pages between kept parts go
-                at_page = start
-                for k_lo, k_hi in kept + [(end, end)]:
-                    if k_lo > at_page and c.madvise(self.space.at(file, at_page), k_lo - at_page, MADV_DONTNEED) != 0:
-                        failure = failure or OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a layer read whole")
-                    at_page = max(at_page, k_hi)
+            target = self.space.at(file, start)
+            if not buf:
+                if c.madvise(target, length, MADV_DONTNEED) != 0:
+                    failure = failure or OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {length} bytes")
                 continue
-            if c.mremap(target, length, length, moves, buf + at) != buf + at:
+            if c.mremap(target, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, buf + at) != buf + at:
                 err = ctypes.get_errno()
                 with self._lock:
                     self._pieces[(file, start)] = entry
                 failure = failure or OSError(err, f"mremap: {os.strerror(err)}")
                 continue
-            # The range left behind is empty anonymous memory, with the pool buffer's huge pages
-            # allowed: off again, as in the arena (a 30 KiB slice read there would fault 2 MiB).
+            # The range left behind allows the pool buffer's huge pages: off again, as in the
+            # arena (a 30 KiB slice read there later would fault in 2 MiB).
             if c.madvise(target, length, MADV_NOHUGEPAGE) != 0:
-                failure = failure or OSError(ctypes.get_errno(), "madvise(MADV_NOHUGEPAGE) of a layer read whole")
-            for k_lo, k_hi in kept:
-                ctypes.memmove(target + (k_lo - start), buf + at + (k_lo - start), k_hi - k_lo)
+                failure = failure or OSError(ctypes.get_errno(), f"madvise(MADV_NOHUGEPAGE) of {length} bytes")
             self._give_back(buf, whole)
-        with self._lock:
-            for start, length in records:
-                if inner_lo <= start and start + length <= inner_hi:
-                    self._placed[(file, start)] = (0, 0, length, False)
         if failure is not None:
             raise failure
 

@@ -314,7 +314,6 @@ class Streamer:
         # A prompt's MoE layers read whole (see _read_layers_whole): layer -> its reads, the
         # layers that may be, and the cache's bytes lent for them (with the pool pieces they make).
         self._layer_reads: dict[int, list[Future]] = {}
-        self._layer_released: dict[int, int] = {}  # layer -> the dropper's mark of its release
         self._whole_ranges: dict[int, list[ByteRange]] = {}  # layer -> what of it is read whole
         self._lent = self._lent_pieces = self._whole_pieces = self._whole_bytes = 0
         self.placer = make_placer(model.files, space, self.fds | (mapping_fds or {}), 0, self.io.platform)
@@ -1222,9 +1221,10 @@ class Streamer:
                     return
                 self._lent, self._lent_pieces = self._whole_bytes, self._whole_pieces
                 self._size_pool()
-            experts.read_whole(target)
+            experts.give_up_layer(target)
             unit = _LayerRead(target, self._whole_ranges[target][0].file)
-            # The release of its last reading, if still queued, runs first (the reads' room mark).
+            # Its experts' releases, and its last reading's if still queued, run first (the
+            # reads' room mark).
             self._layer_reads[target] = self._read_ranges(unit, self._whole_ranges[target])
 
     def _routed_whole(self, layer: int, experts: set[int]) -> float:
@@ -1240,41 +1240,23 @@ class Streamer:
         self.experts.routed_whole(layer, experts, read)
         return waited
 
-    def _give_back_layer(self, layer: int, done: bool = False) -> None:
-        """A layer read whole is over (``done``: its token computed it): its pieces go back to the
-        pool but for its cached experts' pages, the chosen ones taken in where there is room."""
+    def _give_back_layer(self, layer: int) -> None:
+        """A layer read whole is over (computed, or its token stopped): its pieces go back to the pool."""
         futures = self._layer_reads.pop(layer, None)
         if futures is None:
             return
         for f in futures:
             f.exception()  # a read still under way lands first: its release must come after it
-        failed = any(f.cancelled() or f.exception() is not None for f in futures)
-        cached, adopted = self.experts.keep_layer(layer, adopt=done and not failed)
-        self._dropper.later(("layer", layer), [(layer, tuple(cached), tuple(adopted))], self._release_layer)
-        # Its cached experts' pages are back only when that release has run: the layer's next
-        # use waits for it (on_experts).
-        self._layer_released[layer] = self._dropper.mark()
+        self._dropper.later(("layer", layer), [layer], self._release_layer)
+        self.experts.whole_layers.discard(layer)
 
-    def _release_layer(self, item) -> None:
-        """The dropper's work for a layer read whole: the pool has its pieces back, each cached
-        expert's pages (own and shared end pages) copied back into place first; the experts
-        taken in hold their end pages and are recorded as read in place, as if each had been."""
-        layer, cached, adopted = item
-        page = self.io.page
-        new = [r for unit in adopted for r in unit.ranges]
-        new_pages = [self._slice_pages(r) for r in new]
-        records: dict[int, list[tuple[int, int]]] = {}
-        for r, (lo, hi, shared), fresh in zip(new, new_pages, self._hold_edges([(r.file, p[2]) for r, p in zip(new, new_pages)])):
-            own = self._own_span(lo, hi, shared)
-            records.setdefault(r.file, []).extend(([own] if own else []) + [(edge, page) for edge in fresh])
-        keep: dict[int, set[tuple[int, int]]] = {}
-        for r in (r for unit in cached for r in unit.ranges):
-            lo, hi, shared = self._slice_pages(r)
-            keep.setdefault(r.file, set()).update([(lo, hi - lo)])
+    def _release_layer(self, layer: int) -> None:
+        """The dropper's work for a layer read whole: its pieces out of the arena, then the end
+        pages its ranges share with trunk tensors that no one holds any more."""
         failure = None
         for r in self._whole_ranges[layer]:
             try:
-                self.placer.release_keeping(r.file, r.offset, r.end, sorted(keep.get(r.file, ())), records.get(r.file, []))
+                self.placer.release_pieces(r.file, r.offset, r.end)
             except OSError as exc:
                 failure = failure or exc
         for file, offset, length in self._give_back_edges(self._whole_ranges[layer]):
@@ -1365,12 +1347,6 @@ class Streamer:
             return
         try:
             hits = self.experts.hits
-            released = self._layer_released.pop(layer, None)
-            if released is not None:  # its cached experts' pages come back with a layer's release
-                started = time.perf_counter()
-                if not self._dropper.settle(released):
-                    raise StreamAbort(self.error or "streaming stopped: a layer's release is held back")
-                self.stall_s += time.perf_counter() - started
             if layer in self._layer_reads:
                 self.stall_s += self._routed_whole(layer, experts)
             else:
