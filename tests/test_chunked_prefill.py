@@ -157,16 +157,16 @@ def test_a_staged_layers_first_matrix_pages_in_from_the_layer_before_with_the_st
         taken: list[bool] = []
         read_first, take = experts.read_first_matrix, experts._take_early
 
-        def read_first_matrix(layer, n_tokens):
+        def read_first_matrix(layer, n_tokens, room=None):
             before = experts._early
-            read_first(layer, n_tokens)
+            read_first(layer, n_tokens, room)
             if experts._early is not None and experts._early is not before:
                 started.append((experts._early.layer, layer))
 
         def take_early(stage):
             early = experts._early
             take(stage)
-            taken.append(early is not None and early.layer == stage.layer and bool(stage.reads.get(early.matrix)))
+            taken.append(early is not None and early.layer == stage.layer and all(stage.reads.get(m) for m in early.reads))
 
         experts.read_first_matrix, experts._take_early = read_first_matrix, take_early
         peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine, tokens=4))

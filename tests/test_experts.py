@@ -789,6 +789,46 @@ def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_t
         list(gen)
         assert gen.result.text == expected
         streamer._dropper.flush()
-        assert not streamer._layer_reads and not any(entry[0] for entry in placer._placed.values())
+        assert not streamer._layer_reads and not placer._pieces
+    finally:
+        engine.close()
+
+
+def test_layers_read_whole_for_a_graph_cut_short_go_back_when_the_next_graph_starts(moe_model):
+    """A prompt cancelled mid-graph leaves the layers it read ahead whole: the next graph gives
+    them back at its start (their room is lent for two layers), and its reply is stock's."""
+    stock = Engine(moe_model, n_ctx=256, fast_load=False)
+    stock.load()
+    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+    list(gen)
+    expected = gen.result.text
+    stock.close()
+
+    engine = expert_engine(moe_model, budget_mib=170)
+    try:
+        streamer = engine.streamer
+        if streamer.placer is None or not streamer.placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        cache = streamer.experts
+        cache.prefilling, streamer.chunk_tokens = True, 64  # as a prompt's graph at its first layer
+        streamer._read_layers_whole(0)
+        left = sorted(streamer._layer_reads)
+        assert len(left) == 2 and cache.whole_layers == set(left)
+        cache.prefilling = False
+        held_at_start: list[int] = []  # layers read whole when the new graph's first layer reads ahead
+        read_whole = streamer._read_layers_whole
+
+        def spy(layer):
+            if layer == 0:
+                held_at_start.append(len(streamer._layer_reads))
+            read_whole(layer)
+
+        streamer._read_layers_whole = spy
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
+        list(gen)
+        assert gen.result.text == expected
+        assert held_at_start and held_at_start[0] == 0  # given back before it read two more
+        streamer._dropper.flush()
+        assert not streamer._layer_reads and not streamer.placer._pieces and streamer._lent == 0
     finally:
         engine.close()

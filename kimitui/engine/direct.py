@@ -579,6 +579,13 @@ class DirectPlacer(PlacedParts):
             if c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
                 err = ctypes.get_errno()
                 self._give_back(buf, whole)
+                # The kernel may have unmapped the target first: the arena's empty memory goes
+                # back where there is now a hole (never over another's mapping).
+                got = c.mmap(target, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
+                if got == target:
+                    c.madvise(target, length, MADV_NOHUGEPAGE)
+                elif got not in (None, MAP_FAILED):  # a kernel before 4.17 took the flag as a hint
+                    c.munmap(got, length)
                 raise OSError(err, f"mremap: {os.strerror(err)}")
             with self._lock:
                 self._pieces[(file, offset)] = (buf, at, length, whole)

@@ -84,12 +84,14 @@ class _Stage:
 
 @dataclass
 class _Early:
-    """A prompt's staged layer whose first matrix started paging in at the layer's start, for
+    """A prompt's staged layer whose first matrices started paging in at the layer's start, for
     every expert not in memory, before its router chose (``ExpertCache.read_first_matrix``)."""
 
     layer: int
-    matrix: int
-    reads: list[tuple[ExpertUnit, list[Future]]]
+    reads: dict[int, list[tuple[ExpertUnit, list[Future]]]]  # matrix -> its slices' reads
+
+    def all_reads(self) -> list[tuple[ExpertUnit, list[Future]]]:
+        return [read for reads in self.reads.values() for read in reads]
 
 
 @dataclass
@@ -244,19 +246,23 @@ class ExpertCache:
                 victim = self.policy.victim(protect)
                 if victim is None:
                     return False
-                unit = self._resident.pop(victim)
-                self.policy.forgot(victim)
-                self._settle(self._inflight.pop(victim, None))
-                if victim in self._prefetched:  # read ahead and never used
-                    self._prefetched.discard(victim)
-                    self.prefetch_wasted += 1
-                    self.prefetch_wasted_bytes += unit.length
-                evicted.append(unit)
-                self._resident_bytes -= unit.footprint
+                evicted.append(self._evict(victim))
             return self._resident_bytes + length <= self.capacity
         finally:
             if evicted:
                 self._drop_units(evicted)
+
+    def _evict(self, key: tuple[int, int]) -> ExpertUnit:
+        """Out of the books (its release is the caller's): a read ahead still under way lands first."""
+        unit = self._resident.pop(key)
+        self.policy.forgot(key)
+        self._settle(self._inflight.pop(key, None))
+        if key in self._prefetched:  # read ahead and never used
+            self._prefetched.discard(key)
+            self.prefetch_wasted += 1
+            self.prefetch_wasted_bytes += unit.length
+        self._resident_bytes -= unit.footprint
+        return unit
 
     def _settle(self, futures: list[Future] | None) -> None:
         """An expert read ahead is evicted before its read landed: cancel what has not started
@@ -466,13 +472,15 @@ class ExpertCache:
         self._read_ahead_matrices()
         return waited
 
-    def read_first_matrix(self, layer: int, n_tokens: int) -> None:
+    def read_first_matrix(self, layer: int, n_tokens: int, room: int | None = None) -> None:
         """A prompt's layer starts, its graph computing ``n_tokens`` tokens: where they will
         likely route to most experts of the next MoE layer (from here on), and that layer is
         then staged, the first matrix llama.cpp computes starts paging in now, for every expert
         not in memory, and the reads run under this layer's compute (a dense layer's, or the
         MoE layer's attention) instead of after the router; where the trunk is pinned, nothing
-        else is read then. The experts the router leaves out are given back."""
+        else is read then. The experts the router leaves out are given back. ``room``: the
+        cache's bytes that stay its own until that layer's stage (default: all of it); the
+        matrices after the first start too while they fit it."""
         target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), None)
         if not self.prefilling or self._page_in_units is None or self._stage is not None or target is None:
             self._give_back_early()
@@ -485,20 +493,26 @@ class ExpertCache:
         pinned = sum(1 for key in self.pinned if key[0] == target)
         if not union or union * (n_expert - pinned) / n_expert * self.model.bytes_per_expert <= self.capacity:
             return  # not most of them, or not staged (the cache holds them whole)
-        matrix = self._compute_order(target)[0]
-        units = [
-            self._matrix_unit(target, e, matrix)
-            for e in range(n_expert)
-            if (target, e) not in self.pinned and (target, e) not in self._resident
-        ]
-        footprint = sum(u.footprint for u in units)
+        room = self.capacity if room is None else min(room, self.capacity)
         cached = {key for key in self._resident if key[0] == target}  # hits for its router, likely
-        if not units or footprint + sum(self._resident[key].footprint for key in cached) > self.capacity:
-            return  # no room beside them: nothing evicted for it
-        if not self._make_room(footprint, cached):
-            return
-        self._count_read(units)
-        self._early = _Early(target, matrix, list(zip(units, self._page_in_units(units))))
+        taken = sum(self._resident[key].footprint for key in cached)
+        early = _Early(target, {})
+        for matrix in self._compute_order(target):
+            units = [
+                self._matrix_unit(target, e, matrix)
+                for e in range(n_expert)
+                if (target, e) not in self.pinned and (target, e) not in self._resident
+            ]
+            footprint = sum(u.footprint for u in units)
+            if not units or taken + footprint > room:
+                break  # no room beside them: nothing evicted for it
+            if not self._make_room(footprint, cached):
+                break
+            taken += footprint
+            self._count_read(units)
+            early.reads[matrix] = list(zip(units, self._page_in_units(units)))
+        if early.reads:
+            self._early = early
 
     def routes_to_most(self, layer: int, n_tokens: int) -> float:
         """The share of ``layer``'s experts that ``n_tokens`` tokens route to under flat routing,
@@ -516,41 +530,47 @@ class ExpertCache:
         if 2 * room > self.capacity:
             return False
         self.capacity -= room
-        self._make_room(0, self._in_use)
+        if not self.shrink():
+            self.capacity += room  # its experts are all in use: nothing lent
+            return False
         return True
 
     def take_back(self, room: int) -> None:
         self.capacity += room
+
+    def shrink(self) -> bool:
+        """The capacity has been lowered: the coldest experts go until the rest fit (one release);
+        False where they cannot (those in use stay)."""
+        return self._make_room(0, self._in_use)
 
     def give_up_layer(self, layer: int) -> None:
         """``layer`` is about to be read whole by the streamer (its pieces cover the arena): its
         cached experts go back first (one release, which the pieces' reads wait for), and nothing
         of it is read here until the streamer's release. Keeping them, their pages copied back
         after the pieces, cost the MoE example's 128-token prompt 0.5-0.7 s on two cores."""
-        evicted = []
-        for key in [key for key in self._resident if key[0] == layer]:
-            unit = self._resident.pop(key)
-            self.policy.forgot(key)
-            self._settle(self._inflight.pop(key, None))
-            self._prefetched.discard(key)
-            self._resident_bytes -= unit.footprint
-            evicted.append(unit)
+        evicted = [self._evict(key) for key in [key for key in self._resident if key[0] == layer]]
         if evicted:
             self._drop_units(evicted)
         self.whole_layers.add(layer)
 
     def routed_whole(self, layer: int, experts: Iterable[int], read_bytes: int) -> None:
         """The router of a layer read whole (``read_bytes``) chose ``experts``: counted as the
-        cache counts a layer's misses, what was read beyond them as read through."""
+        cache counts a layer's hits (the pinned ones) and misses, what was read beyond the misses
+        as read through."""
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         self.end_stage(strict=False)
         self._in_use = set()
-        used = len(wanted) * self.model.layers[layer].expert_bytes  # none cached (give_up_layer) or pinned
+        size = self.model.layers[layer].expert_bytes
+        pinned = sum(1 for e in wanted if (layer, e) in self.pinned)  # none cached (give_up_layer)
+        used = (len(wanted) - pinned) * size
         for e in wanted:
             self.counts[layer][e] += 1
-        self.misses += len(wanted)
-        self.layer_misses[layer] += len(wanted)
+        self.hits += pinned
+        self.layer_hits[layer] += pinned
+        self.bytes_from_cache += pinned * size
+        self.misses += len(wanted) - pinned
+        self.layer_misses[layer] += len(wanted) - pinned
         self.bytes_needed += used
         if self.prefilling:
             self.prefill_seen |= {(layer, e) for e in wanted}
@@ -559,37 +579,41 @@ class ExpertCache:
             self.prefill_gap_bytes += max(0, read_bytes - used)
 
     def _take_early(self, stage: _Stage) -> None:
-        """The staged layer's first matrix, paging in since the layer started: its reads of the
-        staged experts become the stage's; the others go back."""
+        """The staged layer's first matrices, paging in since the layer started: their reads of
+        the staged experts become the stage's; the others go back."""
         early = self._early
         if early is None:
             return
         self._early = None
         if early.layer != stage.layer:
-            self._give_back_reads(early.reads)
+            self._give_back_reads(early.all_reads())
             return
         staged = set(stage.experts)
 
         def failed(futures: list[Future]) -> bool:
             return any(f.done() and (f.cancelled() or f.exception() is not None) for f in futures)
 
-        # A read that failed is read again below (its failure stopped the token it came in).
-        kept = [(u, f) for u, f in early.reads if u.expert in staged and not failed(f)]
-        kept_units = {id(u) for u, _ in kept}
-        self._give_back_reads([(u, f) for u, f in early.reads if id(u) not in kept_units])
-        missing = [self._matrix_unit(stage.layer, e, early.matrix) for e in sorted(staged - {u.expert for u, _ in kept})]
-        if missing:  # cached when the layer started, given up for room since
-            if not self._make_room(sum(u.footprint for u in missing), stage.held):
-                self._give_back_reads(kept)
-                return  # read when its node asks, as without the early start
-            self._count_read(missing)
-            kept += list(zip(missing, self._page_in_units(missing)))
-        stage.reads[early.matrix] = kept
+        # Reads of experts the router left out go first: the room they free may be needed below.
+        for matrix, reads in early.reads.items():
+            early.reads[matrix] = [(u, f) for u, f in reads if u.expert in staged]
+            self._give_back_reads([(u, f) for u, f in reads if u.expert not in staged])
+        for matrix, reads in early.reads.items():
+            # A read that failed is read again (its failure stopped the token it came in).
+            kept = [(u, f) for u, f in reads if not failed(f)]
+            self._give_back_reads([(u, f) for u, f in reads if failed(f)])
+            missing = [self._matrix_unit(stage.layer, e, matrix) for e in sorted(staged - {u.expert for u, _ in kept})]
+            if missing:  # cached when the layer started, given up for room since
+                if not self._make_room(sum(u.footprint for u in missing), stage.held):
+                    self._give_back_reads(kept)
+                    continue  # read when its node asks, as without the early start
+                self._count_read(missing)
+                kept += list(zip(missing, self._page_in_units(missing)))
+            stage.reads[matrix] = kept
 
     def _give_back_early(self) -> None:
         early, self._early = self._early, None
         if early is not None:
-            self._give_back_reads(early.reads)
+            self._give_back_reads(early.all_reads())
 
     def _give_back_reads(self, reads: list[tuple[ExpertUnit, list[Future]]]) -> None:
         for unit, futures in reads:
@@ -812,8 +836,10 @@ class ExpertCache:
         return set(self._resident) | self.pinned
 
     def holds(self, layer: int, experts: Iterable[int]) -> list[bool]:
-        """Whether each of ``experts`` of ``layer`` is in memory or being read: pinned, cached, or
-        read ahead (its bytes are paid for either way)."""
+        """Whether each of ``experts`` of ``layer`` is in memory or being read: pinned, cached,
+        read ahead, or its layer read whole (its bytes are paid for either way)."""
+        if layer in self.whole_layers:  # read whole by the streamer
+            return [True for _ in experts]
         return [(layer, e) in self.pinned or (layer, e) in self._resident for e in experts]
 
     def layer_hit_rates(self) -> list[float | None]:

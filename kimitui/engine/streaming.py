@@ -316,6 +316,7 @@ class Streamer:
         self._layer_reads: dict[int, list[Future]] = {}
         self._whole_ranges: dict[int, list[ByteRange]] = {}  # layer -> what of it is read whole
         self._lent = self._lent_pieces = self._whole_pieces = self._whole_bytes = 0
+        self._window_lent = 0  # the streamed trunk's room, lent to a staged layer (_lend_idle_window)
         self.placer = make_placer(model.files, space, self.fds | (mapping_fds or {}), 0, self.io.platform)
         if self.placer is not None:
             self._size_pool()
@@ -461,7 +462,7 @@ class Streamer:
         else:
             failure = None if got >= expected else (
                 f"model file {os.path.basename(self.model.files[file])} ended at byte {offset + got}; "
-                f"{self._what(unit)} of layer {unit.layer} needs bytes up to {offset + expected} "
+                f"{self._what(unit)} of layer {unit.layer} {'need' if isinstance(unit, _LayerRead) else 'needs'} bytes up to {offset + expected} "
                 "(file truncated or drive removed?)"
             )
         if failure is not None:
@@ -893,12 +894,17 @@ class Streamer:
         n = self.model.n_layers
         if self.experts is not None:  # a staged layer before is over (at 0: a graph that was cut short)
             self.experts.end_stage(strict=layer > 0)
+        if layer == 0:  # a graph cut short (cancelled) left its layers read whole: given back
+            for stale in list(self._layer_reads):
+                self._give_back_layer(stale)
         if layer == 0 and self._pending is not None:
             self._apply_pending()
         if layer > 0:
             self._finish_layer(layer - 1)
         if self._lent:
             self._return_lent_room()
+        if self._window_lent and (layer >= n or self.layer_shards[layer] or not self.experts.prefilling):
+            self._take_back_window()  # the trunk streams again (or decode starts): the window's own
         if layer >= n:  # output stage: non-layer tensors are always pinned
             self.current_layer = None
             self._check_files(None)
@@ -950,7 +956,8 @@ class Streamer:
         self.stall_s += waited
         if self.experts is not None:  # after the trunk: the layer's attention needs it first
             self._read_layers_whole(layer)
-            self.experts.read_first_matrix(layer, self.chunk_tokens)
+            self._lend_idle_window(layer)
+            self.experts.read_first_matrix(layer, self.chunk_tokens, self._early_room(layer))
         self._prefetch_from(layer + 1)
         if layer + 1 < n:
             self._claim_ahead(layer + 1)
@@ -980,6 +987,8 @@ class Streamer:
             self._drop(self.model.shards[victim])
 
     def _prefetch_from(self, first_layer: int) -> None:
+        if self._window_lent:  # the window's room is the stage's until the next layer starts
+            return
         n = self.model.n_layers
         window = self._window()
         depth = self.settings.prefetch_depth
@@ -1217,9 +1226,10 @@ class Streamer:
                 continue
             if not self._lent:
                 if not experts.lend(self._whole_bytes):
-                    self._whole_ranges.clear()  # the cache is too small for it: never
-                    return
+                    return  # the cache is too small for it now (or all in use)
                 self._lent, self._lent_pieces = self._whole_bytes, self._whole_pieces
+                if not self._dropper.settle(self._dropper.mark()):  # the evictions are out before the pool grows
+                    raise StreamAbort(self.error or "streaming stopped: the cache's releases are held back")
                 self._size_pool()
             experts.give_up_layer(target)
             unit = _LayerRead(target, self._whole_ranges[target][0].file)
@@ -1247,25 +1257,69 @@ class Streamer:
             return
         for f in futures:
             f.exception()  # a read still under way lands first: its release must come after it
-        self._dropper.later(("layer", layer), [layer], self._release_layer)
+        self._dropper.later(("layer", layer), [tuple(self._whole_ranges[layer])], self._release_layer)
         self.experts.whole_layers.discard(layer)
 
-    def _release_layer(self, layer: int) -> None:
+    def _release_layer(self, ranges: tuple[ByteRange, ...]) -> None:
         """The dropper's work for a layer read whole: its pieces out of the arena, then the end
         pages its ranges share with trunk tensors that no one holds any more."""
         failure = None
-        for r in self._whole_ranges[layer]:
+        for r in ranges:
             try:
                 self.placer.release_pieces(r.file, r.offset, r.end)
             except OSError as exc:
                 failure = failure or exc
-        for file, offset, length in self._give_back_edges(self._whole_ranges[layer]):
+        for file, offset, length in self._give_back_edges(ranges):
             try:
                 self._give_back(file, offset, length)
             except OSError as exc:
                 failure = failure or exc
         if failure is not None:
             raise failure
+
+    def _lend_idle_window(self, layer: int) -> None:
+        """A prompt's layer whose trunk is all pinned, with nothing of the streamed trunk in
+        memory or on its way, where nothing is read ahead (prefetch depth 0: the budget holds one
+        layer of streamed trunk): the window's room, the read pool's buffers, is idle until a
+        layer whose trunk streams starts. The expert cache has it meanwhile, so that a staged
+        layer reads its next matrix while one computes, and its first matrices start early;
+        with room for one matrix, reads and compute took turns (on the K3 slice at 2 GiB the
+        disk sat idle for a second of a 7 s prompt)."""
+        experts, placer = self.experts, self.placer
+        if (
+            self._window_lent
+            or not experts.prefilling
+            or self.layer_shards[layer]
+            or self._resident_bytes
+            or self.settings.prefetch_depth > 0
+            or placer is None
+            or not self._pages_in_slices()
+        ):
+            return
+        room = placer.capacity * PIECE_BYTES
+        placer.free_idle_buffers()
+        placer.short, placer.capacity = True, 0  # a read that would take a buffer goes through the page cache
+        experts.capacity += room
+        self._window_lent = room
+
+    def _early_room(self, layer: int) -> int | None:
+        """The cache's room that stays its own until the next MoE layer's stage: less the
+        window's, where a layer on the way there streams its trunk (the window goes back then)."""
+        if not self._window_lent:
+            return None
+        target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), layer)
+        if any(self.layer_shards[i] for i in range(layer + 1, target + 1)):
+            return self.experts.capacity - self._window_lent
+        return None
+
+    def _take_back_window(self) -> None:
+        """A layer whose trunk streams starts, or decode: the cache gives the window's room back,
+        its staged reads given back already (``end_stage``) and its coldest experts evicted."""
+        experts, room = self.experts, self._window_lent
+        self._window_lent = 0
+        experts.capacity -= room
+        experts.shrink()
+        self._size_pool()
 
     def _return_lent_room(self) -> None:
         """The prompt is over: the pool pieces its layers used go, and the cache has its room back."""
@@ -1274,8 +1328,7 @@ class Streamer:
         self._dropper.flush()  # the last layers' pieces are back in the pool first
         self.experts.take_back(self._lent)
         self._lent = self._lent_pieces = 0
-        self._size_pool()
-        self.placer.free_idle_buffers()
+        self._size_pool()  # the lent buffers beyond the pool's own go at once
 
     def _can_page_in(self) -> bool:
         """Reads may page in under compute (staged matrices, see ``ExpertCache.stage_matrix``,

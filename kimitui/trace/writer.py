@@ -11,7 +11,8 @@ Record types (every record has ``type``; times are seconds):
   cache, hits, misses, prefetch issued/used/wasted.
 - ``read``: one storage read: shard (or expert: its gate, up and down slices together, with
   the first slice's file and offset, their bytes added up and the span from the first start to
-  the last end) and layer, bytes, start (since the request that was running or last ran when
+  the last end; or neither: a piece of a layer's routed experts read whole for a prompt) and
+  layer, bytes, start (since the request that was running or last ran when
   the read began) and duration. Written at the next record of the generation thread, not when
   the read lands.
 - ``route``: one router choice of a streamed MoE layer: request, layer, the experts chosen for

@@ -56,7 +56,10 @@ def format_record(record: dict) -> Text:
             )
         return line
     if kind == "read":
-        unit = f"expert {record['expert']}" if record["expert"] is not None else f"shard {record['shard']}"
+        if record["expert"] is not None:
+            unit = f"expert {record['expert']}"
+        else:  # neither: a layer's routed experts read whole for a prompt
+            unit = f"shard {record['shard']}" if record["shard"] is not None else "routed experts (whole)"
         return Text(
             f"{req} read {unit} layer {record['layer']} {format_bytes(record['bytes'])} "
             f"at +{record['start_s']:.3f}s in {format_ms(record['dur_s'])}",
