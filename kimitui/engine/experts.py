@@ -482,7 +482,7 @@ class ExpertCache:
         cache's bytes that stay its own until that layer's stage (default: all of it); the
         matrices after the first start too while they fit it."""
         target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), None)
-        if not self.prefilling or self._page_in_units is None or self._stage is not None or target is None:
+        if not self.prefilling or self._page_in_units is None or not self.stage_all_read() or target is None:
             self._give_back_early()
             return
         if self._early is not None and self._early.layer == target:
@@ -577,6 +577,11 @@ class ExpertCache:
             self.prefill_bound_bytes += used
             self.prefill_read_bytes += read_bytes
             self.prefill_gap_bytes += max(0, read_bytes - used)
+
+    def stage_all_read(self) -> bool:
+        """No staged layer, or every matrix of it read or computed: its room frees from here on."""
+        stage = self._stage
+        return stage is None or set(stage.reads) | set(stage.computed) >= set(range(len(self.model.expert_ranges(stage.layer, 0))))
 
     def _take_early(self, stage: _Stage) -> None:
         """The staged layer's first matrices, paging in since the layer started: their reads of

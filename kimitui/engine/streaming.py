@@ -1302,6 +1302,29 @@ class Streamer:
         experts.capacity += room
         self._window_lent = room
 
+    def _after_last_read(self, name: bytes) -> None:
+        """A prompt's staged layer has read its last matrix and gave one back: the room it frees
+        goes to what comes next, while that last matrix computes. Where the next layer streams
+        its trunk, the window goes back to it and the trunk starts paging in; else the next
+        staged layer's first matrices start."""
+        experts, layer = self.experts, self.current_layer
+        if not experts.prefilling or not experts.staging or layer is None or not experts.stage_all_read():
+            return
+        following = layer + 1
+        if following >= self.model.n_layers:
+            return
+        if self.layer_shards[following]:
+            # Only where the cache then fits its own room: the last matrix's reads cannot go yet.
+            if self._window_lent and experts.resident_bytes <= experts.capacity - self._window_lent:
+                self._take_back_window()
+                for shard in self.layer_shards[following]:
+                    if self.state[shard.index] == Residency.COLD:
+                        self._submit(shard)
+                        self._prefetched.add(shard.index)
+                        self.prefetch_issued += 1
+            return
+        experts.read_first_matrix(following, self.chunk_tokens, self._early_room(following))
+
     def _early_room(self, layer: int) -> int | None:
         """The cache's room that stays its own until the next MoE layer's stage: less the
         window's, where a layer on the way there streams its trunk (the window goes back then)."""
@@ -1452,6 +1475,7 @@ class Streamer:
             return
         try:
             self.experts.matrix_done(name)
+            self._after_last_read(name)
         except (StreamAbort, StagingError) as exc:
             self.fail(str(exc))
         except OSError as exc:
