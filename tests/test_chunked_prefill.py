@@ -143,6 +143,43 @@ def test_staged_slices_of_a_huge_page_or_more_page_in_under_compute_with_the_sto
         engine.close()
 
 
+def test_a_prompts_pinned_layers_lend_the_streamed_trunks_room_to_the_stages_with_the_stock_tokens(tmp_path):
+    """Where nothing is read ahead and a prompt's layer keeps its trunk pinned, the streamed
+    trunk's room (the read pool's) is the expert cache's until a layer whose trunk streams
+    starts: here the first MoE layer's experts fit it whole, and the cache is back to its own
+    room (its coldest experts evicted) before the trunk streams again; the model's pages stay
+    within the budget, and the greedy tokens are stock llama.cpp's."""
+    spec = synth.plan_like("kimi-k3", None, 0.6, "q4_1", synth.default_tokenizer(), synth.Cut(layers=4, experts=24))
+    path = synth.write_model(spec, tmp_path / "k3l4.gguf", seed=11, progress=False).paths[0]
+    stock = engine_for(path)
+    try:
+        expected = reply(stock, tokens=4)
+    finally:
+        stock.close()
+    model = load_model_map(path)
+    budget = minimum_budget(model) + 300 * MIB  # layers 0-1's trunk pinned, 2-3's streamed
+    engine = engine_for(path, budget)
+    try:
+        streamer, experts = engine.streamer, engine.streamer.experts
+        capacity = experts.capacity
+        lent: list[int] = []
+        lend = streamer._lend_idle_window
+
+        def lend_idle_window(layer):
+            lend(layer)
+            lent.append(streamer._window_lent)
+
+        streamer._lend_idle_window = lend_idle_window
+        peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine, tokens=4))
+        assert streamer.settings.prefetch_depth == 0 and any(lent), "the plan at this budget lends the window"
+        assert tokens == expected
+        assert peak <= budget
+        assert streamer._window_lent == 0 and experts.capacity == capacity and experts.resident_bytes <= capacity
+        assert reply(engine, tokens=4) == expected
+    finally:
+        engine.close()
+
+
 def test_a_staged_layers_first_matrix_pages_in_from_the_layer_before_with_the_stock_tokens(k3_large_slices, large_slices_stock):
     """A prompt whose chunk will route to most of the next MoE layer's experts starts paging in
     that layer's first matrix when the layer before starts (here the dense first layer), not
@@ -155,9 +192,9 @@ def test_a_staged_layers_first_matrix_pages_in_from_the_layer_before_with_the_st
         experts = engine.streamer.experts
         started: list[tuple[int, int]] = []  # (layer the early read is for, the layer starting)
         taken: list[bool] = []
-        read_first, take = experts.read_first_matrix, experts._take_early
+        read_first, take = experts.read_first_matrices, experts._take_early
 
-        def read_first_matrix(layer, n_tokens, room=None):
+        def read_first_matrices(layer, n_tokens, room=None):
             before = experts._early
             read_first(layer, n_tokens, room)
             if experts._early is not None and experts._early is not before:
@@ -168,7 +205,7 @@ def test_a_staged_layers_first_matrix_pages_in_from_the_layer_before_with_the_st
             take(stage)
             taken.append(early is not None and early.layer == stage.layer and all(stage.reads.get(m) for m in early.reads))
 
-        experts.read_first_matrix, experts._take_early = read_first_matrix, take_early
+        experts.read_first_matrices, experts._take_early = read_first_matrices, take_early
         peak, tokens = peak_while(engine.metrics.model_resident_source, lambda: reply(engine, tokens=4))
         assert tokens == large_slices_stock
         moe = next(i for i, info in enumerate(model.layers) if info.is_moe)

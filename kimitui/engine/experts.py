@@ -85,7 +85,7 @@ class _Stage:
 @dataclass
 class _Early:
     """A prompt's staged layer whose first matrices started paging in at the layer's start, for
-    every expert not in memory, before its router chose (``ExpertCache.read_first_matrix``)."""
+    every expert not in memory, before its router chose (``ExpertCache.read_first_matrices``)."""
 
     layer: int
     reads: dict[int, list[tuple[ExpertUnit, list[Future]]]]  # matrix -> its slices' reads
@@ -472,15 +472,15 @@ class ExpertCache:
         self._read_ahead_matrices()
         return waited
 
-    def read_first_matrix(self, layer: int, n_tokens: int, room: int | None = None) -> None:
+    def read_first_matrices(self, layer: int, n_tokens: int, room: int | None = None) -> None:
         """A prompt's layer starts, its graph computing ``n_tokens`` tokens: where they will
         likely route to most experts of the next MoE layer (from here on), and that layer is
-        then staged, the first matrix llama.cpp computes starts paging in now, for every expert
-        not in memory, and the reads run under this layer's compute (a dense layer's, or the
-        MoE layer's attention) instead of after the router; where the trunk is pinned, nothing
-        else is read then. The experts the router leaves out are given back. ``room``: the
-        cache's bytes that stay its own until that layer's stage (default: all of it); the
-        matrices after the first start too while they fit it."""
+        then staged, the first matrices llama.cpp computes start paging in now, for every expert
+        not in memory, as many as fit ``room`` (the cache's bytes that stay its own until that
+        layer's stage; default: all of it), and the reads run under this layer's compute (a
+        dense layer's, or the MoE layer's attention) instead of after the router; where the
+        trunk is pinned, nothing else is read then. The experts the router leaves out are given
+        back."""
         target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), None)
         if not self.prefilling or self._page_in_units is None or not self.stage_all_read() or target is None:
             self._give_back_early()
@@ -491,9 +491,9 @@ class ExpertCache:
         n_expert = self.model.layers[target].n_expert
         union = n_expert * self.routes_to_most(target, n_tokens)
         pinned = sum(1 for key in self.pinned if key[0] == target)
-        if not union or union * (n_expert - pinned) / n_expert * self.model.bytes_per_expert <= self.capacity:
-            return  # not most of them, or not staged (the cache holds them whole)
         room = self.capacity if room is None else min(room, self.capacity)
+        if not union or union * (n_expert - pinned) / n_expert * self.model.bytes_per_expert <= room:
+            return  # not most of them, or not staged (the cache holds them whole)
         cached = {key for key in self._resident if key[0] == target}  # hits for its router, likely
         taken = sum(self._resident[key].footprint for key in cached)
         early = _Early(target, {})
@@ -504,10 +504,8 @@ class ExpertCache:
                 if (target, e) not in self.pinned and (target, e) not in self._resident
             ]
             footprint = sum(u.footprint for u in units)
-            if not units or taken + footprint > room:
-                break  # no room beside them: nothing evicted for it
-            if not self._make_room(footprint, cached):
-                break
+            if not units or taken + footprint > room or not self._make_room(footprint, cached):
+                break  # no room beside them (and the ones before)
             taken += footprint
             self._count_read(units)
             early.reads[matrix] = list(zip(units, self._page_in_units(units)))
@@ -538,10 +536,23 @@ class ExpertCache:
     def take_back(self, room: int) -> None:
         self.capacity += room
 
-    def shrink(self) -> bool:
+    def shrink(self, everything: bool = False) -> bool:
         """The capacity has been lowered: the coldest experts go until the rest fit (one release);
-        False where they cannot (those in use stay)."""
-        return self._make_room(0, self._in_use)
+        False where they cannot (those in use stay, unless ``everything``: the layer that used
+        them is done). An early read is given back before that fails."""
+        if self._make_room(0, set() if everything else self._in_use):
+            return True
+        self._give_back_early()
+        return self._make_room(0, set() if everything else self._in_use)
+
+    @property
+    def pages_in(self) -> bool:
+        """Whether staged slices page in under compute (see ``stage_matrix``)."""
+        return self._page_in_units is not None
+
+    def clear_early(self) -> None:
+        """An early read a stopped prompt left goes back."""
+        self._give_back_early()
 
     def give_up_layer(self, layer: int) -> None:
         """``layer`` is about to be read whole by the streamer (its pieces cover the arena): its
@@ -598,19 +609,28 @@ class ExpertCache:
         def failed(futures: list[Future]) -> bool:
             return any(f.done() and (f.cancelled() or f.exception() is not None) for f in futures)
 
-        # Reads of experts the router left out go first: the room they free may be needed below.
+        # Reads of experts the router left out go first (read, but not needed): the room they
+        # free may be needed below.
         for matrix, reads in early.reads.items():
             early.reads[matrix] = [(u, f) for u, f in reads if u.expert in staged]
-            self._give_back_reads([(u, f) for u, f in reads if u.expert not in staged])
-        for matrix, reads in early.reads.items():
+            left_out = [(u, f) for u, f in reads if u.expert not in staged]
+            self.bytes_needed -= sum(u.length for u, _ in left_out)
+            self._give_back_reads(left_out)
+        matrices = list(early.reads)
+        for i, matrix in enumerate(matrices):
+            reads = early.reads[matrix]
             # A read that failed is read again (its failure stopped the token it came in).
             kept = [(u, f) for u, f in reads if not failed(f)]
             self._give_back_reads([(u, f) for u, f in reads if failed(f)])
             missing = [self._matrix_unit(stage.layer, e, matrix) for e in sorted(staged - {u.expert for u, _ in kept})]
             if missing:  # cached when the layer started, given up for room since
                 if not self._make_room(sum(u.footprint for u in missing), stage.held):
+                    # Read when its node asks, as without the early start; the later ones too
+                    # (they would hold its room).
                     self._give_back_reads(kept)
-                    continue  # read when its node asks, as without the early start
+                    for later in matrices[i + 1 :]:
+                        self._give_back_reads(early.reads[later])
+                    return
                 self._count_read(missing)
                 kept += list(zip(missing, self._page_in_units(missing)))
             stage.reads[matrix] = kept

@@ -393,6 +393,9 @@ class Streamer:
         """The pool a full window needs, never more than the budget holds room for (near the
         minimum budget): a piece that finds such a pool spent is read through the page cache at
         once, into the window's own pages, which the budget counts."""
+        if self._window_lent:  # the pool's room is the expert cache's now (_lend_idle_window)
+            self.placer.short, self.placer.capacity = True, 0
+            return
         wanted = self._pool_pieces()
         capped = self.pool_limit is not None and wanted > self.pool_limit
         self.placer.short = capped
@@ -957,7 +960,7 @@ class Streamer:
         if self.experts is not None:  # after the trunk: the layer's attention needs it first
             self._read_layers_whole(layer)
             self._lend_idle_window(layer)
-            self.experts.read_first_matrix(layer, self.chunk_tokens, self._early_room(layer))
+            self.experts.read_first_matrices(layer, self.chunk_tokens, self._early_room(layer))
         self._prefetch_from(layer + 1)
         if layer + 1 < n:
             self._claim_ahead(layer + 1)
@@ -987,7 +990,7 @@ class Streamer:
             self._drop(self.model.shards[victim])
 
     def _prefetch_from(self, first_layer: int) -> None:
-        if self._window_lent:  # the window's room is the stage's until the next layer starts
+        if self._window_lent:  # the window's room is the cache's until a layer whose trunk streams starts
             return
         n = self.model.n_layers
         window = self._window()
@@ -1293,14 +1296,13 @@ class Streamer:
             or self._resident_bytes
             or self.settings.prefetch_depth > 0
             or placer is None
-            or not self._pages_in_slices()
+            or not placer.capacity
+            or not experts.pages_in  # staged slices page in (Linux, slices of a huge page or more)
         ):
             return
-        room = placer.capacity * PIECE_BYTES
-        placer.free_idle_buffers()
-        placer.short, placer.capacity = True, 0  # a read that would take a buffer goes through the page cache
-        experts.capacity += room
-        self._window_lent = room
+        self._window_lent = placer.capacity * PIECE_BYTES
+        experts.capacity += self._window_lent
+        self._size_pool()  # none: a read that would take a buffer goes through the page cache
 
     def _after_last_read(self, name: bytes) -> None:
         """A prompt's staged layer has read its last matrix and gave one back: the room it frees
@@ -1323,7 +1325,7 @@ class Streamer:
                         self._prefetched.add(shard.index)
                         self.prefetch_issued += 1
             return
-        experts.read_first_matrix(following, self.chunk_tokens, self._early_room(following))
+        experts.read_first_matrices(following, self.chunk_tokens, self._early_room(following))
 
     def _early_room(self, layer: int) -> int | None:
         """The cache's room that stays its own until the next MoE layer's stage: less the
@@ -1341,7 +1343,13 @@ class Streamer:
         experts, room = self.experts, self._window_lent
         self._window_lent = 0
         experts.capacity -= room
-        experts.shrink()
+        if not experts.shrink(everything=True):  # the layer before is done: none of its experts in use
+            from kimitui.units import format_bytes
+
+            raise StagingError(
+                f"the expert cache holds {format_bytes(experts.resident_bytes)}, past its "
+                f"{format_bytes(experts.capacity)} once the streamed trunk's room goes back"
+            )
         self._size_pool()
 
     def _return_lent_room(self) -> None:
@@ -1596,6 +1604,10 @@ class Streamer:
 
     def _reset_error(self) -> None:
         self._dropper.resume()
+        if self._window_lent and self.experts is not None:  # the stopped prompt's
+            self.experts.end_stage(strict=False)
+            self.experts.clear_early()
+            self._take_back_window()
         for slot in list(self._claiming):  # a slot's mapping changes on the slot lane until collected
             try:
                 self._collect_claim(slot)
