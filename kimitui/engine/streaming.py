@@ -1316,7 +1316,8 @@ class Streamer:
         if following >= self.model.n_layers:
             return
         if self.layer_shards[following]:
-            # Only where the cache then fits its own room: the last matrix's reads cannot go yet.
+            # Only where the cache already fits its own room, so that nothing is evicted while the
+            # last matrix computes (its reads and the stage's cached experts cannot go yet).
             if self._window_lent and experts.resident_bytes <= experts.capacity - self._window_lent:
                 self._take_back_window()
                 for shard in self.layer_shards[following]:
