@@ -722,6 +722,8 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
         address, page = engine.mappings[0].address, os.sysconf("SC_PAGE_SIZE")
         with open(moe_model, "rb") as f:
             data = f.read()
+        layer_ranges = [r for layer in moe_layers for r in streamer._whole_ranges[layer]]
+        areas_before = len(_arena_flags(engine, layer_ranges))
         for prompt, text in zip(prompts, expected):
             whole.clear()
             gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=6))
@@ -731,8 +733,9 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
             streamer._dropper.flush()
             assert not streamer._layer_reads and streamer._lent == 0 and cache.capacity == capacity
             assert not cache.whole_layers and not placer._pieces, "every piece back in the pool"
-            areas = _arena_flags(engine, [r for layer in moe_layers for r in streamer._whole_ranges[layer]])
+            areas = _arena_flags(engine, layer_ranges)
             assert areas and all(" nh" in flags and huge == 0 for flags, huge in areas)
+            assert len(areas) == areas_before, "the pieces' places merged back into the arena's areas"
             assert cache.prefill_read_bytes > cache.prefill_bound_bytes > 0  # read whole: more than the experts used
             assert cache.resident_bytes <= cache.capacity
             # Decode cached experts again, in place; the rest of the layers' pages are given back.
@@ -742,8 +745,7 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
                 for r in model.expert_ranges(layer, expert):
                     assert ctypes.string_at(address + r.offset, r.length) == data[r.offset : r.end]
                     cached_pages.update(range(r.offset // page * page, r.end, page))
-            ranges = [r for layer in moe_layers for r in streamer._whole_ranges[layer]]
-            inner = [(address + -(-r.offset // page) * page, address + r.end // page * page) for r in ranges]
+            inner = [(address + -(-r.offset // page) * page, address + r.end // page * page) for r in layer_ranges]
             assert pagemap_resident_bytes(inner) <= len(cached_pages) * page
     finally:
         engine.close()

@@ -579,17 +579,25 @@ class DirectPlacer(PlacedParts):
             if c.mremap(buf + at, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, target) != target:
                 err = ctypes.get_errno()
                 self._give_back(buf, whole)
-                # The kernel may have unmapped the target first: the arena's empty memory goes
-                # back where there is now a hole (never over another's mapping).
-                got = c.mmap(target, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
-                if got == target:
-                    c.madvise(target, length, MADV_NOHUGEPAGE)
-                elif got not in (None, MAP_FAILED):  # a kernel before 4.17 took the flag as a hint
-                    c.munmap(got, length)
+                self._arena_over(target, length, replace=False)  # where the kernel unmapped it first
                 raise OSError(err, f"mremap: {os.strerror(err)}")
             with self._lock:
                 self._pieces[(file, offset)] = (buf, at, length, whole)
         return length
+
+    def _arena_over(self, target: int, length: int, replace: bool = True) -> bool:
+        """Fresh arena memory (anonymous, no huge pages) at [target, target+length): over the area
+        there (``replace``: ours), or only into a hole a failed call left (never over another's
+        mapping). True where the range is the arena's now."""
+        c = self._libc
+        flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+        if not replace or c.mmap(target, length, PROT_READ | PROT_WRITE, flags | MAP_FIXED, -1, 0) != target:
+            got = c.mmap(target, length, PROT_READ | PROT_WRITE, flags | MAP_FIXED_NOREPLACE, -1, 0)
+            if got not in (None, MAP_FAILED, target):  # a kernel before 4.17 took the flag as a hint
+                c.munmap(got, length)
+            if got != target:
+                return False
+        return c.madvise(target, length, MADV_NOHUGEPAGE) == 0
 
     def release_pieces(self, file: int, lo: int, hi: int) -> None:
         """Give back the pieces ``place_in_arena`` placed inside [lo, hi) of ``file``: each pool
@@ -616,10 +624,12 @@ class DirectPlacer(PlacedParts):
                     self._pieces[(file, start)] = entry
                 failure = failure or OSError(err, f"mremap: {os.strerror(err)}")
                 continue
-            # The range left behind allows the pool buffer's huge pages: off again, as in the
-            # arena (a 30 KiB slice read there later would fault in 2 MiB).
-            if c.madvise(target, length, MADV_NOHUGEPAGE) != 0:
-                failure = failure or OSError(ctypes.get_errno(), f"madvise(MADV_NOHUGEPAGE) of {length} bytes")
+            # The range left behind is an area of its own, the pool buffer's, huge pages allowed:
+            # fresh arena memory over it instead (no huge pages: a 30 KiB slice read there later
+            # would fault in 2 MiB), which the kernel merges with the arena about it, so a long
+            # prompt leaves no area per piece behind.
+            if not self._arena_over(target, length):
+                failure = failure or OSError(ctypes.get_errno(), f"mapping the arena again over {length} bytes")
             self._give_back(buf, whole)
         if failure is not None:
             raise failure
