@@ -1304,7 +1304,7 @@ class Streamer:
         experts.capacity += self._window_lent
         self._size_pool()  # none: a read that would take a buffer goes through the page cache
 
-    def _after_last_read(self, name: bytes) -> None:
+    def _after_last_read(self) -> None:
         """A prompt's staged layer has read its last matrix and gave one back: the room it frees
         goes to what comes next, while that last matrix computes. Where the next layer streams
         its trunk, the window goes back to it and the trunk starts paging in; else the next
@@ -1484,7 +1484,7 @@ class Streamer:
             return
         try:
             self.experts.matrix_done(name)
-            self._after_last_read(name)
+            self._after_last_read()
         except (StreamAbort, StagingError) as exc:
             self.fail(str(exc))
         except OSError as exc:
