@@ -505,6 +505,21 @@ def test_a_failed_expert_read_stops_the_reply_and_is_read_again_next_time(moe_mo
 PREFILL_PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 3
 
 
+def stock_texts(path: Path, prompts: list[str], tokens: int) -> list[str]:
+    """Plain llama.cpp's greedy replies to ``prompts`` (the model read whole, no streaming)."""
+    stock = Engine(path, n_ctx=256, fast_load=False)
+    stock.load()
+    try:
+        texts = []
+        for prompt in prompts:
+            gen = stock.complete(prompt, Sampling(temperature=0.0, max_tokens=tokens))
+            list(gen)
+            texts.append(gen.result.text)
+        return texts
+    finally:
+        stock.close()
+
+
 def prefill_expert_reads(engine: Engine) -> list[tuple[int, int, int]]:
     """The storage requests for experts while the prompt is evaluated: (file, offset, length)."""
     reads: list = []
@@ -519,12 +534,7 @@ def test_a_prompts_experts_are_waited_for_matrix_by_matrix_and_stay_cached(moe_m
     """Where a layer's misses fit the cache, a prompt reads them whole but waits for each routed
     matrix just before its node (the gate computes while up and down arrive): every matrix is
     asked for, the experts stay cached as in decode, and the greedy tokens are stock's."""
-    stock = Engine(moe_model, n_ctx=256, fast_load=False)
-    stock.load()
-    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
-    list(gen)
-    expected = gen.result.text
-    stock.close()
+    (expected,) = stock_texts(moe_model, [PREFILL_PROMPT], 4)
 
     engine = expert_engine(moe_model, budget_mib=150)
     try:
@@ -597,12 +607,7 @@ def test_prefill_under_a_small_budget_is_cut_to_what_the_cache_holds(moe_model):
     """Below one matrix of each of a layer's experts, a micro-batch is as many tokens as one
     matrix of their experts surely fits in the cache: the cache never holds more than its
     capacity, staged matrices included, and the reply matches the stock run's."""
-    stock = Engine(moe_model, n_ctx=256, fast_load=False)
-    stock.load()
-    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=6))
-    list(gen)
-    expected = gen.result.text
-    stock.close()
+    (expected,) = stock_texts(moe_model, [PREFILL_PROMPT], 6)
 
     engine = expert_engine(moe_model, budget_mib=70)
     try:
@@ -697,14 +702,7 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
     from kimitui.engine.memory import pagemap_resident_bytes
 
     prompts = [PREFILL_PROMPT, "Seven wizards quietly juggle while the lazy dog sleeps and the quick brown fox " * 3]
-    stock = Engine(moe_model, n_ctx=256, fast_load=False)
-    stock.load()
-    expected = []
-    for prompt in prompts:
-        gen = stock.complete(prompt, Sampling(temperature=0.0, max_tokens=6))
-        list(gen)
-        expected.append(gen.result.text)
-    stock.close()
+    expected = stock_texts(moe_model, prompts, 6)
 
     engine = expert_engine(moe_model, budget_mib=170)
     try:
@@ -758,12 +756,7 @@ def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_t
 
     from kimitui.engine.state import EngineError
 
-    stock = Engine(moe_model, n_ctx=256, fast_load=False)
-    stock.load()
-    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
-    list(gen)
-    expected = gen.result.text
-    stock.close()
+    (expected,) = stock_texts(moe_model, [PREFILL_PROMPT], 4)
 
     engine = expert_engine(moe_model, budget_mib=170)
     try:
@@ -799,12 +792,7 @@ def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_t
 def test_layers_read_whole_for_a_graph_cut_short_go_back_when_the_next_graph_starts(moe_model):
     """A prompt cancelled mid-graph leaves the layers it read ahead whole: the next graph gives
     them back at its start (their room is lent for two layers), and its reply is stock's."""
-    stock = Engine(moe_model, n_ctx=256, fast_load=False)
-    stock.load()
-    gen = stock.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=4))
-    list(gen)
-    expected = gen.result.text
-    stock.close()
+    (expected,) = stock_texts(moe_model, [PREFILL_PROMPT], 4)
 
     engine = expert_engine(moe_model, budget_mib=170)
     try:

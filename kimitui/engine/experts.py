@@ -481,7 +481,7 @@ class ExpertCache:
         dense layer's, or the MoE layer's attention) instead of after the router; where the
         trunk is pinned, nothing else is read then. The experts the router leaves out are given
         back."""
-        target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), None)
+        target = next(iter(self.model.moe_layers_from(layer)), None)
         if not self.prefilling or self._page_in_units is None or not self.stage_all_read() or target is None:
             self._give_back_early()
             return

@@ -70,19 +70,31 @@ def arena_segments(model: ModelMap, hot: list[ExpertUnit], page: int) -> dict[in
             follows = True
     held: dict[int, list[tuple[int, int]]] = {}
     for unit in hot:
-        for r in unit.ranges:
-            held.setdefault(r.file, []).append((r.offset // page * page, -(-r.end // page) * page))
+        held.setdefault(unit.file, []).extend(_pages_of(unit, page))
     out: dict[int, list[tuple[int, int]]] = {}
     for file, start, end in runs:
-        at, stop = -(-start // page) * page, end // page * page
-        for lo, hi in sorted(held.get(file, [])):
-            if hi <= at or lo >= stop:
-                continue
-            if lo > at:
-                out.setdefault(file, []).append((at, lo))
-            at = max(at, hi)
-        if stop > at:
-            out.setdefault(file, []).append((at, stop))
+        spans = _less(-(-start // page) * page, end // page * page, held.get(file, []))
+        if spans:
+            out.setdefault(file, []).extend(spans)
+    return out
+
+
+def _pages_of(unit: ExpertUnit, page: int) -> list[tuple[int, int]]:
+    """The pages an expert's slices touch, (lo, hi) file offsets each."""
+    return [(r.offset // page * page, -(-r.end // page) * page) for r in unit.ranges]
+
+
+def _less(start: int, end: int, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) less the ``held`` spans, as (lo, hi) stretches in order."""
+    out, at = [], start
+    for lo, hi in sorted(held):
+        if hi <= at or lo >= end:
+            continue
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if end > at:
+        out.append((at, end))
     return out
 
 
@@ -1185,20 +1197,14 @@ class Streamer:
         page = placer.page
         held: dict[int, list[tuple[int, int]]] = {}  # layer -> pinned pages (file offsets; one file a layer)
         for unit in pinned:
-            held.setdefault(unit.layer, []).extend((r.offset // page * page, -(-r.end // page) * page) for r in unit.ranges)
+            held.setdefault(unit.layer, []).extend(_pages_of(unit, page))
         most_pieces = most_bytes = 0
         for layer in range(self.model.n_layers):
-            ranges = []
-            for shard in (s for s in self.model.layer_shards(layer) if s.routed):
-                at = shard.offset
-                for lo, hi in sorted(held.get(layer, [])):
-                    if hi <= at or lo >= shard.offset + shard.length:
-                        continue
-                    if lo > at:
-                        ranges.append(ByteRange(shard.file, at, lo - at))
-                    at = max(at, hi)
-                if at < shard.offset + shard.length:
-                    ranges.append(ByteRange(shard.file, at, shard.offset + shard.length - at))
+            ranges = [
+                ByteRange(shard.file, lo, hi - lo)
+                for shard in self.model.layer_shards(layer) if shard.routed
+                for lo, hi in _less(shard.offset, shard.offset + shard.length, held.get(layer, []))
+            ]
             pieces = [(r.file, start, length) for r in ranges for start, length, placed in split_pieces(r.offset, r.end, page) if placed]
             if not pieces or not all(placer.in_arena(file, start, start + length) for file, start, length in pieces):
                 continue
@@ -1221,7 +1227,7 @@ class Streamer:
         experts = self.experts
         if not self._whole_ranges or not experts.prefilling:
             return
-        targets = [i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe][:2]
+        targets = self.model.moe_layers_from(layer)[:2]
         for target in targets:
             if target in self._layer_reads or target not in self._whole_ranges:
                 continue
@@ -1333,7 +1339,7 @@ class Streamer:
         window's, where a layer on the way there streams its trunk (the window goes back then)."""
         if not self._window_lent:
             return None
-        target = next((i for i in range(layer, self.model.n_layers) if self.model.layers[i].is_moe), layer)
+        target = next(iter(self.model.moe_layers_from(layer)), layer)
         if any(self.layer_shards[i] for i in range(layer + 1, target + 1)):
             return self.experts.capacity - self._window_lent
         return None

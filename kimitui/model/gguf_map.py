@@ -317,6 +317,10 @@ class ModelMap:
             raise IndexError(f"layer {layer} has no routed experts")
         return [t.expert_range(expert) for t in routed]
 
+    def moe_layers_from(self, layer: int) -> list[int]:
+        """The MoE layers from ``layer`` on (itself included), in order."""
+        return [i for i in range(layer, len(self.layers)) if self.layers[i].is_moe]
+
     def layer_shards(self, layer: int | None) -> list[Shard]:
         return [s for s in self.shards if s.layer == layer]
 
