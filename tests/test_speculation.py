@@ -12,7 +12,7 @@ from helpers import with_added_tokens
 from kimitui.engine import speculation
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
-from kimitui.engine.speculation import PROBE_AFTER, DraftPlanner, lookup
+from kimitui.engine.speculation import PROBE_AFTER, Acceptance, DraftPlanner, lookup
 from kimitui.engine.state import EngineError
 from kimitui.model import synth
 
@@ -27,11 +27,12 @@ COPY_PROMPT = f"Repeat this text exactly:\n\n{TEXT}\n\nRepeated text:\n\n{TEXT[:
 
 
 def test_lookup_drafts_what_followed_the_longest_earlier_ngram():
-    assert lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 4) == [4, 5, 9, 1]
-    assert lookup([7, 1, 2, 8, 1, 2], 2) == [8, 1]  # the latest occurrence
-    assert lookup([1, 2, 3, 9, 2, 3], 3) == [9, 2, 3]  # a shorter n-gram where the longest has no earlier match
-    assert lookup([1, 2, 3, 4], 4) == [] and lookup([5, 5], 3) == []  # nothing repeats; too short
-    assert lookup([1, 2, 3, 1, 2], 0) == []
+    assert lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 4) == ([4, 5, 9, 1], 3)
+    assert lookup([7, 1, 2, 8, 1, 2], 2) == ([8, 1], 2)  # the latest occurrence
+    assert lookup([1, 2, 3, 9, 2, 3], 3) == ([9, 2, 3], 2)  # a shorter n-gram where the longest has no earlier match
+    assert lookup([1, 2, 3, 9, 3], 3) == ([9, 3], 1)  # down to one token
+    assert lookup([1, 2, 3, 4], 4) == ([], 0) and lookup([5], 3) == ([], 0)  # nothing repeats; too short
+    assert lookup([1, 2, 3, 1, 2], 0) == ([], 0)
 
 
 def test_the_planner_drafts_where_a_pass_costs_the_trunk_and_not_where_each_token_costs_as_much():
@@ -46,13 +47,31 @@ def test_the_planner_drafts_where_a_pass_costs_the_trunk_and_not_where_each_toke
         assert planner.drafts(trunk_bytes=100, token_bytes=100, available=8) == 0
     assert planner.drafts(trunk_bytes=100, token_bytes=100, available=8) == 1  # acceptance measured again
     for _ in range(40):
+        planner.drafts(trunk_bytes=100, token_bytes=0, available=8)
         planner.observe(drafted=8, kept=8)
-    assert planner.acceptance > 0.9
     assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8) == 8  # copying: as many as allowed
     assert 0 < planner.drafts(trunk_bytes=100, token_bytes=100, available=8) <= 8  # now drafting pays even so
     for _ in range(200):
+        planner.drafts(trunk_bytes=100, token_bytes=10, available=8)
         planner.observe(drafted=4, kept=0)
     assert planner.drafts(trunk_bytes=100, token_bytes=10, available=8) == 0
+
+
+def test_the_planner_learns_apart_what_drafts_after_one_matching_token_and_after_more_are_worth():
+    planner = DraftPlanner(max_drafts=8)
+    for _ in range(60):  # after one matching token drafts are seldom kept; after more, runs are copied whole
+        planner.drafts(trunk_bytes=100, token_bytes=0, available=8, match=1)
+        planner.observe(drafted=1, kept=0)
+        planner.drafts(trunk_bytes=100, token_bytes=0, available=8, match=3)
+        planner.observe(drafted=8, kept=8)
+    assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8, match=1) == 0
+    assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8, match=4) == 8
+    # A run, once its first draft is kept, goes on: worth more drafts than independent chances say.
+    runs = Acceptance()
+    for _ in range(60):
+        runs.observe(drafted=8, kept=0)
+        runs.observe(drafted=8, kept=8)
+    assert runs.expected_tokens(8) > 1 + 0.5 * 7  # first kept half the time, then nearly always
 
 
 def _reply(engine: Engine, prompt: str, tokens: int):
@@ -139,10 +158,10 @@ def test_k3_takes_rejected_drafts_back_out_of_its_recurrent_state(k3_model, budg
         passes[0] += 1
         if passes[0] % 3 == 0 and len(follow) > 1:
             follow[1] += 1
-        return follow
+        return follow, 2
 
     monkeypatch.setattr(speculation, "lookup", oracle)
-    monkeypatch.setattr(DraftPlanner, "drafts", lambda self, trunk, token, available: min(self.max_drafts, available))
+    monkeypatch.setattr(DraftPlanner, "drafts", lambda self, trunk, token, available, match=0: min(self.max_drafts, available))
     try:
         assert engine.streamer is not None
         assert engine.rollback_snapshots == {10: 1, 26: 7}[budget_mib]
@@ -167,8 +186,10 @@ def test_a_draft_model_with_the_same_vocabulary_drafts_and_the_tokens_stay(model
         (plain, *_), (ids, result, *_) = _with_and_without_drafts(engine, "Once upon a time, an old sailor", 24)
         assert ids == plain
         stats = result.speculation
-        # The last pass's drafts past the reply's 24 tokens count as drafted, never as kept.
-        assert stats.drafted > 0 and stats.acceptance > 0.75 and stats.tokens_per_pass > 2
+        # The last pass's drafts past the reply's 24 tokens count as drafted, never as kept:
+        # besides those, at most one draft is rejected.
+        assert stats.drafted > 0 and stats.tokens_per_pass > 2
+        assert stats.drafted - stats.accepted <= engine.draft_max + 1
     finally:
         engine.close()
 

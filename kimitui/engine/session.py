@@ -97,7 +97,6 @@ class Engine:
         self.context_shift_asked = context_shift
         self.speculate = speculate  # engine.speculate: "lookup" drafts from the conversation, or "off"
         self.draft_max = draft_max  # the most drafts one pass verifies
-        self._draft_planner = None  # speculation.DraftPlanner: acceptance learnt over the replies
         self.draft_model_path = draft_model  # engine.draft_model: a small model whose drafts replace the lookup's
         self._draft_model = None  # speculation.DraftModel, loaded with the model
         self._draft_bytes: int | None = None  # its weights and context, beside the budget, once worked out
@@ -661,8 +660,6 @@ class Engine:
             most = min(most, llama_cpp.llama_n_rs_seq(llm._ctx.ctx))
         if most < 1:
             return None
-        if self._draft_planner is None or self._draft_planner.max_drafts != most:
-            self._draft_planner = DraftPlanner(most)
 
         def pass_bytes() -> tuple[int, int] | None:
             streamer = self.streamer
@@ -673,7 +670,8 @@ class Engine:
             return counters["bytes_needed"] - experts, experts
 
         return Speculation(
-            self._draft_planner, pass_bytes, draft_model=self._draft_model, on_pass=self.metrics.draft_pass,
+            # Acceptance is learnt afresh each reply: whether it copies text is the reply's own.
+            DraftPlanner(most), pass_bytes, draft_model=self._draft_model, on_pass=self.metrics.draft_pass,
             guard=self._rollback_guard,
         )
 

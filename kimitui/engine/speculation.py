@@ -12,13 +12,16 @@ What this module adds:
 
 - ``lookup``: drafts from the conversation itself, as llama.cpp's lookup decoding and
   prompt-lookup decoding do: the longest n-gram at the end of the tokens so far that occurred
-  earlier, and the tokens that followed its last occurrence. Or ``DraftModel``: a small model
-  with the same vocabulary (engine.draft_model) drafts greedily.
+  earlier (down to one token), and the tokens that followed its last occurrence. Or
+  ``DraftModel``: a small model with the same vocabulary (engine.draft_model) drafts greedily.
 - ``DraftPlanner``: how many drafts a pass carries, from the acceptance measured so far and
   the bytes a pass costs (the streamed trunk once, each token's routed experts). It picks the
   count with the fewest expected bytes per emitted token and drafts nothing where no count beats
-  plain decoding (nothing streams, or drafts are rarely accepted). After a run of plain passes it
-  tries one draft again, so that acceptance is measured again.
+  plain decoding (nothing streams, or drafts are rarely accepted). Acceptance is learnt apart for
+  drafts that followed a single matching token and those that followed a longer match, each as
+  two chances: that the first draft is kept, and that a draft after a kept one is kept too (a
+  copied run goes on once it has started). After a run of plain passes it tries one draft
+  again, so that acceptance is measured again.
 - ``Speculation``: the draft model llama-cpp-python calls between passes; it counts passes,
   drafts and acceptances for the panels and the trace.
 - ``RollbackGuard``: on a recurrent model's context, only a drafted pass's own tokens may be
@@ -41,21 +44,24 @@ from kimitui.engine.metrics import DraftCounts
 from kimitui.engine.slots import common_prefix
 
 NGRAM_MAX = 4  # the longest suffix looked up; shorter ones are tried after it
-NGRAM_MIN = 2  # a single repeated token predicts too little to be worth a draft
+NGRAM_MIN = 1  # a single matching token too: its drafts' acceptance is learnt apart (DraftPlanner)
 PROBE_AFTER = 16  # plain passes in a row before one draft is tried again
 MEMORY = 0.95  # the weight of what acceptance was one pass earlier
 # What one more token in a pass costs besides its own expert bytes, as a share of the pass's
-# trunk read: its compute. On the embedded model streamed at 60 MiB here a decode step is ~75 ms,
-# of which ~12 ms compute, and a batched token costs about a third of a lone one's: ~5%.
-TOKEN_COMPUTE = 0.05
+# trunk read. On the embedded model streamed at 60 MiB here a one-token pass took 93 ms and a
+# nine-token one 148 ms: ~7 ms, 7.5%, a token (in RAM a batched token computes in a quarter of a
+# lone one's 12.8 ms; streamed, the pass's reads and its longer compute share two cores).
+TOKEN_COMPUTE = 0.075
+FROM_DRAFT_MODEL = 0  # the match length of a draft model's drafts: a class of their own
 
 
-def lookup(tokens: Sequence[int], count: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+def lookup(tokens: Sequence[int], count: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> tuple[list[int], int]:
     """Up to ``count`` tokens that followed the last earlier occurrence of the longest n-gram
-    (``ngram_max`` down to ``ngram_min``) that ends ``tokens``."""
+    (``ngram_max`` down to ``ngram_min``) that ends ``tokens``, and that n-gram's length
+    (([], 0) where none occurred earlier)."""
     n = len(tokens)
     if count <= 0 or n < ngram_min + 1:
-        return []
+        return [], 0
     seq = np.asarray(tokens, dtype=np.int64)
     for size in range(min(ngram_max, n - 1), ngram_min - 1, -1):
         tail = seq[n - size:]
@@ -65,8 +71,34 @@ def lookup(tokens: Sequence[int], count: int, ngram_max: int = NGRAM_MAX, ngram_
             if s + size < n and np.array_equal(seq[s: s + size], tail):
                 follow = seq[s + size: s + size + count]
                 if len(follow):
-                    return follow.tolist()
-    return []
+                    return follow.tolist(), size
+    return [], 0
+
+
+@dataclass
+class Acceptance:
+    """What became of one kind of drafts: kept and rejected first drafts, and kept and rejected
+    drafts after a kept one, older passes fading (MEMORY). Each starts from a Beta(1, 1) prior:
+    one kept and one rejected before any is seen."""
+
+    first_kept: float = 1.0
+    first_rejected: float = 1.0
+    next_kept: float = 1.0
+    next_rejected: float = 1.0
+
+    def observe(self, drafted: int, kept: int) -> None:
+        self.first_kept = self.first_kept * MEMORY + (kept >= 1)
+        self.first_rejected = self.first_rejected * MEMORY + (kept == 0)
+        if kept >= 1 and drafted >= 2:
+            self.next_kept = self.next_kept * MEMORY + (kept - 1)
+            self.next_rejected = self.next_rejected * MEMORY + (kept < drafted)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a pass with ``k`` drafts emits on average: the one it computes, the first draft
+        kept with one chance, and each next one with the other once those before it were."""
+        first = self.first_kept / (self.first_kept + self.first_rejected)
+        after = self.next_kept / (self.next_kept + self.next_rejected)
+        return 1.0 + first * sum(after**j for j in range(k))
 
 
 @dataclass
@@ -75,40 +107,37 @@ class DraftPlanner:
 
     ``trunk_bytes``: what a pass streams whatever its size; ``token_bytes``: what each token of
     it adds (its routed experts), beside its compute, counted as TOKEN_COMPUTE of the trunk's
-    read. Acceptance is the chance that a draft is kept given the ones
-    before it were: a pass with k drafts then emits (1 - p^(k+1)) / (1 - p) tokens on average."""
+    read. ``match``: the length of the n-gram the drafts followed (FROM_DRAFT_MODEL for a draft
+    model's): a single matching token predicts a copied run less often than a longer match, so
+    their acceptance is learnt apart."""
 
     max_drafts: int
-    accepted: float = 1.0  # a Beta(1, 1) prior: one accepted and one rejected draft before any is seen
-    rejected: float = 1.0
+    acceptance: dict[int, Acceptance] = field(default_factory=dict)
     plain_in_a_row: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
-    def observe(self, drafted: int, kept: int) -> None:
-        """A pass with ``drafted`` drafts kept ``kept`` of them (a rejection ended it if fewer)."""
-        if drafted <= 0:
-            return
-        # Older passes fade (a twentieth a pass): what the reply does now, copying or not, counts.
-        self.accepted = self.accepted * MEMORY + kept
-        self.rejected = self.rejected * MEMORY + (1 if kept < drafted else 0)
+    _match_last: int | None = None  # the kind of drafts the last drafted pass carried
 
     @staticmethod
-    def expected_tokens(p: float, k: int) -> float:
-        return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
+    def _kind(match: int) -> int:
+        return min(match, 2)  # a draft model's; after one matching token; after more
 
-    def drafts(self, trunk_bytes: float, token_bytes: float, available: int) -> int:
+    def observe(self, drafted: int, kept: int) -> None:
+        """The last pass carried ``drafted`` drafts and kept ``kept`` of them (a rejection ended
+        it if fewer)."""
+        if drafted <= 0 or self._match_last is None:
+            return
+        self.acceptance.setdefault(self._kind(self._match_last), Acceptance()).observe(drafted, kept)
+
+    def drafts(self, trunk_bytes: float, token_bytes: float, available: int, match: int = FROM_DRAFT_MODEL) -> int:
         """How many of ``available`` drafts the next pass should carry (0: a plain pass)."""
         limit = min(self.max_drafts, available)
+        self._match_last = match
         if limit <= 0 or trunk_bytes <= 0:
             return 0  # nothing streams: a draft saves no read and costs compute
-        p = self.acceptance
+        acceptance = self.acceptance.get(self._kind(match)) or Acceptance()
         token = token_bytes + TOKEN_COMPUTE * trunk_bytes
         best_k, best = 0, (trunk_bytes + token) / 1.0
         for k in range(1, limit + 1):
-            per_token = (trunk_bytes + (k + 1) * token) / self.expected_tokens(p, k)
+            per_token = (trunk_bytes + (k + 1) * token) / acceptance.expected_tokens(k)
             if per_token < best * 0.999:
                 best_k, best = k, per_token
         if best_k == 0:
@@ -228,8 +257,8 @@ class Speculation:
             k = self.planner.drafts(self._trunk_per_pass, self._expert_per_token, self.planner.max_drafts)
             drafts = self.draft_model.draft(input_ids, k) if k else []
         else:
-            available = lookup(input_ids, self.planner.max_drafts)
-            drafts = available[: self.planner.drafts(self._trunk_per_pass, self._expert_per_token, len(available))] if available else []
+            available, match = lookup(input_ids, self.planner.max_drafts)
+            drafts = available[: self.planner.drafts(self._trunk_per_pass, self._expert_per_token, len(available), match)] if available else []
         self._drafted_last = len(drafts)
         return np.asarray(drafts, dtype=np.intc)
 
