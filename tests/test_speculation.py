@@ -51,8 +51,7 @@ def test_the_planner_drafts_where_a_pass_costs_the_trunk_and_not_where_each_toke
         planner.observe(drafted=8, kept=8)
     assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8) == 8  # copying: as many as allowed
     assert 0 < planner.drafts(trunk_bytes=100, token_bytes=100, available=8) <= 8  # now drafting pays even so
-    for _ in range(200):
-        planner.drafts(trunk_bytes=100, token_bytes=10, available=8)
+    for _ in range(200):  # passes of the same kind (the last drafts() was of it) that kept nothing
         planner.observe(drafted=4, kept=0)
     assert planner.drafts(trunk_bytes=100, token_bytes=10, available=8) == 0
 
@@ -66,12 +65,19 @@ def test_the_planner_learns_apart_what_drafts_after_one_matching_token_and_after
         planner.observe(drafted=8, kept=8)
     assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8, match=1) == 0
     assert planner.drafts(trunk_bytes=100, token_bytes=0, available=8, match=4) == 8
-    # A run, once its first draft is kept, goes on: worth more drafts than independent chances say.
+    # Half the passes copy a run of 8, half keep nothing: a pass of 8 drafts emits 5 tokens on
+    # average and one of a single draft 1.5. One chance per draft, as if independent (8 kept in
+    # 9 tried: 0.89), would say 6.0 and 1.9.
     runs = Acceptance()
     for _ in range(60):
         runs.observe(drafted=8, kept=0)
         runs.observe(drafted=8, kept=8)
-    assert runs.expected_tokens(8) > 1 + 0.5 * 7  # first kept half the time, then nearly always
+    assert abs(runs.expected_tokens(8) - 5.0) < 0.3 and abs(runs.expected_tokens(1) - 1.5) < 0.1
+    # Until a run has been seen, a draft after a kept one counts as likely as the first.
+    fresh = Acceptance()
+    for _ in range(60):
+        fresh.observe(drafted=1, kept=1)
+    assert fresh.expected_tokens(2) > 1 + 0.9 + 0.8
 
 
 def _reply(engine: Engine, prompt: str, tokens: int):

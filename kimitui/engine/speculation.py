@@ -18,10 +18,10 @@ What this module adds:
   the bytes a pass costs (the streamed trunk once, each token's routed experts). It picks the
   count with the fewest expected bytes per emitted token and drafts nothing where no count beats
   plain decoding (nothing streams, or drafts are rarely accepted). Acceptance is learnt apart for
-  drafts that followed a single matching token and those that followed a longer match, each as
-  two chances: that the first draft is kept, and that a draft after a kept one is kept too (a
-  copied run goes on once it has started). After a run of plain passes it tries one draft
-  again, so that acceptance is measured again.
+  drafts that followed a single matching token, those that followed a longer match and a draft
+  model's, each as two chances: that the first draft is kept, and that a draft after a kept one
+  is kept too (a copied run goes on once it has started). After a run of plain passes it tries
+  one draft again, so that acceptance is measured again.
 - ``Speculation``: the draft model llama-cpp-python calls between passes; it counts passes,
   drafts and acceptances for the panels and the trace.
 - ``RollbackGuard``: on a recurrent model's context, only a drafted pass's own tokens may be
@@ -78,13 +78,16 @@ def lookup(tokens: Sequence[int], count: int, ngram_max: int = NGRAM_MAX, ngram_
 @dataclass
 class Acceptance:
     """What became of one kind of drafts: kept and rejected first drafts, and kept and rejected
-    drafts after a kept one, older passes fading (MEMORY). Each starts from a Beta(1, 1) prior:
-    one kept and one rejected before any is seen."""
+    drafts after a kept one, older passes fading (MEMORY). The first chance starts from a
+    Beta(1, 1) prior (one kept and one rejected before any is seen); the next one from the first
+    chance, with the weight of one draft, so that until a run has been seen a draft after a kept
+    one counts as likely as the first (passes of one draft, all a costly token allows, never
+    measure it)."""
 
     first_kept: float = 1.0
     first_rejected: float = 1.0
-    next_kept: float = 1.0
-    next_rejected: float = 1.0
+    next_kept: float = 0.0
+    next_rejected: float = 0.0
 
     def observe(self, drafted: int, kept: int) -> None:
         self.first_kept = self.first_kept * MEMORY + (kept >= 1)
@@ -97,7 +100,7 @@ class Acceptance:
         """Tokens a pass with ``k`` drafts emits on average: the one it computes, the first draft
         kept with one chance, and each next one with the other once those before it were."""
         first = self.first_kept / (self.first_kept + self.first_rejected)
-        after = self.next_kept / (self.next_kept + self.next_rejected)
+        after = (self.next_kept + first) / (self.next_kept + self.next_rejected + 1.0)
         return 1.0 + first * sum(after**j for j in range(k))
 
 
@@ -114,7 +117,7 @@ class DraftPlanner:
     max_drafts: int
     acceptance: dict[int, Acceptance] = field(default_factory=dict)
     plain_in_a_row: int = 0
-    _match_last: int | None = None  # the kind of drafts the last drafted pass carried
+    _match_last: int | None = None  # the match length the last drafts() was asked about
 
     @staticmethod
     def _kind(match: int) -> int:
