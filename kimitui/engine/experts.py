@@ -302,10 +302,16 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         self.end_stage(strict=False)
-        units = {e: self._unit(layer, e) for e in wanted if (layer, e) not in self.pinned}
+        unpinned = [e for e in wanted if (layer, e) not in self.pinned]
+        # Every expert of a layer has slices of one size: a hit's books need no unit of its own.
+        length = self.model.layers[layer].expert_bytes
         if self.prefilling:
-            self.prefill_bound_bytes += sum(u.length for u in units.values())
-        if self._stages and sum(u.footprint for u in units.values()) > self.capacity:
+            self.prefill_bound_bytes += length * len(unpinned)
+        if (
+            self._stages
+            and len(unpinned) * (length + 2 * PAGE * len(self._routed_names(layer))) > self.capacity  # at most a page more at each slice's ends
+            and sum(self._unit(layer, e).footprint for e in unpinned) > self.capacity
+        ):
             return self._begin_stage(layer, wanted)
         self._give_back_early()  # not staged after all
         pending: list[tuple[ExpertUnit, list[Future]]] = []
@@ -333,16 +339,15 @@ class ExpertCache:
             if key in self.pinned or key in self._resident:
                 self.hits += 1
                 self.layer_hits[layer] += 1
-                unit = self._resident.get(key) or units.get(e) or self._unit(layer, e)
-                self.bytes_from_cache += unit.length
+                self.bytes_from_cache += length
                 if read_ahead:  # in memory in time, but read from storage for this token
-                    self.bytes_needed += unit.length
+                    self.bytes_needed += length
                 if key in self._resident:
                     self._touch(key)
                 continue
             self.misses += 1
             self.layer_misses[layer] += 1
-            unit = units[e]  # a miss is never pinned
+            unit = self._unit(layer, e)  # a miss is never pinned
             self.bytes_needed += unit.length
             if self.prefilling:
                 self.prefill_read_bytes += unit.length
@@ -481,8 +486,11 @@ class ExpertCache:
         dense layer's, or the MoE layer's attention) instead of after the router; where the
         trunk is pinned, nothing else is read then. The experts the router leaves out are given
         back."""
+        if not self.prefilling or self._page_in_units is None or not self.stage_all_read():
+            self._give_back_early()  # decoding asks at every layer: the cheap tests first
+            return
         target = next(iter(self.model.moe_layers_from(layer)), None)
-        if not self.prefilling or self._page_in_units is None or not self.stage_all_read() or target is None:
+        if target is None:
             self._give_back_early()
             return
         if self._early is not None and self._early.layer == target:

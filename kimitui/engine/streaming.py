@@ -303,6 +303,12 @@ class Streamer:
         self.file_sizes = list(model.file_sizes)
         self.state = [Residency.PINNED if s.index in pinned else Residency.COLD for s in model.shards]
         self.layer_shards = [[s for s in model.layer_shards(layer) if s.index not in pinned] for layer in range(model.n_layers)]
+        self._layer_most = self._most_layer_bytes()
+        # What each file must hold for a layer (None: the output tensors), checked at its start.
+        self._file_ends: dict[int | None, dict[int, int]] = {}
+        for shard in model.shards:
+            ends = self._file_ends.setdefault(shard.layer, {})
+            ends[shard.file] = max(ends.get(shard.file, 0), shard.offset + shard.length)
         self._futures: dict[int, list[Future]] = {}
         self._paged_in: set[int] = set()  # shards a prompt's layer pages in under compute (_submit)
         self._prefetched: set[int] = set()  # read ahead, not yet reached by compute
@@ -389,8 +395,12 @@ class Streamer:
         """Trunk bytes streamed per token (routed experts, when attached, come on demand)."""
         return sum(s.length for shards in self.layer_shards for s in shards)
 
+    def _most_layer_bytes(self) -> int:
+        """The largest layer's streamed trunk (``layer_shards`` changes only when experts attach)."""
+        return max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+
     def _window(self) -> int:
-        per_layer = max((sum(s.length for s in shards) for shards in self.layer_shards), default=0)
+        per_layer = self._layer_most
         wanted = self.settings.window_bytes or per_layer * (self.settings.prefetch_depth + 1)
         # Never less than one layer: the layer computing must be resident.
         return wanted if self.window_limit is None else max(per_layer, min(wanted, self.window_limit))
@@ -1129,12 +1139,12 @@ class Streamer:
     def _check_files(self, layer: int | None) -> None:
         """Pinned bytes live in the mapping too: a file that shrank would SIGBUS there, so stop
         first. ``layer`` None checks the non-layer tensors (embeddings, output)."""
-        for shard in self.model.layer_shards(layer):
-            if os.fstat(self.fds[shard.file]).st_size < shard.offset + shard.length:
+        for file, end in self._file_ends.get(layer, {}).items():
+            if os.fstat(self.fds[file]).st_size < end:
                 where = "the output tensors need" if layer is None else f"layer {layer} needs"
                 raise StreamAbort(
-                    f"model file {os.path.basename(self.model.files[shard.file])} is shorter than its header says "
-                    f"({where} byte {shard.offset + shard.length}); file truncated or drive removed?"
+                    f"model file {os.path.basename(self.model.files[file])} is shorter than its header says "
+                    f"({where} byte {end}); file truncated or drive removed?"
                 )
 
     # -- routed experts -----------------------------------------------------------------
@@ -1143,6 +1153,7 @@ class Streamer:
         """Stream MoE layers by expert: their routed shards leave the layer-by-layer stream."""
         for layer in range(self.model.n_layers):
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
+        self._layer_most = self._most_layer_bytes()
 
         # Locked in anonymous memory by the pin: never read here, never given back.
         self._take_edges([r for unit in pinned for r in unit.ranges])
