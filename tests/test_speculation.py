@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import with_added_tokens
 from kimitui.engine import speculation
 from kimitui.engine.generation import Sampling
 from kimitui.engine.session import Engine
-from kimitui.engine.speculation import PROBE_AFTER, Acceptance, DraftPlanner, lookup
+from kimitui.engine.speculation import PROBE_AFTER, Acceptance, DraftPlanner, Speculation, lookup
 from kimitui.engine.state import EngineError
 from kimitui.model import synth
 
@@ -78,6 +79,22 @@ def test_the_planner_learns_apart_what_drafts_after_one_matching_token_and_after
     for _ in range(60):
         fresh.observe(drafted=1, kept=1)
     assert fresh.expected_tokens(2) > 1 + 0.9 + 0.8
+
+
+def test_drafts_stop_at_the_end_of_the_context_and_only_those_made_count():
+    """generate() drops drafts past the context's last cell: they are never made, so never counted
+    as drafted (nor as rejected)."""
+    streamed = iter(range(0, 10_000, 100))  # each pass streams 100 bytes of trunk
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    speculation = Speculation(DraftPlanner(max_drafts=8), lambda: (next(streamed), 0), n_ctx=len(tokens) + 2)
+    assert speculation(np.asarray(tokens[:-1])).tolist() == []  # closes the prompt: no pass measured yet
+    speculation.token_yielded()
+    # lookup offers 4, 5, 6, 1, 2, 3; two cells are left
+    assert speculation(np.asarray(tokens)).tolist() == [4, 5]
+    speculation.token_yielded()  # the pass kept neither draft
+    assert speculation(np.asarray(tokens + [9])).tolist() == []  # one cell left, nothing to look up
+    assert speculation.stats.drafted == 2 and speculation.stats.accepted == 0
+    assert speculation(np.asarray(tokens + [9, 9])).tolist() == []  # the context is full
 
 
 def _reply(engine: Engine, prompt: str, tokens: int):

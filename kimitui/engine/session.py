@@ -672,7 +672,7 @@ class Engine:
         return Speculation(
             # Acceptance is learnt afresh each reply: whether it copies text is the reply's own.
             DraftPlanner(most), pass_bytes, draft_model=self._draft_model, on_pass=self.metrics.draft_pass,
-            guard=self._rollback_guard,
+            guard=self._rollback_guard, n_ctx=llm.n_ctx(),
         )
 
     def lossy_setting(self) -> str | None:

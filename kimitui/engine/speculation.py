@@ -241,6 +241,8 @@ class Speculation:
     draft_model: DraftModel | None = None  # drafts from this model instead of the conversation
     guard: RollbackGuard | None = None  # a recurrent model's: told which positions a drafted pass may take back
     on_pass: Callable[[int, int, int], None] | None = None  # (drafted, kept, emitted) for the panels
+    # The context's cells: generate() drops drafts past them, which must then not count as drafted.
+    n_ctx: int | None = None
     stats: DraftCounts = field(default_factory=DraftCounts)
     _drafted_last: int = 0
     _yielded_since: int = 0
@@ -256,11 +258,12 @@ class Speculation:
         """Called by generate() after each pass, with every token so far (the last one sampled
         and not yet evaluated): the drafts to evaluate beside it."""
         self._close_pass()
+        most = self.planner.max_drafts if self.n_ctx is None else min(self.planner.max_drafts, max(0, self.n_ctx - len(input_ids)))
         if self.draft_model is not None:  # decided first: each draft costs the draft model a step
-            k = self.planner.drafts(self._trunk_per_pass, self._expert_per_token, self.planner.max_drafts)
+            k = self.planner.drafts(self._trunk_per_pass, self._expert_per_token, most)
             drafts = self.draft_model.draft(input_ids, k) if k else []
         else:
-            available, match = lookup(input_ids, self.planner.max_drafts)
+            available, match = lookup(input_ids, most)
             drafts = available[: self.planner.drafts(self._trunk_per_pass, self._expert_per_token, len(available), match)] if available else []
         self._drafted_last = len(drafts)
         return np.asarray(drafts, dtype=np.intc)
