@@ -309,7 +309,7 @@ class ExpertCache:
             self.prefill_bound_bytes += length * len(unpinned)
         if (
             self._stages
-            and len(unpinned) * (length + 2 * PAGE * len(self._routed_names(layer))) > self.capacity  # at most a page more at each slice's ends
+            and len(unpinned) * (length + 2 * PAGE * self._matrix_count(layer)) > self.capacity  # at most a page more at each slice's ends
             and sum(self._unit(layer, e).footprint for e in unpinned) > self.capacity
         ):
             return self._begin_stage(layer, wanted)
@@ -411,7 +411,7 @@ class ExpertCache:
     def _compute_order(self, layer: int) -> list[int]:
         """``layer``'s routed matrices in the order llama.cpp computes them: learnt from the last
         staged layer; before that, file order with down last."""
-        count = len(self.model.expert_ranges(layer, 0))
+        count = self._matrix_count(layer)
         down = self._down_matrix(layer)
         return [m for m in self._matrix_order if m < count] + sorted(
             (m for m in range(count) if m not in self._matrix_order), key=lambda m: m == down
@@ -455,7 +455,7 @@ class ExpertCache:
         stage = _Stage(layer, staged, held)
 
         def widest() -> int:  # the largest one-matrix footprint of the staged experts
-            return max((self._matrix_footprint(stage, m) for m in range(len(self.model.expert_ranges(layer, 0)))), default=0)
+            return max((self._matrix_footprint(stage, m) for m in range(self._matrix_count(layer))), default=0)
 
         # Cached hits that leave no room for a matrix of the rest are given up, coldest first.
         by_use = sorted(held, key=lambda key: self.counts[key[0]][key[1]])
@@ -600,7 +600,7 @@ class ExpertCache:
     def stage_all_read(self) -> bool:
         """No staged layer, or every matrix of it read or computed: its room frees from here on."""
         stage = self._stage
-        return stage is None or set(stage.reads) | set(stage.computed) >= set(range(len(self.model.expert_ranges(stage.layer, 0))))
+        return stage is None or set(stage.reads) | set(stage.computed) >= set(range(self._matrix_count(stage.layer)))
 
     def _take_early(self, stage: _Stage) -> None:
         """The staged layer's first matrices, paging in since the layer started: their reads of
@@ -670,6 +670,10 @@ class ExpertCache:
         if names is None:
             names = self._matrices[layer] = {t.name.encode(): i for i, t in enumerate(self.model.routed_tensors(layer))}
         return names
+
+    def _matrix_count(self, layer: int) -> int:
+        """How many routed tensors ``layer`` has: the matrices an expert's unit holds a range of."""
+        return len(self._routed_names(layer))
 
     def _down_matrix(self, layer: int) -> int | None:
         """The routed down projection's index: computed last, on what gate and up gave (before any
@@ -797,7 +801,7 @@ class ExpertCache:
             return
         self._stage = None
         self._in_use = set()
-        if len(stage.computed) == len(self.model.expert_ranges(stage.layer, 0)):
+        if len(stage.computed) == self._matrix_count(stage.layer):
             self._matrix_order = list(stage.computed)
         left = [m for m in stage.reads if m not in stage.computed]
         for matrix in list(stage.reads):
@@ -805,10 +809,10 @@ class ExpertCache:
         if self._page_in_units is not None and self._sweep_layer is not None:
             layer = stage.layer
             self._sweep_layer(layer, {e for (l, e) in self.pinned if l == layer} | {e for (l, e) in self._resident if l == layer})
-        if strict and (left or len(stage.computed) < len(self.model.expert_ranges(stage.layer, 0))):
+        if strict and (left or len(stage.computed) < self._matrix_count(stage.layer)):
             raise StagingError(
                 f"layer {stage.layer}: llama.cpp computed the routed experts without asking for "
-                f"{len(self.model.expert_ranges(stage.layer, 0)) - len(stage.computed)} of their matrices "
+                f"{self._matrix_count(stage.layer) - len(stage.computed)} of their matrices "
                 "(unsupported llama.cpp build?)"
             )
 

@@ -1034,13 +1034,17 @@ class Streamer:
                     self._evict_lru(keep=wanted, extra=shard.length)
                 if self._resident_bytes + shard.length > window:
                     return
-                self._submit(shard)
-                self._prefetched.add(shard.index)
-                self.prefetch_issued += 1
+                self._read_ahead(shard)
         # Promote finished reads so the residency strip and hit test see them.
         for index, futures in self._futures.items():
             if self.state[index] == Residency.INFLIGHT and all(f.done() and f.exception() is None for f in futures):
                 self.state[index] = Residency.RESIDENT
+
+    def _read_ahead(self, shard: Shard) -> None:
+        """Start reading ``shard`` before compute reaches it, counted as read ahead."""
+        self._submit(shard)
+        self._prefetched.add(shard.index)
+        self.prefetch_issued += 1
 
     def _take_slot(self, layer: int) -> bool:
         """Bounded layout: make ``layer``'s slot its own (addressing.Windows.claim), giving back
@@ -1339,9 +1343,7 @@ class Streamer:
                 self._take_back_window()
                 for shard in self.layer_shards[following]:
                     if self.state[shard.index] == Residency.COLD:
-                        self._submit(shard)
-                        self._prefetched.add(shard.index)
-                        self.prefetch_issued += 1
+                        self._read_ahead(shard)
             return
         experts.read_first_matrices(following, self.chunk_tokens, self._early_room(following))
 
