@@ -822,3 +822,89 @@ def test_layers_read_whole_for_a_graph_cut_short_go_back_when_the_next_graph_sta
         assert not streamer._layer_reads and not streamer.placer._pieces and streamer._lent == 0
     finally:
         engine.close()
+
+
+def test_spare_pages_hold_no_more_than_was_lent_and_earmarked():
+    """The spare pages fault in what the cache lends them, give each read what it takes (pages
+    already faulted in), free what the cache takes back at once, and keep earmarked pages from
+    that until ``settle``; what they hold never passes what was lent and earmarked."""
+    from kimitui.engine.direct import Libc, SparePages
+    from kimitui.engine.memory import pagemap_resident_bytes
+
+    spare, run = SparePages(Libc()), SparePages.RUN
+
+    def bounded() -> bool:
+        return spare.held <= spare.allowed + spare.earmarked
+
+    spare.allow(4 * run)
+    spare.fill()
+    assert spare.held == 4 * run and bounded()
+    spare.earmark(2 * run)
+    assert (spare.allowed, spare.earmarked) == (2 * run, 2 * run)
+    spare.free(2 * run)  # the cache's room back: earmarked pages stay for their reads
+    assert spare.held == 2 * run and spare.allowed == 0 and bounded()
+    taken = spare.take(3 * run)  # more than is held: what there is
+    assert sum(size for _, size in taken) == 2 * run and spare.held == 0 and spare.earmarked == 0
+    assert pagemap_resident_bytes([(address, address + size) for address, size in taken]) == 2 * run
+    for address, size in taken:
+        spare._libc.munmap(address, size)
+    spare.allow(3 * run)
+    spare.fill()
+    spare.earmark(run)
+    for address, size in spare.take(run // 2):  # a read took half of its earmark
+        spare._libc.munmap(address, size)
+    spare.settle()  # its layer is done: the other half goes
+    assert spare.earmarked == 0 and spare.held == spare.allowed == 2 * run
+    spare.close()
+    assert spare.held == spare.allowed == 0
+
+
+def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_model, monkeypatch):
+    """Once a prompt is evaluated the cache lends its free room to pages faulted in ahead, and a
+    decoded token's misses have them moved under their reads: the greedy tokens are stock
+    llama.cpp's, the cache's experts and the spare never pass its capacity, the spare never holds
+    more than it was given, and the next prompt takes the room back."""
+    from kimitui.engine.direct import DirectPlacer
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(DirectPlacer, "spare_from", page)  # this model's slices are small
+    monkeypatch.setattr(ExpertCache, "SPARE_STEP", 1 * MIB)
+    prompts = [PREFILL_PROMPT, "Seven wizards quietly juggle while the lazy dog sleeps"]
+    expected = stock_texts(moe_model, prompts, 12)
+
+    engine = expert_engine(moe_model, budget_mib=170)
+    try:
+        streamer = engine.streamer
+        placer, cache = streamer.placer, streamer.experts
+        if placer is None or not placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        spare = placer.spare
+        moved, broken = [0], []
+        move = placer._move_spare
+
+        def counted(target, length):
+            before = spare.held
+            move(target, length)
+            moved[0] += before - spare.held
+
+        monkeypatch.setattr(placer, "_move_spare", counted)
+        ensure = cache.ensure
+
+        def checked(layer, experts):
+            waited = ensure(layer, experts)
+            if cache.resident_bytes + spare.allowed > cache.capacity or spare.held > spare.allowed + spare.earmarked:
+                broken.append((cache.resident_bytes, spare.allowed, spare.earmarked, spare.held, cache.capacity))
+            return waited
+
+        monkeypatch.setattr(cache, "ensure", checked)
+        for prompt, text in zip(prompts, expected):
+            gen = engine.complete(prompt, Sampling(temperature=0.0, max_tokens=12))
+            list(gen)
+            assert gen.result.text == text
+            assert spare.allowed > 0, "the free room lent once the prompt was evaluated"
+        assert moved[0] > 0, "decoded misses took spare pages"
+        assert not broken
+        cache.begin_prefill()
+        assert spare.allowed == spare.held == 0
+    finally:
+        engine.close()

@@ -37,6 +37,11 @@ pages too (a page a neighbour holds is not read again, and a neighbour that find
 waits for the read that brings it), and given back with MADV_DONTNEED. Unplaced experts read as
 zeros there, which no one sees: compute reads only routed experts, and only after their reads.
 Huge pages stay off in the arena (a fault would zero 2 MiB around a 30 KiB slice).
+Where an arena slice is large (a MiB: a 4 GiB MoE's), a read into memory never touched faults in
+and zeroes every page before the disk is even asked: 2-4 ms of a decoded token's 1 MiB read that
+the disk served in 1, on the cores compute needs, while the expert cache fills. There the cache
+lends its free room to ``SparePages``, faulted in on an I/O thread once the prompt is done, and
+each large read has spare pages moved under it first: one mapping call instead of a fault a page.
 
 Where the file system refuses O_DIRECT (tmpfs, some FUSE mounts) the same placer reads through
 an ordinary descriptor and drops the page-cache copy after each read (POSIX_FADV_DONTNEED; on
@@ -57,7 +62,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from kimitui.engine.budget import PIECE_BYTES
+from kimitui.engine.budget import PAGE, PIECE_BYTES
 from kimitui.engine.platform import (
     HUGE_ALIGN, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, bind_mmap,
     reserve_aligned,
@@ -147,6 +152,121 @@ def read_gaps(offset: int, length: int, inners, edges, page: int) -> list[tuple[
     return gaps
 
 
+class SparePages:
+    """Anonymous memory faulted in ahead of the reads that will land on it (see the module doc).
+
+    How much it may hold is the expert cache's to say, out of its free room: ``allow`` lends it
+    more (``fill`` then faults that much in, on an I/O thread), ``free`` takes room back at once,
+    and ``earmark`` sets aside what the reads just issued will take, which ``free`` leaves alone
+    until ``settle`` (the next layer's books: those reads have landed) gives up what they did not
+    take. What it holds, and what ``fill`` is faulting in, never pass what is allowed and
+    earmarked, so the cache's books (its experts and ``allowed``) bound the memory."""
+
+    RUN = 2**20  # faulted in at a time: ``free`` waits at most for one
+
+    def __init__(self, libc: "Libc") -> None:
+        self._libc = libc
+        self._runs: list[tuple[int, int]] = []  # (address, length), faulted in
+        self.held = 0
+        self.allowed = 0
+        self.earmarked = 0
+        self._filling = 0  # the run being faulted in now
+        self._changed = threading.Condition()
+
+    def allow(self, length: int) -> None:
+        with self._changed:
+            self.allowed += length
+
+    def fill(self) -> None:
+        """Fault in runs until what is allowed is held (or ``free`` lowers it meanwhile)."""
+        c = self._libc
+        while True:
+            with self._changed:
+                if self._filling or self.held + self.RUN > self.allowed + self.earmarked:
+                    return
+                self._filling = self.RUN
+            address = c.mmap(None, self.RUN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if address in (None, MAP_FAILED):
+                with self._changed:
+                    self._filling = 0
+                    self._changed.notify_all()
+                return
+            c.madvise(address, self.RUN, MADV_NOHUGEPAGE)  # moved a page at a time under slices
+            if c.madvise(address, self.RUN, MADV_POPULATE_WRITE) != 0:
+                ctypes.memset(address, 0, self.RUN)
+            with self._changed:
+                self._filling = 0
+                kept = self.held + self.RUN <= self.allowed + self.earmarked
+                if kept:
+                    self._runs.append((address, self.RUN))
+                    self.held += self.RUN
+                self._changed.notify_all()
+            if not kept:  # lowered while it was faulted in
+                c.munmap(address, self.RUN)
+                return
+
+    def earmark(self, length: int) -> None:
+        with self._changed:
+            moved = min(length, self.allowed)
+            self.allowed -= moved
+            self.earmarked += moved
+
+    def take(self, length: int) -> list[tuple[int, int]]:
+        """Up to ``length`` bytes of held runs (page multiples), now the caller's to move."""
+        taken: list[tuple[int, int]] = []
+        with self._changed:
+            want = length
+            while want and self._runs:
+                address, size = self._runs.pop()
+                part = min(size, want)
+                if size > part:
+                    self._runs.append((address + part, size - part))
+                taken.append((address, part))
+                want -= part
+            got = length - want
+            self.held -= got
+            from_earmark = min(got, self.earmarked)
+            self.earmarked -= from_earmark
+            self.allowed -= min(got - from_earmark, self.allowed)
+        return taken
+
+    def free(self, length: int) -> None:
+        """Take ``length`` bytes of room back (of what is allowed), its pages freed before this returns."""
+        with self._changed:
+            self.allowed -= min(length, self.allowed)
+        self._trim()
+
+    def settle(self) -> None:
+        """The reads earmarks were for have landed: what they left is given up."""
+        with self._changed:
+            if not self.earmarked:
+                return
+            self.earmarked = 0
+        self._trim()
+
+    def close(self) -> None:
+        with self._changed:
+            self.allowed = self.earmarked = 0
+        self._trim()
+
+    def _trim(self) -> None:
+        """Free held pages past what is allowed and earmarked, waiting for a run being faulted in."""
+        while True:
+            with self._changed:
+                over = self.held + self._filling - self.allowed - self.earmarked
+                if over <= 0:
+                    return
+                if self.held == 0:
+                    self._changed.wait()  # the run being faulted in: fill drops it when it sees
+                    continue
+                address, size = self._runs.pop()
+                part = min(size, -(-over // PAGE) * PAGE)
+                if size > part:
+                    self._runs.append((address, size - part))
+                self.held -= part
+            self._libc.munmap(address + size - part, part)
+
+
 class PlacedParts:
     """What every placer keeps: the parts of the mapping that are its anonymous memory, keyed
     (file, offset), given back through ``_unplace``."""
@@ -160,6 +280,8 @@ class PlacedParts:
     # The widest stretch between two slices that one request may read through into scratch
     # memory instead of ending there (0: this placer reads only what it is asked).
     gap_bytes = 0
+    # Memory faulted in ahead for large reads in the arena (None: this placer keeps none).
+    spare: SparePages | None = None
     # Whether ranges it has not placed may be paged into the file mapping under compute instead
     # (Streamer._can_page_in): its releases leave only the file's pages there, which the page
     # cache's drop then frees.
@@ -247,6 +369,9 @@ class DirectPlacer(PlacedParts):
     # its sequential rate, a request costs what some hundred KiB cost in sequence (about 300 KiB
     # here, 200 KiB on a 1 GB/s link), so a gap of up to this much is read into scratch memory.
     gap_bytes = 128 * 2**10
+    # Arena parts from this size on have spare pages moved under them (below it the mapping
+    # call, which flushes every CPU's TLB, costs more than the faults it saves).
+    spare_from = 256 * 2**10
 
     def __init__(self, paths: list[str], space, file_fds: dict[int, int], capacity: int) -> None:
         self.page = os.sysconf("SC_PAGE_SIZE")
@@ -283,6 +408,7 @@ class DirectPlacer(PlacedParts):
         # just moved there, and their release would take the zeros' read-only memory into the pool.
         self._moves = threading.Lock()
         self._scratch: int | None = None  # where gaps are read to (below)
+        self.spare = SparePages(self._libc)
         self._paths = paths
         # file -> (sorted starts, ends) of the arena's segments (see make_arena)
         self._arena: dict[int, tuple[list[int], list[int]]] = {}
@@ -529,16 +655,16 @@ class DirectPlacer(PlacedParts):
                 spans.append([offset, offset + entry[2], [(offset, entry)]])
         failure = None
         for start, end, records in spans:
-            if self._libc.madvise(self.space.at(file, start), end - start, MADV_DONTNEED) == 0:
+            if self._free_in_arena(self.space.at(file, start), end - start):
                 continue
             # Each on its own then: only a part that cannot be given back stays placed (counted
             # in placed_bytes until it is read again or the placer closes).
             for offset, entry in records:
-                if self._libc.madvise(self.space.at(file, offset), entry[2], MADV_DONTNEED) != 0:
+                if not self._free_in_arena(self.space.at(file, offset), entry[2]):
                     err = ctypes.get_errno()
                     with self._lock:
                         self._placed[(file, offset)] = entry
-                    failure = failure or OSError(err, f"madvise(MADV_DONTNEED) of {entry[2]} bytes: {os.strerror(err)}")
+                    failure = failure or OSError(err, f"freeing {entry[2]} bytes of the arena: {os.strerror(err)}")
         taken_offsets = {offset for offset, _ in taken}
         rest, other = super().release_many(file, [part for part in parts if part[0] not in taken_offsets])
         return rest, failure or other
@@ -584,6 +710,29 @@ class DirectPlacer(PlacedParts):
             with self._lock:
                 self._pieces[(file, offset)] = (buf, at, length, whole)
         return length
+
+    def _move_spare(self, target: int, length: int) -> None:
+        """Spare pages under [target, target+length) of the arena, as many as there are (the rest
+        faults in as the read lands)."""
+        c, at = self._libc, target
+        for address, size in self.spare.take(length):
+            if c.mremap(address, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, at) != at:
+                c.munmap(address, size)
+                self._arena_over(at, size, replace=False)  # into a hole the failed call may have left
+            at += size
+
+    def _free_in_arena(self, target: int, length: int) -> bool:
+        """Free a part's pages, the arena empty there. Spare pages moved under a large part made
+        it an area of its own: fresh arena memory over it merges it back (else each such part
+        would leave an area behind, and Linux allows 65,530)."""
+        c = self._libc
+        if length >= self.spare_from:
+            flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
+            if c.mmap(target, length, PROT_READ | PROT_WRITE, flags, -1, 0) == target:
+                c.madvise(target, length, MADV_NOHUGEPAGE)  # even where THP is "always"
+                return True  # the pages are gone whatever that call said
+            self._arena_over(target, length, replace=False)  # into a hole the failed call may have left
+        return c.madvise(target, length, MADV_DONTNEED) == 0
 
     def _arena_over(self, target: int, length: int, replace: bool = True) -> bool:
         """Fresh arena memory (anonymous, no huge pages) at [target, target+length): over the area
@@ -692,6 +841,9 @@ class DirectPlacer(PlacedParts):
             for start, size in in_place:
                 c.madvise(base + start, size, MADV_DONTNEED)
 
+        for start, size in in_place:
+            if size >= self.spare_from:
+                self._move_spare(base + start, size)
         targets = [(start, base + start, size) for start, size in in_place] + [(edge, buf, page) for edge, buf in buffers.items()]
         got, whole = self._read_into(file, offset, length, targets, gaps, undo)
         if not whole:
@@ -960,11 +1112,11 @@ class DirectPlacer(PlacedParts):
             return
         buf, at, length, whole = entry
         if buf == 0 and self._in_arena(file, offset, offset + length):  # its pages are freed, the arena stays
-            if self._libc.madvise(self.space.at(file, offset), length, MADV_DONTNEED) != 0:
+            if not self._free_in_arena(self.space.at(file, offset), length):
                 err = ctypes.get_errno()
                 with self._lock:
                     self._placed[(file, offset)] = entry
-                raise OSError(err, f"madvise(MADV_DONTNEED) of {length} bytes: {os.strerror(err)}")
+                raise OSError(err, f"freeing {length} bytes of the arena: {os.strerror(err)}")
             return
         if buf == 0:  # read in place: the file goes back over its pages, which the kernel frees
             try:
@@ -1040,6 +1192,7 @@ class DirectPlacer(PlacedParts):
                 except OSError:
                     pass
         self.free_idle_buffers()
+        self.spare.close()
         if self._scratch is not None:
             self._libc.munmap(self._scratch, self.gap_bytes)
             self._scratch = None

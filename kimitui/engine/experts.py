@@ -27,11 +27,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kimitui.config import replace_file
 from kimitui.engine.budget import stages_by_matrix
 from kimitui.engine.expert_policies import ExpertPolicy, make_policy
 from kimitui.model.gguf_map import ModelMap
+
+if TYPE_CHECKING:
+    from kimitui.engine.direct import SparePages
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -167,6 +171,8 @@ class ExpertCache:
         page_in_units: Callable[[list[ExpertUnit]], list[list[Future]]] | None = None,
         sweep_layer: Callable[[int, set[int]], None] | None = None,
         drop_units: Callable[[list[ExpertUnit]], None] | None = None,
+        spare: SparePages | None = None,
+        fill_spare: Callable[[], None] | None = None,
     ) -> None:
         """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
         look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
@@ -177,7 +183,9 @@ class ExpertCache:
         mapping in compute order and its node is not held for them (see ``stage_matrix``);
         ``sweep_layer(layer, kept experts)`` then gives back, at the stage's end, the file pages
         its page-ins left mapped outside their slices. ``drop_units`` gives many experts back as
-        one release (default: ``drop_unit`` each): the experts one call evicts."""
+        one release (default: ``drop_unit`` each): the experts one call evicts. ``spare``: the
+        placer's pages faulted in ahead, given the cache's free room once a prompt is done
+        (``fill_spare`` starts faulting in what it was given) and room back as a miss needs it."""
         self.model = model
         self.capacity = capacity
         self.pinned = {(u.layer, u.expert) for u in pinned}
@@ -190,6 +198,12 @@ class ExpertCache:
         self._drop_unit = drop_unit
         self._drop_units = drop_units or (lambda units: [drop_unit(unit) for unit in units])
         self._cancel_reads = cancel_reads
+        self._spare = spare
+        self._fill_spare = fill_spare
+        # What every expert but the pinned ones would take: the most the spare pages can serve.
+        self._unpinned_bytes = sum(
+            layer.n_expert * layer.expert_bytes for layer in model.layers if layer.is_moe
+        ) - sum(model.layers[layer].expert_bytes for layer, _ in self.pinned)
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
         self.policy: ExpertPolicy = make_policy(policy, self._resident, counts)
         self._resident_bytes = 0
@@ -240,6 +254,11 @@ class ExpertCache:
         self.policy.used(key)
 
     def _make_room(self, length: int, protect: set[tuple[int, int]]) -> bool:
+        spare = self._spare
+        if spare is not None and spare.allowed:  # free room lent to the spare comes back first
+            over = self._resident_bytes + spare.allowed + length - self.capacity
+            if over > 0:
+                spare.free(over)
         evicted: list[ExpertUnit] = []
         try:
             while self._resident and self._resident_bytes + length > self.capacity:
@@ -302,6 +321,8 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         self.end_stage(strict=False)
+        if self._spare is not None:
+            self._spare.settle()  # the last layer's reads have landed
         unpinned = [e for e in wanted if (layer, e) not in self.pinned]
         # Every expert of a layer has slices of one size: a hit's books need no unit of its own.
         length = self.model.layers[layer].expert_bytes
@@ -353,6 +374,8 @@ class ExpertCache:
                 self.prefill_read_bytes += unit.length
             missed.append(unit)
         if missed:  # room for all of them at once: the experts it evicts go back as one release
+            if self._spare is not None:  # spare pages their reads will take are theirs, not free room
+                self._spare.earmark(sum(r.length for u in missed for r in u.ranges))
             self._make_room(sum(u.footprint for u in missed), needed)
         for unit in missed:
             self._touch((unit.layer, unit.expert), unit)
@@ -372,7 +395,24 @@ class ExpertCache:
                 self._settle(futures)
                 self._forget((unit.layer, unit.expert))
             raise
+        if self._spare is not None and not self.prefilling:
+            self._lend_spare()
         return time.perf_counter() - started if pending else 0.0
+
+    # Free room is lent to the spare pages in steps of at least this much: the few pages an
+    # eviction leaves free are not worth the faulting thread's start.
+    SPARE_STEP = 64 * 2**20
+
+    def _lend_spare(self) -> None:
+        """Lend the free room to the spare pages, no more than the experts not cached could take
+        (a budget far above the experts' bytes faults in no memory that no read would use)."""
+        spare = self._spare
+        uncached = self._unpinned_bytes - self._resident_bytes
+        room = min(self.capacity - self._resident_bytes, uncached) - spare.allowed
+        if room >= self.SPARE_STEP:
+            spare.allow(room)
+            if self._fill_spare is not None:
+                self._fill_spare()
 
     def _defer(self, layer: int, missed: list[ExpertUnit]) -> None:
         """Read ``missed`` matrix by matrix in the order llama.cpp computes them, each matrix's
@@ -858,6 +898,8 @@ class ExpertCache:
 
     def begin_prefill(self) -> None:
         self._give_back_early()  # one a reply that failed left
+        if self._spare is not None:  # a prompt's layers and windows need the room
+            self._spare.free(self._spare.allowed)
         self.prefilling = True
         self.prefill_seen = set()
         self.prefill_read_bytes = 0

@@ -483,6 +483,10 @@ class Engine:
             streamer = self.streamer
             return streamer.parked_bytes if streamer is not None else 0
 
+        def spare() -> int:  # faulted in ahead of the placer's reads, outside the mapping
+            streamer = self.streamer
+            return streamer.spare_bytes if streamer is not None else 0
+
         def model_resident() -> int | None:
             if not space.bounded:
                 if not mapped_data:
@@ -490,7 +494,7 @@ class Engine:
                 if sum(end - start for start, end in mapped_data) <= PAGEMAP_MOST:
                     found = pagemap_resident_bytes(mapped_data)
                     if found is not None:
-                        return found
+                        return found + spare()
             # Experts parked while smaps is read were counted in their slot and would be again
             # as parked (on K3, 0.5 GiB over the budget that was never there): read again then.
             for _ in range(4):
@@ -498,7 +502,7 @@ class Engine:
                 found = mapped_resident_bytes(space.spans(), shared_name=shared)
                 if found is None or parked() == before:
                     break
-            return None if found is None else found + parked()
+            return None if found is None else found + parked() + spare()
 
         self.metrics.model_resident_source = DutyLimited(model_resident)
 

@@ -391,6 +391,13 @@ class Streamer:
         return self.placer.parked_bytes if self.placer is not None else 0
 
     @property
+    def spare_bytes(self) -> int:
+        """Memory the placer has faulted in ahead of its reads (DirectPlacer.spare): the model's,
+        outside its mapping."""
+        spare = self.placer.spare if self.placer is not None else None
+        return spare.held if spare is not None else 0
+
+    @property
     def streamed_bytes_per_token(self) -> int:
         """Trunk bytes streamed per token (routed experts, when attached, come on demand)."""
         return sum(s.length for shards in self.layer_shards for s in shards)
@@ -1176,6 +1183,7 @@ class Streamer:
             batch = tuple(r for unit in units for r in unit.ranges)
             self._dropper.later(("experts", next(self._batches)), [batch], self._release_slices)
 
+        spare = self.placer.spare if self.placer is not None and self.placer.reads_in_place else None
         self.experts = ExpertCache(
             self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy,
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
@@ -1185,6 +1193,10 @@ class Streamer:
             sweep_layer=self._sweep_layer,
             # Where a release is one madvise each (the arena), an eviction's go as one.
             drop_units=drop_units if self.placer is not None and self.placer.reads_in_place else None,
+            spare=spare,
+            # Faulted in beside compute by the look-ahead's threads (idle unless it is on), not
+            # by the ones compute waits on.
+            fill_spare=(lambda: self._guess_pool.submit(spare.fill)) if spare is not None else None,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
