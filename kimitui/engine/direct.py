@@ -158,8 +158,7 @@ class SparePages:
     How much it may hold is the expert cache's to say, out of its free room: ``allow`` lends it
     more (``fill`` then faults that much in, on an I/O thread), ``free`` takes room back at once,
     and ``earmark`` sets aside what the reads just issued will take, which ``free`` leaves alone
-    until ``settle`` (the next layer's books: those reads have landed) gives up what they did not
-    take. What it holds, and what ``fill`` is faulting in, never pass what is allowed and
+    until ``settle``, once those reads have landed, gives up what they did not take. What it holds, and what ``fill`` is faulting in, never pass what is allowed and
     earmarked, so the cache's books (its experts and ``allowed``) bound the memory."""
 
     RUN = 2**20  # faulted in at a time: ``free`` waits at most for one
@@ -839,7 +838,7 @@ class DirectPlacer(PlacedParts):
             for b in buffers.values():
                 c.munmap(b, page)
             for start, size in in_place:
-                c.madvise(base + start, size, MADV_DONTNEED)
+                self._free_in_arena(base + start, size)
 
         for start, size in in_place:
             if size >= self.spare_from:

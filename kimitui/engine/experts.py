@@ -321,8 +321,6 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         self.end_stage(strict=False)
-        if self._spare is not None:
-            self._spare.settle()  # the last layer's reads have landed
         unpinned = [e for e in wanted if (layer, e) not in self.pinned]
         # Every expert of a layer has slices of one size: a hit's books need no unit of its own.
         length = self.model.layers[layer].expert_bytes
@@ -395,6 +393,9 @@ class ExpertCache:
                 self._settle(futures)
                 self._forget((unit.layer, unit.expert))
             raise
+        finally:
+            if self._spare is not None:
+                self._spare.settle()  # the reads have landed: spare pages they did not take go
         if self._spare is not None and not self.prefilling:
             self._lend_spare()
         return time.perf_counter() - started if pending else 0.0
