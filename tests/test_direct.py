@@ -163,7 +163,6 @@ def test_neighbouring_slices_in_the_arena_go_back_in_one_call_and_a_failed_one_k
     back stays placed, and the failure is returned."""
     path, data, address, placer = mapped_file
     drop_from_page_cache(path)
-    monkeypatch.setattr(placer, "spare_from", 2**40)  # each run freed by madvise, not by a fresh mapping
     lo, hi = 2 * MIB, 18 * MIB
     assert placer.make_arena({0: [(lo, hi)]})
     size = 8 * PAGE

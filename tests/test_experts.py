@@ -880,20 +880,22 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
             pytest.skip("no arena here (no direct reads)")
         spare = placer.spare
         moved, broken = [0], []
-        move = placer._move_spare
+        take = spare.take
 
-        def counted(target, length):
-            before = spare.held
-            move(target, length)
-            moved[0] += before - spare.held
+        def counted(length):
+            runs = take(length)
+            moved[0] += sum(size for _, size in runs)
+            return runs
 
-        monkeypatch.setattr(placer, "_move_spare", counted)
+        monkeypatch.setattr(spare, "take", counted)
         ensure = cache.ensure
 
         def checked(layer, experts):
             waited = ensure(layer, experts)
-            if cache.resident_bytes + spare.allowed > cache.capacity or spare.held > spare.allowed + spare.earmarked:
-                broken.append((cache.resident_bytes, spare.allowed, spare.earmarked, spare.held, cache.capacity))
+            with spare._changed:  # one view of the spare: reads and the fill change it meanwhile
+                allowed, earmarked, held = spare.allowed, spare.earmarked, spare.held
+            if cache.resident_bytes + allowed > cache.capacity or held > allowed + earmarked:
+                broken.append((cache.resident_bytes, allowed, earmarked, held, cache.capacity))
             return waited
 
         monkeypatch.setattr(cache, "ensure", checked)

@@ -654,12 +654,12 @@ class DirectPlacer(PlacedParts):
                 spans.append([offset, offset + entry[2], [(offset, entry)]])
         failure = None
         for start, end, records in spans:
-            if self._free_in_arena(self.space.at(file, start), end - start):
+            if self._free_in_arena(self.space.at(file, start), end - start, any(entry[2] >= self.spare_from for _, entry in records)):
                 continue
             # Each on its own then: only a part that cannot be given back stays placed (counted
             # in placed_bytes until it is read again or the placer closes).
             for offset, entry in records:
-                if not self._free_in_arena(self.space.at(file, offset), entry[2]):
+                if not self._free_in_arena(self.space.at(file, offset), entry[2], entry[2] >= self.spare_from):
                     err = ctypes.get_errno()
                     with self._lock:
                         self._placed[(file, offset)] = entry
@@ -720,12 +720,13 @@ class DirectPlacer(PlacedParts):
                 self._arena_over(at, size, replace=False)  # into a hole the failed call may have left
             at += size
 
-    def _free_in_arena(self, target: int, length: int) -> bool:
-        """Free a part's pages, the arena empty there. Spare pages moved under a large part made
-        it an area of its own: fresh arena memory over it merges it back (else each such part
-        would leave an area behind, and Linux allows 65,530)."""
+    def _free_in_arena(self, target: int, length: int, large: bool) -> bool:
+        """Free the pages of a part (``large``: of slices from ``spare_from`` on), the arena empty
+        there. Spare pages moved under a large slice made it an area of its own: fresh arena
+        memory over it merges it back (else each would leave an area behind, and Linux allows
+        65,530); small ones, in the arena's own area, go with one madvise."""
         c = self._libc
-        if length >= self.spare_from:
+        if large:
             flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
             if c.mmap(target, length, PROT_READ | PROT_WRITE, flags, -1, 0) == target:
                 c.madvise(target, length, MADV_NOHUGEPAGE)  # even where THP is "always"
@@ -838,7 +839,7 @@ class DirectPlacer(PlacedParts):
             for b in buffers.values():
                 c.munmap(b, page)
             for start, size in in_place:
-                self._free_in_arena(base + start, size)
+                self._free_in_arena(base + start, size, size >= self.spare_from)
 
         for start, size in in_place:
             if size >= self.spare_from:
@@ -1111,7 +1112,7 @@ class DirectPlacer(PlacedParts):
             return
         buf, at, length, whole = entry
         if buf == 0 and self._in_arena(file, offset, offset + length):  # its pages are freed, the arena stays
-            if not self._free_in_arena(self.space.at(file, offset), length):
+            if not self._free_in_arena(self.space.at(file, offset), length, length >= self.spare_from):
                 err = ctypes.get_errno()
                 with self._lock:
                     self._placed[(file, offset)] = entry
