@@ -865,6 +865,7 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
     llama.cpp's, the cache's experts and the spare never pass its capacity, the spare never holds
     more than it was given, and the next prompt takes the room back."""
     from kimitui.engine.direct import DirectPlacer
+    from kimitui.engine.memory import pagemap_resident_bytes
 
     page = os.sysconf("SC_PAGE_SIZE")
     monkeypatch.setattr(DirectPlacer, "spare_from", page)  # this model's slices are small
@@ -881,8 +882,15 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
         spare = placer.spare
         moved, broken = [0], []
         take = spare.take
+        routed = [
+            (engine.space.at(r.file, -(-r.offset // page) * page), engine.space.at(r.file, r.end // page * page))
+            for layer in sorted(streamer._whole_ranges) for r in streamer._whole_ranges[layer]
+        ]
 
         def counted(length):
+            with spare._changed:  # one view of the spare: reads and the fill change it meanwhile
+                if spare.held + spare._filling > spare.allowed + spare.earmarked or spare.earmarked > spare.held:
+                    broken.append(("spare", spare.held, spare._filling, spare.allowed, spare.earmarked))
             runs = take(length)
             moved[0] += sum(size for _, size in runs)
             return runs
@@ -892,10 +900,16 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
 
         def checked(layer, experts):
             waited = ensure(layer, experts)
-            with spare._changed:  # one view of the spare: reads and the fill change it meanwhile
-                allowed, earmarked, held = spare.allowed, spare.earmarked, spare.held
-            if cache.resident_bytes + allowed > cache.capacity or held > allowed + earmarked:
-                broken.append((cache.resident_bytes, allowed, earmarked, held, cache.capacity))
+            if cache.prefilling:
+                return waited
+            streamer._dropper.flush()  # evictions' pages gone, as a read that needs their room waits for
+            with spare._changed:
+                allowed, held, filling = spare.allowed, spare.held, spare._filling
+            # The memory, not the books: the routed tensors' resident pages (the cache's experts,
+            # the pinned ones' pages left out) and the spare's, within the cache's capacity.
+            memory = pagemap_resident_bytes(routed) + held + filling
+            if cache.resident_bytes + allowed > cache.capacity or memory > cache.capacity:
+                broken.append(("cache", cache.resident_bytes, allowed, held, memory, cache.capacity))
             return waited
 
         monkeypatch.setattr(cache, "ensure", checked)
@@ -908,5 +922,21 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
         assert not broken
         cache.begin_prefill()
         assert spare.allowed == spare.held == 0
+    finally:
+        engine.close()
+
+
+def test_a_model_of_small_slices_keeps_no_spare_pages(moe_model):
+    """Where every expert slice is under DirectPlacer.spare_from no read would take spare pages:
+    the cache is given none to fault in."""
+    engine = expert_engine(moe_model, budget_mib=170)
+    try:
+        streamer = engine.streamer
+        if streamer.placer is None or not streamer.placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        assert load_model_map(moe_model).expert_slice_bytes < streamer.placer.spare_from
+        assert streamer.experts._spare is None
+        run(engine, 4)
+        assert streamer.spare_bytes == 0
     finally:
         engine.close()

@@ -60,7 +60,7 @@ import ctypes
 import errno
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kimitui.engine.budget import PAGE, PIECE_BYTES
 from kimitui.engine.platform import (
@@ -181,32 +181,36 @@ class SparePages:
         c = self._libc
         while True:
             with self._changed:
-                if self._filling or self.held + self.RUN > self.allowed + self.earmarked:
+                # Earmarked pages are held already (``earmark``): what is allowed bounds the rest.
+                if self._filling or self.held - self.earmarked + self.RUN > self.allowed:
                     return
                 self._filling = self.RUN
-            address = c.mmap(None, self.RUN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-            if address in (None, MAP_FAILED):
+            kept = False
+            try:
+                address = c.mmap(None, self.RUN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                if address in (None, MAP_FAILED):
+                    return
+                c.madvise(address, self.RUN, MADV_NOHUGEPAGE)  # moved a page at a time under slices
+                if c.madvise(address, self.RUN, MADV_POPULATE_WRITE) != 0:
+                    ctypes.memset(address, 0, self.RUN)
+                with self._changed:
+                    kept = self.held - self.earmarked + self.RUN <= self.allowed
+                    if kept:
+                        self._runs.append((address, self.RUN))
+                        self.held += self.RUN
+                if not kept:  # lowered while it was faulted in: gone before ``free`` hears of it
+                    c.munmap(address, self.RUN)
+            finally:
                 with self._changed:
                     self._filling = 0
                     self._changed.notify_all()
-                return
-            c.madvise(address, self.RUN, MADV_NOHUGEPAGE)  # moved a page at a time under slices
-            if c.madvise(address, self.RUN, MADV_POPULATE_WRITE) != 0:
-                ctypes.memset(address, 0, self.RUN)
-            with self._changed:
-                self._filling = 0
-                kept = self.held + self.RUN <= self.allowed + self.earmarked
-                if kept:
-                    self._runs.append((address, self.RUN))
-                    self.held += self.RUN
-                self._changed.notify_all()
-            if not kept:  # lowered while it was faulted in
-                c.munmap(address, self.RUN)
+            if not kept:
                 return
 
     def earmark(self, length: int) -> None:
+        """Set aside ``length`` bytes of held pages (as many as there are) for the reads just issued."""
         with self._changed:
-            moved = min(length, self.allowed)
+            moved = min(length, self.allowed, self.held - self.earmarked)
             self.allowed -= moved
             self.earmarked += moved
 
@@ -371,6 +375,9 @@ class DirectPlacer(PlacedParts):
     # Arena parts from this size on have spare pages moved under them (below it the mapping
     # call, which flushes every CPU's TLB, costs more than the faults it saves).
     spare_from = 256 * 2**10
+    # Parts with spare pages moved under them at once at most: each is an area of the process's
+    # own (and splits the arena's) while resident, and Linux allows 65,530 areas in all.
+    moved_most = 8192
 
     def __init__(self, paths: list[str], space, file_fds: dict[int, int], capacity: int) -> None:
         self.page = os.sysconf("SC_PAGE_SIZE")
@@ -408,6 +415,7 @@ class DirectPlacer(PlacedParts):
         self._moves = threading.Lock()
         self._scratch: int | None = None  # where gaps are read to (below)
         self.spare = SparePages(self._libc)
+        self._moved: set[int] = set()  # addresses of the parts spare pages were moved under
         self._paths = paths
         # file -> (sorted starts, ends) of the arena's segments (see make_arena)
         self._arena: dict[int, tuple[list[int], list[int]]] = {}
@@ -654,12 +662,12 @@ class DirectPlacer(PlacedParts):
                 spans.append([offset, offset + entry[2], [(offset, entry)]])
         failure = None
         for start, end, records in spans:
-            if self._free_in_arena(self.space.at(file, start), end - start, any(entry[2] >= self.spare_from for _, entry in records)):
+            if self._free_in_arena(self.space.at(file, start), end - start, [self.space.at(file, offset) for offset, _ in records]):
                 continue
             # Each on its own then: only a part that cannot be given back stays placed (counted
             # in placed_bytes until it is read again or the placer closes).
             for offset, entry in records:
-                if not self._free_in_arena(self.space.at(file, offset), entry[2], entry[2] >= self.spare_from):
+                if not self._free_in_arena(self.space.at(file, offset), entry[2]):
                     err = ctypes.get_errno()
                     with self._lock:
                         self._placed[(file, offset)] = entry
@@ -712,21 +720,33 @@ class DirectPlacer(PlacedParts):
 
     def _move_spare(self, target: int, length: int) -> None:
         """Spare pages under [target, target+length) of the arena, as many as there are (the rest
-        faults in as the read lands)."""
+        faults in as the read lands). Moved pages are an area of their own until the part is
+        freed: past ``moved_most`` parts holding them, the rest fault in instead."""
+        with self._lock:
+            if len(self._moved) >= self.moved_most:
+                return
+        runs = self.spare.take(length)
+        if not runs:
+            return
+        with self._lock:
+            self._moved.add(target)
         c, at = self._libc, target
-        for address, size in self.spare.take(length):
+        for address, size in runs:
             if c.mremap(address, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, at) != at:
                 c.munmap(address, size)
                 self._arena_over(at, size, replace=False)  # into a hole the failed call may have left
             at += size
 
-    def _free_in_arena(self, target: int, length: int, large: bool) -> bool:
-        """Free the pages of a part (``large``: of slices from ``spare_from`` on), the arena empty
-        there. Spare pages moved under a large slice made it an area of its own: fresh arena
-        memory over it merges it back (else each would leave an area behind, and Linux allows
-        65,530); small ones, in the arena's own area, go with one madvise."""
+    def _free_in_arena(self, target: int, length: int, starts: Iterable[int] = ()) -> bool:
+        """Free the pages of [target, target+length) (the parts starting at ``starts``, all of
+        it by default), the arena empty there. Where spare pages were moved under a part it is an
+        area of its own: fresh arena memory over it merges it back (else each would stay one, and
+        Linux allows 65,530); elsewhere one madvise frees the pages."""
         c = self._libc
-        if large:
+        with self._lock:
+            moved = [at for at in (starts or (target,)) if at in self._moved]
+            self._moved.difference_update(moved)
+        if moved:
             flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
             if c.mmap(target, length, PROT_READ | PROT_WRITE, flags, -1, 0) == target:
                 c.madvise(target, length, MADV_NOHUGEPAGE)  # even where THP is "always"
@@ -839,7 +859,7 @@ class DirectPlacer(PlacedParts):
             for b in buffers.values():
                 c.munmap(b, page)
             for start, size in in_place:
-                self._free_in_arena(base + start, size, size >= self.spare_from)
+                self._free_in_arena(base + start, size)
 
         for start, size in in_place:
             if size >= self.spare_from:
@@ -1112,7 +1132,7 @@ class DirectPlacer(PlacedParts):
             return
         buf, at, length, whole = entry
         if buf == 0 and self._in_arena(file, offset, offset + length):  # its pages are freed, the arena stays
-            if not self._free_in_arena(self.space.at(file, offset), length, length >= self.spare_from):
+            if not self._free_in_arena(self.space.at(file, offset), length):
                 err = ctypes.get_errno()
                 with self._lock:
                     self._placed[(file, offset)] = entry

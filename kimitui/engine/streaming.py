@@ -1184,6 +1184,8 @@ class Streamer:
             self._dropper.later(("experts", next(self._batches)), [batch], self._release_slices)
 
         spare = self.placer.spare if self.placer is not None and self.placer.reads_in_place else None
+        if spare is not None and (self.model.expert_slice_bytes or 0) < self.placer.spare_from:
+            spare = None  # no read would take them: small slices fault in fewer pages than a move costs
         self.experts = ExpertCache(
             self.model, capacity, pinned, counts, read_unit, drop_unit, self.settings.expert_policy,
             read_ahead=lambda unit: read_unit(unit, self._guess_pool),
@@ -1194,9 +1196,7 @@ class Streamer:
             # Where a release is one madvise each (the arena), an eviction's go as one.
             drop_units=drop_units if self.placer is not None and self.placer.reads_in_place else None,
             spare=spare,
-            # Faulted in beside compute by the look-ahead's threads (idle unless it is on), not
-            # by the ones compute waits on.
-            fill_spare=(lambda: self._guess_pool.submit(spare.fill)) if spare is not None else None,
+            fill_spare=self._fill_spare if spare is not None else None,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
@@ -1204,6 +1204,18 @@ class Streamer:
         self._find_whole_layers(pinned)
         if self.placer is not None:
             self._size_pool()  # the window is trunk bytes now
+
+    def _fill_spare(self) -> None:
+        """Fault in what the cache lent the spare pages, beside compute, on a look-ahead thread
+        (idle unless look-ahead is on; not one compute waits on), once the releases queued so far
+        are done: room an eviction freed in the books is not memory until then."""
+        mark, spare = self._dropper.mark(), self.placer.spare
+
+        def fill() -> None:
+            if self._dropper.wait_released(mark):
+                spare.fill()
+
+        self._guess_pool.submit(fill)
 
     # -- a prompt's layers read whole --------------------------------------------------------
     #
@@ -1677,6 +1689,8 @@ class Streamer:
             self._failing.wait_for(lambda: self._shielding == 0)
             self._resetting = True
         self._dropper.resume()  # reads waiting on a release must be able to finish
+        if self.placer is not None and self.placer.spare is not None:
+            self.placer.spare.close()  # a fill under way stops after its run
         for pool in (self._pool, self._guess_pool, *self._retired_pools, self._slot_lane):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
