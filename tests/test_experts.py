@@ -44,6 +44,16 @@ def expert_engine(path: Path, budget_mib: int = 100, policy: str = "lfu", lookah
     return engine
 
 
+def arena_engine(path: Path, budget_mib: int = 170) -> Engine:
+    """``expert_engine`` where the placer reads slices in place (the arena); skips where it cannot."""
+    engine = expert_engine(path, budget_mib)
+    placer = engine.streamer.placer
+    if placer is None or not placer.reads_in_place:
+        engine.close()
+        pytest.skip("no arena here (no direct reads)")
+    return engine
+
+
 @pytest.mark.parametrize("policy,lookahead", [("lfu", False), ("lru", False), ("lfu", True)])
 def test_only_routed_experts_are_read_and_tokens_match(moe_model, policy, lookahead):
     stock = Engine(moe_model, n_ctx=256, fast_load=False)
@@ -704,12 +714,10 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
     prompts = [PREFILL_PROMPT, "Seven wizards quietly juggle while the lazy dog sleeps and the quick brown fox " * 3]
     expected = stock_texts(moe_model, prompts, 6)
 
-    engine = expert_engine(moe_model, budget_mib=170)
+    engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
         placer, cache = streamer.placer, streamer.experts
-        if placer is None or not placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
         model = load_model_map(moe_model)
         moe_layers = [i for i, info in enumerate(model.layers) if info.is_moe]
         assert sorted(streamer._whole_ranges) == moe_layers
@@ -758,12 +766,10 @@ def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_t
 
     (expected,) = stock_texts(moe_model, [PREFILL_PROMPT], 4)
 
-    engine = expert_engine(moe_model, budget_mib=170)
+    engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
         placer = streamer.placer
-        if placer is None or not placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
         layer = sorted(streamer._whole_ranges)[1]
         lo = streamer._whole_ranges[layer][0].offset
         hi = streamer._whole_ranges[layer][-1].end
@@ -794,11 +800,9 @@ def test_layers_read_whole_for_a_graph_cut_short_go_back_when_the_next_graph_sta
     them back at its start (their room is lent for two layers), and its reply is stock's."""
     (expected,) = stock_texts(moe_model, [PREFILL_PROMPT], 4)
 
-    engine = expert_engine(moe_model, budget_mib=170)
+    engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
-        if streamer.placer is None or not streamer.placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
         cache = streamer.experts
         cache.prefilling, streamer.chunk_tokens = True, 64  # as a prompt's graph at its first layer
         streamer._read_layers_whole(0)
@@ -873,12 +877,10 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
     prompts = [PREFILL_PROMPT, "Seven wizards quietly juggle while the lazy dog sleeps"]
     expected = stock_texts(moe_model, prompts, 12)
 
-    engine = expert_engine(moe_model, budget_mib=170)
+    engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
         placer, cache = streamer.placer, streamer.experts
-        if placer is None or not placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
         spare = placer.spare
         moved, broken = [0], []
         take = spare.take
@@ -929,11 +931,9 @@ def test_misses_land_on_spare_pages_within_the_cache_with_the_stock_tokens(moe_m
 def test_a_model_of_small_slices_keeps_no_spare_pages(moe_model):
     """Where every expert slice is under DirectPlacer.spare_from no read would take spare pages:
     the cache is given none to fault in."""
-    engine = expert_engine(moe_model, budget_mib=170)
+    engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
-        if streamer.placer is None or not streamer.placer.reads_in_place:
-            pytest.skip("no arena here (no direct reads)")
         assert load_model_map(moe_model).expert_slice_bytes < streamer.placer.spare_from
         assert streamer.experts._spare is None
         run(engine, 4)
