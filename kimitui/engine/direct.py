@@ -157,9 +157,10 @@ class SparePages:
 
     How much it may hold is the expert cache's to say, out of its free room: ``allow`` lends it
     more (``fill`` then faults that much in, on an I/O thread), ``free`` takes room back at once,
-    and ``earmark`` sets aside what the reads just issued will take, which ``free`` leaves alone
-    until ``settle``, once those reads have landed, gives up what they did not take. What it holds, and what ``fill`` is faulting in, never pass what is allowed and
-    earmarked, so the cache's books (its experts and ``allowed``) bound the memory."""
+    and ``earmark`` sets aside held pages the reads just issued will take, which ``free`` leaves
+    alone until ``settle``, once those reads have landed, gives up what they did not take. What
+    it holds, and what ``fill`` is faulting in, never pass what is allowed and earmarked, so the
+    cache's books (its experts and ``allowed``) bound the memory."""
 
     RUN = 2**20  # faulted in at a time: ``free`` waits at most for one
 
