@@ -105,6 +105,19 @@ def huge_buffer(libc: Libc, size: int) -> int:
     return start
 
 
+def small_page_buffer(libc: Libc, size: int) -> int:
+    """Anonymous memory in small pages, even where THP is "always"; OSError where none is had."""
+    buf = libc.check(libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
+    libc.madvise(buf, size, MADV_NOHUGEPAGE)
+    return buf
+
+
+def fault_in(libc: Libc, buf: int, size: int) -> None:
+    """Every page of [buf, buf+size) faulted in now: a read into untouched memory would pay for it."""
+    if libc.madvise(buf, size, MADV_POPULATE_WRITE) != 0:
+        ctypes.memset(buf, 0, size)
+
+
 def mapped_areas() -> list[tuple[int, int, tuple[int, int] | None, int]]:
     """This process's mappings from /proc/self/maps: (start, end, (st_dev, st_ino) of the file
     mapped, None for anonymous memory, the file offset mapped at start)."""
@@ -188,12 +201,11 @@ class SparePages:
                 self._filling = self.RUN
             kept = False
             try:
-                address = c.mmap(None, self.RUN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-                if address in (None, MAP_FAILED):
+                try:
+                    address = small_page_buffer(c, self.RUN)  # moved a page at a time under slices
+                except OSError:
                     return
-                c.madvise(address, self.RUN, MADV_NOHUGEPAGE)  # moved a page at a time under slices
-                if c.madvise(address, self.RUN, MADV_POPULATE_WRITE) != 0:
-                    ctypes.memset(address, 0, self.RUN)
+                fault_in(c, address, self.RUN)
                 with self._changed:
                     kept = self.held - self.earmarked + self.RUN <= self.allowed
                     if kept:
@@ -573,19 +585,13 @@ class DirectPlacer(PlacedParts):
                 return None
         c = self._libc
         try:
-            if whole:
-                buf = huge_buffer(c, PIECE_BYTES)
-            else:
-                buf = c.check(c.mmap(None, PIECE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), "mmap")
-                c.madvise(buf, PIECE_BYTES, MADV_NOHUGEPAGE)  # even where THP is "always"
+            buf = huge_buffer(c, PIECE_BYTES) if whole else small_page_buffer(c, PIECE_BYTES)
         except OSError:
             with self._returned:
                 self._made -= 1
                 self._returned.notify_all()
             return None
-        # Fault the buffer in now, once: a read into untouched memory would pay for it every time.
-        if c.madvise(buf, PIECE_BYTES, MADV_POPULATE_WRITE) != 0:
-            ctypes.memset(buf, 0, PIECE_BYTES)
+        fault_in(c, buf, PIECE_BYTES)  # once: a buffer is read into again and again
         return buf
 
     def _give_back(self, buf: int, whole: bool) -> None:
@@ -747,12 +753,8 @@ class DirectPlacer(PlacedParts):
         with self._lock:
             moved = [at for at in (starts or (target,)) if at in self._moved]
             self._moved.difference_update(moved)
-        if moved:
-            flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
-            if c.mmap(target, length, PROT_READ | PROT_WRITE, flags, -1, 0) == target:
-                c.madvise(target, length, MADV_NOHUGEPAGE)  # even where THP is "always"
-                return True  # the pages are gone whatever that call said
-            self._arena_over(target, length, replace=False)  # into a hole the failed call may have left
+        if moved and self._arena_over(target, length):
+            return True
         return c.madvise(target, length, MADV_DONTNEED) == 0
 
     def _arena_over(self, target: int, length: int, replace: bool = True) -> bool:

@@ -373,7 +373,7 @@ class ExpertCache:
             missed.append(unit)
         if missed:  # room for all of them at once: the experts it evicts go back as one release
             if self._spare is not None:  # spare pages their reads will take are theirs, not free room
-                self._spare.earmark(sum(r.length for u in missed for r in u.ranges))
+                self._spare.earmark(sum(u.length for u in missed))
             self._make_room(sum(u.footprint for u in missed), needed)
         for unit in missed:
             self._touch((unit.layer, unit.expert), unit)
