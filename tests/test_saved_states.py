@@ -179,6 +179,8 @@ def test_old_states_go_within_the_quota(tmp_path):
         SavedStates(tmp_path, 3500, "other", 256, "o.gguf").load("a")
     with pytest.raises(StateRefused, match=r"holds 10 tokens, more than this context's 4$"):
         SavedStates(tmp_path, 3500, "m", 4, "m.gguf").load("a")
+    with pytest.raises(StateRefused, match=r"its KV cache is f16, this context's q8_0, flash attention \(engine.speculate\)$"):
+        SavedStates(tmp_path, 3500, "m", 256, "m.gguf", cache="q8_0, flash attention").load("a")
     # A write killed half-way (jetsam, SIGKILL) leaves its temporary file: the next save sweeps it.
     stale = tmp_path / ".z.state.1.tmp"
     stale.write_bytes(bytes(100))

@@ -139,6 +139,58 @@ def test_a_streamed_dense_model_copies_in_fewer_passes_and_bytes_with_the_same_t
     assert drafted_bytes < plain_bytes / 1.5
 
 
+# Long enough that the prompt holds more than 256 tokens: llama.cpp then attends over 512 cells
+# (it pads to 256), where ggml-cpu's flash attention over an F16 cache splits a lone token's
+# attention over the threads.
+LONG_TEXT = " ".join([
+    "The ferry left the harbour a little after six, when the fog had begun to lift from the water and",
+    "the gulls were already quarrelling over the fishing boats. Maria stood at the rail with her coat",
+    "buttoned to the chin and watched the town shrink behind her: the church with its green copper roof,",
+    "the row of painted houses along the quay, the crane that had not moved in twenty years. Her brother",
+    "had promised to meet her on the other side, though he had promised many things before and kept few",
+    "of them. The crossing took three hours in good weather and five in bad, and the captain, a thin man",
+    "with a grey beard and a voice like gravel, said it would be bad today. By nine the wind had turned",
+    "and the waves came in long grey rows from the west. Most of the passengers went below to the cabin,",
+    "where a stove burned and a woman sold tea in thick white cups, but Maria stayed outside. She had",
+    "brought a letter she meant to read again, the one that had come in March with no return address and",
+    "a postmark she could not make out, and she held it in her pocket with one hand while the other held",
+    "the rail. The island, when it finally rose out of the rain, was smaller than she remembered and",
+    "darker, a long low shape with a single light burning at its northern end, and on the pier, to her",
+    "surprise, stood her brother, waving both arms as if she might otherwise sail straight past him.",
+])
+
+
+def test_past_256_tokens_a_reply_with_drafts_is_plain_decodings_and_stock_llama_cpps(model_path):
+    """The context speculation makes (speculation.SPECULATION_CACHE) computes a batched token's
+    attention as a lone one's at any length: past 256 tokens the reply with drafts equals the
+    one without, and stock llama-cpp-python's greedy reply with the same cache."""
+    from helpers import stock_llama
+    from kimitui.engine.speculation import SPECULATION_CACHE
+
+    prompt = f"Repeat this text exactly:\n\n{LONG_TEXT}\n\nRepeated text:\n\n{LONG_TEXT[:40]}"
+    engine = Engine(model_path, n_ctx=1024, budget=60 * MIB, speculate="lookup")
+    engine.load()
+    engine.pin()
+    try:
+        assert engine.streamer is not None
+        prompt_tokens = engine.tokenize(prompt)
+        assert len(prompt_tokens) > 300
+        (plain, *_), (drafted, result, *_) = _with_and_without_drafts(engine, prompt, 48)
+        threads = engine.n_threads
+    finally:
+        engine.close()
+    assert drafted == plain and len(plain) == 48
+    assert result.speculation.accepted > 8  # most of the reply came from drafts checked past 256 tokens
+    stock = stock_llama(model_path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, **SPECULATION_CACHE.llama_params)
+    expected = []
+    for token in stock.generate(prompt_tokens, temp=0.0):
+        expected.append(token)
+        if len(expected) == len(plain):
+            break
+    stock.close()
+    assert plain == expected
+
+
 def test_a_model_that_fits_never_drafts(model_path):
     engine = Engine(model_path, n_ctx=1024, speculate="lookup")
     engine.load()
@@ -157,14 +209,14 @@ def k3_model(tmp_path_factory) -> Path:
     return synth.write_model(spec, out, seed=3, progress=False).paths[0]
 
 
-@pytest.mark.parametrize("budget_mib", [10, 26])
-def test_k3_takes_rejected_drafts_back_out_of_its_recurrent_state(k3_model, budget_mib, monkeypatch):
+@pytest.mark.parametrize("budget_mib, words", [(10, 13), (26, 320)])
+def test_k3_takes_rejected_drafts_back_out_of_its_recurrent_state(k3_model, budget_mib, words, monkeypatch):
     """Synthetic weights repeat nothing, so the drafts come from an oracle that knows stock
     llama.cpp's reply and gets every third pass's second draft wrong: accepted and rejected
     drafts both pass through K3's KDA state, streamed with one snapshot (a micro-batch of 3) and
-    with seven."""
-    prompt = "one two three four five six seven eight nine ten one two three"
-    engine = Engine(k3_model, n_ctx=256, budget=budget_mib * MIB, speculate="lookup")
+    with seven, the latter past 256 tokens, where its MLA layers attend over 512 cells."""
+    prompt = " ".join(("one two three four five six seven eight nine ten".split() * 40)[:words])
+    engine = Engine(k3_model, n_ctx=512, budget=budget_mib * MIB, speculate="lookup")
     engine.load()
     engine.pin()
     engine.speculate = "off"  # the same context's replies without drafts first
@@ -227,6 +279,43 @@ def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(model_path
     assert message.startswith("draft model other.gguf: its vocabulary is not ") and "49216 tokens against 49152" in message
     assert "\n" not in message
     engine.close()
+
+
+def test_k3s_tokens_checked_in_one_pass_have_a_lone_tokens_logits_past_256_tokens(k3_model):
+    """Synthetic weights leave no near ties for rounding to flip, so K3 is checked where the
+    rounding is: after a 320-token prompt (its MLA layers attend over 512 cells), four tokens
+    evaluated in one batch, as a drafted pass is, have to the bit the logits each has evaluated
+    alone (with an F16 cache they differ by up to 0.07)."""
+    import llama_cpp
+
+    engine = Engine(k3_model, n_ctx=512, budget=26 * MIB, speculate="lookup")
+    engine.load()
+    engine.pin()
+    try:
+        llm = engine.llm
+        prompt = engine.tokenize(" ".join(("one two three four five six seven eight nine ten".split() * 40)[:320]))
+        assert len(prompt) > 256
+        drafted = engine.tokenize(" alpha beta gamma delta")[-4:]
+        n_vocab = llm.n_vocab()
+
+        def logits(tokens: list[int], n_past: int) -> np.ndarray:
+            llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+            llm._ctx.decode(llm._batch)
+            rows = [llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i) for i in range(len(tokens))]
+            return np.array([np.ctypeslib.as_array(row, shape=(n_vocab,)) for row in rows])
+
+        def after_prompt() -> None:
+            llm.reset()
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+            llm.eval(prompt)
+
+        after_prompt()
+        in_one_pass = logits(drafted, len(prompt))
+        after_prompt()
+        alone = np.concatenate([logits([token], len(prompt) + i) for i, token in enumerate(drafted)])
+    finally:
+        engine.close()
+    assert np.array_equal(in_one_pass, alone)
 
 
 def test_a_recurrent_context_refuses_to_go_back_past_the_drafted_pass(k3_model):

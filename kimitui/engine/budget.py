@@ -278,8 +278,9 @@ def turn_bytes(model: ModelMap, plan: MemoryPlan, n_tokens: int) -> int:
     return _prompt_bytes(model, trunk, plan.ubatch, n_tokens, n_tokens) + n_tokens * (trunk + reads["expert_bytes_per_token"])
 
 
-def context_bytes(kv: dict, arch: str, n_ctx: int) -> int:
-    """llama.cpp's KV cache (f16) and recurrent state (f32) for ``n_ctx`` cells, from the GGUF's
+def context_bytes(kv: dict, arch: str, n_ctx: int, value_bytes: float = 2.0) -> int:
+    """llama.cpp's KV cache (``value_bytes`` a value: f16's 2 unless the context caches
+    otherwise, speculation.KVCache) and recurrent state (f32) for ``n_ctx`` cells, from the GGUF's
     keys (``kv``: key -> value), as llama.cpp sizes them (checked against its own log lines)."""
 
     def get(key: str, default=None):
@@ -304,7 +305,7 @@ def context_bytes(kv: dict, arch: str, n_ctx: int) -> int:
             total += 4 * (conv + int(kda_dim) ** 2 * n_head)
             continue
         width = n_kv * k_len + (0 if mla else n_kv * v_len)
-        total += 2 * width * n_ctx
+        total += int(value_bytes * width * n_ctx)
     return total
 
 
@@ -318,12 +319,14 @@ PROCESS_RESERVE = 32 * 2**20
 MIN_CTX = 256
 
 
-def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0) -> int:
+def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0,
+                     value_bytes: float = 2.0) -> int:
     """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers. With
     several slots llama.cpp's context is one slot's share, and beside it the slots' prompts are
     parked (each up to that share, with a recurrent state of its own; all of them at once while
     one is being swapped for another). ``snapshots``: copies of the recurrent state llama.cpp
-    keeps so that rejected drafts can be taken back (``n_rs_seq``, speculation.py)."""
+    keeps so that rejected drafts can be taken back (``n_rs_seq``, speculation.py).
+    ``value_bytes``: what a cached key or value takes (context_bytes)."""
     arch = model.architecture
     kv = model.hparams
     n_vocab = int(kv.get(f"{arch}.vocab_size") or 0) or 32000
@@ -332,9 +335,10 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1,
     live = n_ctx // slots
     tokens = min(n_ubatch, live)
     compute = 4 * tokens * (n_vocab + n_head * live + 8 * n_embd)
-    parked = slots * context_bytes(kv, arch, live) if slots > 1 else 0
+    cache = context_bytes(kv, arch, live, value_bytes)
+    parked = slots * cache if slots > 1 else 0
     rollback = snapshots * context_bytes(kv, arch, 0)  # no cells: the recurrent state alone
-    return context_bytes(kv, arch, live) + parked + rollback + int(compute * COMPUTE_MARGIN)
+    return cache + parked + rollback + int(compute * COMPUTE_MARGIN)
 
 
 # The smallest prefill micro-batch a context is fitted with before the context itself shrinks
@@ -342,12 +346,13 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1,
 MIN_UBATCH = 32
 
 
-def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0) -> int | None:
+def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0,
+                 value_bytes: float = 2.0) -> int | None:
     """The largest context up to ``n_ctx`` (halving, down to MIN_CTX) whose working memory fits
     ``room`` beside ``weights`` bytes of model pages; None when not even the smallest does."""
     ctx = n_ctx
     while True:
-        if weights + working_estimate(model, ctx, n_ubatch, slots, snapshots) + PROCESS_RESERVE <= room:
+        if weights + working_estimate(model, ctx, n_ubatch, slots, snapshots, value_bytes) + PROCESS_RESERVE <= room:
             return ctx
         if ctx <= MIN_CTX:
             return None
@@ -355,24 +360,24 @@ def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch:
 
 
 def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int, *,
-                fixed: bool, snapshots: int = 0) -> tuple[int, int | None, str | None]:
+                fixed: bool, snapshots: int = 0, value_bytes: float = 2.0) -> tuple[int, int | None, str | None]:
     """The context that fits ``room`` beside ``weights`` bytes of model pages: (n_ctx, a smaller
     micro-batch that lets all of ``n_ctx`` fit or None, the note saying n_ctx shrank or None).
     The largest context up to the configured one, or, where the user chose it (``fixed``) or
     not even the smallest fits, EngineError saying what to lower. Without it a context too big
     is an OOM kill once the KV cache fills."""
-    fitted = context_fits(model, weights, room, n_ctx, n_ubatch, slots, snapshots)
+    fitted = context_fits(model, weights, room, n_ctx, n_ubatch, slots, snapshots, value_bytes)
     # A large micro-batch's compute buffers grow with the context: smaller micro-batches (each
     # reads the streamed trunk again) are tried before a smaller context.
     ubatch = n_ubatch
     while fitted != n_ctx and ubatch > MIN_UBATCH:
         ubatch = max(MIN_UBATCH, ubatch // 2)
-        if context_fits(model, weights, room, n_ctx, ubatch, slots, snapshots) == n_ctx:
+        if context_fits(model, weights, room, n_ctx, ubatch, slots, snapshots, value_bytes) == n_ctx:
             return n_ctx, ubatch, None
     if fitted == n_ctx:
         return n_ctx, None, None
     if fitted is None or fixed:
-        need = working_estimate(model, n_ctx, n_ubatch, slots, snapshots)
+        need = working_estimate(model, n_ctx, n_ubatch, slots, snapshots, value_bytes)
         lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
         raise EngineError(
             f"context of {n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
@@ -382,11 +387,11 @@ def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: 
 
 
 def budget_overflow(model: ModelMap, budget: int, room: int, n_ctx: int, n_ubatch: int, slots: int,
-                    snapshots: int = 0) -> str | None:
+                    snapshots: int = 0, value_bytes: float = 2.0) -> str | None:
     """Why ``budget`` would not fit beside llama.cpp's context in ``room`` (the check the load
     makes, ``fit_context``), or None."""
     weights = min(budget, model.tensor_bytes)
-    working = working_estimate(model, n_ctx, n_ubatch, slots, snapshots)
+    working = working_estimate(model, n_ctx, n_ubatch, slots, snapshots, value_bytes)
     if weights + working + PROCESS_RESERVE <= room:
         return None
     most = max(0, room - working - PROCESS_RESERVE)

@@ -3,10 +3,10 @@ for Kimi K3, the KDA recurrent state), kept beside the history so that reopening
 conversation, after a restart too, restores it instead of evaluating its tokens again.
 
 A file is written whole under a temporary name and renamed, so a reader sees the old file or
-the new one, never half of one. It says what it belongs to (the model's identity, the context
-size) and carries a checksum of its body; a file that is damaged, cut short, or made for
-another model or context is refused with a line that says which and why, and the tokens are
-evaluated as if there were none. Beyond the quota, the least recently used files go first.
+the new one, never half of one. It says what it belongs to (the model's identity, the context's
+size and how it caches keys and values) and carries a checksum of its body; a file that is
+damaged, cut short, or made for another model or context is refused with a line that says which
+and why, and the tokens are evaluated as if there were none. Beyond the quota, the least recently used files go first.
 
 File layout: MAGIC, one line of JSON (the header), then the tokens (int32, little-endian) and
 llama.cpp's sequence state, the two covered by the header's CRC-32.
@@ -72,8 +72,10 @@ class SavedStates:
     """The directory of conversation states, ``<key>.state`` each, within ``quota`` bytes
     (0: none kept; None: no limit, and ``key`` is the file's whole name, as a saved slot's is)."""
 
-    def __init__(self, directory: Path, quota: int | None, identity: str, n_ctx: int, model_name: str) -> None:
+    def __init__(self, directory: Path, quota: int | None, identity: str, n_ctx: int, model_name: str,
+                 cache: str = "f16") -> None:
         self.directory = Path(directory)
+        self.cache = cache  # how the context caches keys and values (speculation.KVCache.name)
         self.quota = quota
         self.identity = identity
         self.n_ctx = n_ctx
@@ -100,6 +102,10 @@ class SavedStates:
             raise StateRefused(f"{path}: truncated ({size} bytes, its header says more)")
         if header["model"] != self.identity:
             raise StateRefused(f"{path}: saved with another model ({header.get('model_name', '?')}), not {self.model_name}", damaged=False)
+        if header.get("cache", "f16") != self.cache:
+            raise StateRefused(
+                f"{path}: its KV cache is {header.get('cache', 'f16')}, this context's {self.cache} (engine.speculate)", damaged=False,
+            )
         if header["n_tokens"] > self.n_ctx:
             raise StateRefused(
                 f"{path}: holds {header['n_tokens']} tokens, more than this context's {self.n_ctx}", damaged=False,
@@ -175,7 +181,7 @@ class SavedStates:
             raw.byteswap()
         body = raw.tobytes()
         header = {
-            "model": self.identity, "model_name": self.model_name, "n_ctx": self.n_ctx,
+            "model": self.identity, "model_name": self.model_name, "n_ctx": self.n_ctx, "cache": self.cache,
             "n_tokens": len(tokens), "state_bytes": len(state), "crc32": _crc(body, state), "saved": time.time(),
         }
         head = MAGIC + json.dumps(header).encode() + b"\n"

@@ -100,6 +100,7 @@ class Engine:
         self.draft_model_path = draft_model  # engine.draft_model: a small model whose drafts replace the lookup's
         self._draft_model = None  # speculation.DraftModel, loaded with the model
         self._draft_bytes: int | None = None  # its weights and context, beside the budget, once worked out
+        self._made_cache = None  # the context's speculation.KVCache, once made
         self._rollback_guard = None  # speculation.RollbackGuard, on a recurrent model's context with snapshots
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
@@ -283,6 +284,14 @@ class Engine:
             progress(1.0)  # fast start: the one step there was
         self.lifecycle.move(EngineState.READY)
 
+    @property
+    def kv_cache(self):
+        """How the context caches keys and values (speculation.kv_cache): set by
+        engine.speculate, and once loaded the cache the context was made with."""
+        from kimitui.engine.speculation import kv_cache
+
+        return self._made_cache or kv_cache(self.speculate)
+
     def _draft_model_path(self) -> Path | None:
         """engine.draft_model where speculation is on; EngineError where it is not a file."""
         if not self.draft_model_path or self.speculate == "off":
@@ -397,6 +406,7 @@ class Engine:
         its log kept where the first try fails, so the error says why. Returns the hooks' mark
         the mappings are claimed since. EngineError when it fails or is cancelled."""
         from kimitui.engine import loadhooks
+        from kimitui.engine.speculation import kv_cache
 
         mark = hooks.mark() if hooks is not None else 0
         if way.bounded:
@@ -412,6 +422,7 @@ class Engine:
             # A factory, not one context manager: the retry below enters it a second time.
             stock = loadhooks.stock_loads if hooks is None else contextlib.nullcontext
             callbacks = self._stream_callbacks() if way.streams else (None, None)
+            cache = kv_cache(self.speculate)
 
             def make():
                 with stock(), llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks,
@@ -424,9 +435,9 @@ class Engine:
                         n_threads=self.n_threads,
                         n_threads_batch=self.n_threads,
                         use_mmap=not way.own_buffers,
-                        # Speculation checks drafts in a batch: with flash attention a batched token's
+                        # Speculation checks drafts in a batch: its cache makes a batched token's
                         # logits equal a lone one's (docs/design.md, "Speculative decoding").
-                        flash_attn=self.speculate != "off",
+                        **cache.llama_params,
                         verbose=False,
                     )
 
@@ -454,6 +465,7 @@ class Engine:
             if self._abort_load.is_set():
                 raise EngineError("loading cancelled") from None
             raise EngineError(f"llama.cpp could not load {self.model_path.name}: {exc}") from None
+        self._made_cache = cache
         return mark
 
     def _claim_mappings(self, hooks, mark: int, files: Sequence[Path]) -> None:
@@ -517,7 +529,8 @@ class Engine:
         model = self.model_map()
         beside = self._memory_plan(model).pool_buffers * PIECE_BYTES  # the direct-read pool's buffers
         if not loaded:
-            beside += working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count, self.rollback_snapshots)
+            beside += working_estimate(model, self.n_ctx, self.n_ubatch, self.slots.count, self.rollback_snapshots,
+                                       self.kv_cache.value_bytes)
         return address_bound(self.address_space, beside)
 
     def _make_space(self, bound: int | None):
@@ -567,7 +580,7 @@ class Engine:
         room = available_memory() - self._draft_model_bytes()
         n_ctx, ubatch_cap, note = fit_context(
             model, min(self.budget, model.tensor_bytes), room, self.n_ctx, self.n_ubatch, self.slots.count,
-            fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots,
+            fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots, value_bytes=self.kv_cache.value_bytes,
         )
         if ubatch_cap is not None:
             self.n_ubatch = self.ubatch_cap = ubatch_cap
@@ -953,7 +966,7 @@ class Engine:
         held = max(0, psutil.Process().memory_info().rss - self._rss_before_load)
         return budget_overflow(
             self.model_map(), budget, available_memory() + held - self._draft_model_bytes(), self.n_ctx, self.n_ubatch,
-            self.slots.count, self.rollback_snapshots,
+            self.slots.count, self.rollback_snapshots, self.kv_cache.value_bytes,
         )
 
     def between_tokens(self, *, mid_reply: bool) -> bool:
@@ -1237,7 +1250,8 @@ class Engine:
         if not self.state_quota or self._llm is None:
             return None
         if self._states is None or self._states.n_ctx != self.slot_ctx:
-            self._states = SavedStates(self.states_dir, self.state_quota, self.state_identity, self.slot_ctx, self.model_path.name)
+            self._states = SavedStates(self.states_dir, self.state_quota, self.state_identity, self.slot_ctx, self.model_path.name,
+                                       self.kv_cache.name)
         return self._states
 
     @functools.cached_property
@@ -1315,7 +1329,7 @@ class Engine:
             try:
                 if action == "erase":
                     return self.slots.erase(self.llm, slot_id), 0
-                store = SavedStates(directory, None, self.state_identity, self.slot_ctx, self.model_path.name)
+                store = SavedStates(directory, None, self.state_identity, self.slot_ctx, self.model_path.name, self.kv_cache.name)
                 if action == "save":
                     return self.slots.save(self.llm, slot_id, store, name)
                 return self.slots.restore(self.llm, slot_id, store, name)
