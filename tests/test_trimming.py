@@ -154,7 +154,7 @@ def test_quality_measures_trimming_with_every_expert_a_miss(moe_model, capsys):
 
 def test_quality_refuses_trimming_a_dense_model_and_a_rule_out_of_range(model_path, moe_model, capsys):
     assert main(["quality", "--model", str(model_path)]) == 2
-    assert "give --variant FILE, or --trim-below / --trim-cumulative" in capsys.readouterr().err
+    assert "give --variant FILE, --trim-below / --trim-cumulative to measure expert trimming, or --speculation-cache" in capsys.readouterr().err
     assert main(["quality", "--model", str(model_path), "--trim-below", "0.05"]) == 2
     assert "no routed experts" in capsys.readouterr().err
     assert main(["quality", "--model", str(moe_model), "--trim-below", "0.9"]) == 2

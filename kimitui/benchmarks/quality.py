@@ -1,7 +1,8 @@
 """`kimitui quality --variant FILE`: what a lossy setting costs, measured before it is used.
 
 One text is fed teacher-forced through the model as it is and through the variant (a
-requantized copy, or the model with expert trimming, or both); at every position both next-token
+requantized copy, the model with expert trimming, or in the context speculation makes, whose
+keys and values are cached as Q8_0; or several of these); at every position both next-token
 distributions are compared: the KL divergence of the variant from the model, whether their top
 choices agree, and each one's perplexity on the text's actual next tokens. A model against itself
 gives KL 0 and 100% agreement; anything lossy shows up as KL above 0.
@@ -103,10 +104,10 @@ class QualityResult:
 
 
 def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tuple[list[int], int] | None = None,
-            trim: _TrimEverything | None = None):
+            trim: _TrimEverything | None = None, cache: dict | None = None):
     """(the text's tokens, the model's logits at every position but the last, its vocabulary
     size). `expected`: the first model's tokens and vocabulary size, which this one must match;
-    `trim`: expert trimming applied while it computes."""
+    `trim`: expert trimming applied while it computes; `cache`: the context's KVCache.llama_params."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -117,7 +118,7 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
         with llama_params(None, repack=False, eval_cb=trim.c_callback if trim is not None else None):
             llm = Llama(  # llama.cpp opens a split set at its first file only
                 str(split_set(path)[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), logits_all=True,
-                n_threads=threads, verbose=False,
+                n_threads=threads, verbose=False, **(cache or {}),
             )
     except ValueError as exc:
         raise UserError(f"{path}: llama.cpp could not load it ({exc})") from None
@@ -142,15 +143,19 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
 
 
 def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads: int | None = None,
-            trim=None) -> QualityResult:
-    """``trim``: a TrimRule the variant runs with, every routed expert counted as a miss."""
+            trim=None, speculation_cache: bool = False) -> QualityResult:
+    """``trim``: a TrimRule the variant runs with, every routed expert counted as a miss;
+    ``speculation_cache``: the variant's context is the one speculation makes."""
+    from kimitui.engine.speculation import SPECULATION_CACHE
+
     import numpy as np
 
     from kimitui.model import read_model_info
 
     trimming = _TrimEverything(trim, read_model_info(variant).architecture) if trim is not None and trim.on else None
     tokens, base, n_vocab = _logits(model, text, n_ctx, threads)
-    _, other, _ = _logits(variant, text, n_ctx, threads, expected=(tokens, n_vocab), trim=trimming)
+    _, other, _ = _logits(variant, text, n_ctx, threads, expected=(tokens, n_vocab), trim=trimming,
+                          cache=SPECULATION_CACHE.llama_params if speculation_cache else None)
     targets = np.array(tokens[1:])
     kl = np.empty(len(targets))
     nll_base = np.empty(len(targets))
@@ -193,6 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the variant skips each routed expert whose share of its token's routing weight is below SHARE (engine.expert_trim_below)")
     parser.add_argument("--trim-cumulative", type=float, metavar="SHARE",
                         help="the variant skips a token's routed experts past those whose shares reach SHARE (engine.expert_trim_cumulative)")
+    parser.add_argument("--speculation-cache", action="store_true",
+                        help="the variant runs in the context engine.speculate makes: keys and values cached as Q8_0, flash attention")
     parser.add_argument("--text", type=Path, help="a UTF-8 text file to score (default: a built-in text of about 400 tokens)")
     parser.add_argument("--n-ctx", type=int, default=512, help="tokens of the text scored, at most (default 512)")
     parser.add_argument("--threads", type=int, help="compute threads (default: llama.cpp's)")
@@ -203,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.model.gguf_map import split_set
 
     from kimitui.config import key_spec
+    from kimitui.engine.speculation import SPECULATION_CACHE
     from kimitui.engine.trimming import TrimRule
     from kimitui.model.gguf_map import load_model_map
 
@@ -214,8 +222,8 @@ def run(args: argparse.Namespace) -> int:
         if not spec.low <= value <= spec.high:
             raise UserError(f"{flag} {value:g}: give {spec.low:g}..{spec.high:g}")
     trim = TrimRule(below, cumulative)
-    if args.variant is None and not trim.on:
-        raise UserError("give --variant FILE, or --trim-below / --trim-cumulative to measure expert trimming")
+    if args.variant is None and not trim.on and not args.speculation_cache:
+        raise UserError("give --variant FILE, --trim-below / --trim-cumulative to measure expert trimming, or --speculation-cache")
     variant = args.variant or model
     for path in {model, variant}:
         split_set(path)  # one line naming a missing file or set member
@@ -230,11 +238,13 @@ def run(args: argparse.Namespace) -> int:
             text = args.text.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"--text {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
-    r = compare(model, variant, text, n_ctx=args.n_ctx, threads=args.threads, trim=trim)
+    r = compare(model, variant, text, n_ctx=args.n_ctx, threads=args.threads, trim=trim, speculation_cache=args.speculation_cache)
     print(f"{r.tokens} positions of {'the built-in text' if args.text is None else args.text}, teacher-forced")
     if trim.on:
         print(f"variant: {variant.name} with expert {trim.label()}, every routed expert counted as a miss (the most it can "
               f"cost): {r.routes_skipped or 0:.1%} of the routes skipped")
+    if args.speculation_cache:
+        print(f"variant: {variant.name} in speculation's context (its KV cache {SPECULATION_CACHE.name})")
     print(f"KL divergence of the variant from the model: mean {r.kl_mean:.5f}, median {r.kl_median:.5f}, "
           f"p99 {r.kl_p99:.5f}, max {r.kl_max:.5f} nats")
     print(f"top-1 agreement: {r.top1_agreement:.1%}")
