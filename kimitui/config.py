@@ -75,8 +75,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "expert_trim_below": Key("float", 0.0, 0.0, 0.5),
         "expert_trim_cumulative": Key("float", 1.0, 0.05, 1.0),
         # Speculative decoding (engine/speculation.py): "lookup" drafts from the conversation
-        # itself, verified in one pass where the weights stream (flash attention on); "off" (the
-        # default: past 256 tokens llama.cpp rounds a batched token's logits otherwise than a lone one's).
+        # itself, verified in one pass where the weights stream (a Q8_0 cache, flash attention);
+        # "off" (the default: that cache rounds otherwise than llama-cpp-python's).
         "speculate": Key("str", "off", choices=("lookup", "off")),
         "draft_max": Key("int", 8, 1, 32),
         "draft_model": Key("str", ""),  # a small GGUF with the model's vocabulary whose drafts replace the lookup's
