@@ -105,7 +105,7 @@ def _reply(engine: Engine, prompt: str, tokens: int):
 
 def _with_and_without_drafts(engine: Engine, prompt: str, tokens: int, follow_up: str | None = None):
     """The same engine's replies without drafts, then with them, each from a fresh context: the
-    context was made with speculation on, so both compute attention alike (flash attention)."""
+    context was made with speculation on, so both compute attention alike (its Q8_0 cache)."""
     out = {}
     for mode in ("off", "lookup"):
         engine.speculate = mode
