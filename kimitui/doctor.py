@@ -299,10 +299,8 @@ def run(args: argparse.Namespace) -> int:
     checks.append(_report(check_fast_start()))
     memory, budget = check_memory(model, settings["engine.budget"])
     from kimitui.engine.budget import working_estimate
-    from kimitui.engine.speculation import kv_cache
 
-    working = working_estimate(model, settings["model.n_ctx"], settings["model.n_batch"], settings["server.slots"],
-                               value_bytes=kv_cache(settings["engine.speculate"]).value_bytes)
+    working = working_estimate(model, settings["model.n_ctx"], settings["model.n_batch"], settings["server.slots"])
     checks.append(_report(check_address_space(files, model, budget, settings["engine.address_space"], working)))
     for step in (check_descriptors, check_direct_reads):
         checks.append(_report(step(files)))

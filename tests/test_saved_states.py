@@ -179,14 +179,39 @@ def test_old_states_go_within_the_quota(tmp_path):
         SavedStates(tmp_path, 3500, "other", 256, "o.gguf").load("a")
     with pytest.raises(StateRefused, match=r"holds 10 tokens, more than this context's 4$"):
         SavedStates(tmp_path, 3500, "m", 4, "m.gguf").load("a")
-    with pytest.raises(StateRefused, match=r"its KV cache is f16, this context's q8_0, flash attention \(engine.speculate\)$"):
-        SavedStates(tmp_path, 3500, "m", 256, "m.gguf", cache="q8_0, flash attention").load("a")
     # A write killed half-way (jetsam, SIGKILL) leaves its temporary file: the next save sweeps it.
     stale = tmp_path / ".z.state.1.tmp"
     stale.write_bytes(bytes(100))
     os.utime(stale, (1000, 1000))
     states.save("a", list(range(10)), bytes(900))
     assert not stale.exists()
+
+
+def test_a_state_made_with_the_other_kv_cache_is_refused_and_kept(tmp_path):
+    """A context that may check drafts caches keys and values otherwise (kv_cache.py): a state
+    of one cannot be put in the other, either way; a file from before the header named its cache
+    is a plain context's."""
+    from kimitui.engine.kv_cache import PLAIN, Q8_0
+
+    plain = SavedStates(tmp_path, 10_000, "m", 256, "m.gguf")
+    drafting = SavedStates(tmp_path, 10_000, "m", 256, "m.gguf", cache=Q8_0.name)
+    drafting.save("q", [1, 2, 3], bytes(100))
+    plain.save("f", [1, 2, 3], bytes(100))
+    with pytest.raises(StateRefused, match=r"q.state: its KV cache is q8_0 with flash attention, this context's f16 \(engine.speculate\)$") as refused:
+        plain.load("q")
+    assert not refused.value.damaged and drafting.path("q").exists() and not plain.resumes("q")
+    with pytest.raises(StateRefused, match=r"its KV cache is f16, this context's q8_0 with flash attention"):
+        drafting.load("f")
+    assert drafting.load("q").tokens == [1, 2, 3] and plain.load("f").tokens == [1, 2, 3]
+    # The same file with its header as it was written before: no "cache".
+    raw = plain.path("f").read_bytes()
+    head, rest = raw[len(MAGIC):].split(b"\n", 1)
+    header = json.loads(head)
+    assert header.pop("cache") == PLAIN.name
+    plain.path("old").write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + rest)
+    assert plain.load("old").tokens == [1, 2, 3]
+    with pytest.raises(StateRefused, match="its KV cache is f16"):
+        drafting.load("old")
 
 
 def test_a_full_disk_keeps_the_old_state_and_says_so(model_path, tmp_path, monkeypatch):

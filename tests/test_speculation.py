@@ -160,19 +160,38 @@ LONG_TEXT = " ".join([
 ])
 
 
-def test_past_256_tokens_a_reply_with_drafts_is_plain_decodings_and_stock_llama_cpps(model_path):
-    """The context speculation makes (speculation.SPECULATION_CACHE) computes a batched token's
-    attention as a lone one's at any length: past 256 tokens the reply with drafts equals the
-    one without, and stock llama-cpp-python's greedy reply with the same cache."""
-    from helpers import stock_llama
-    from kimitui.engine.speculation import SPECULATION_CACHE
+def test_the_cache_for_drafts_is_q8_0_unless_a_head_is_not_a_whole_number_of_its_blocks():
+    from kimitui.engine import kv_cache
 
+    heads_of_64 = {"llama.attention.head_count": 9, "llama.embedding_length": 576}
+    assert kv_cache.for_drafts(heads_of_64, "llama") is kv_cache.Q8_0
+    heads_of_80 = {"phi2.attention.head_count": 32, "phi2.embedding_length": 2560}  # llama.cpp refuses Q8_0 there
+    assert kv_cache.for_drafts(heads_of_80, "phi2") is kv_cache.BF16
+    mla = {"deepseek2.attention.head_count": 96, "deepseek2.embedding_length": 7168,
+           "deepseek2.attention.key_length": 576, "deepseek2.attention.value_length": 512}
+    assert kv_cache.for_drafts(mla, "deepseek2") is kv_cache.Q8_0
+    assert kv_cache.Q8_0.llama_params() == {"flash_attn": True, "type_k": 8, "type_v": 8}
+    assert kv_cache.PLAIN.llama_params() == {"flash_attn": False}
+
+
+@pytest.mark.parametrize("cache", ["Q8_0", "BF16"])
+def test_past_256_tokens_a_reply_with_drafts_is_plain_decodings_and_stock_llama_cpps(model_path, cache, monkeypatch):
+    """The context speculation makes computes a batched token's attention as a lone one's at any
+    length: past 256 tokens the reply with drafts equals the one without, and stock
+    llama-cpp-python's greedy reply with the same cache; with the BF16 cache too, which a model
+    whose heads Q8_0 cannot cache gets."""
+    from helpers import stock_llama
+    from kimitui.engine import kv_cache
+
+    made = getattr(kv_cache, cache)
+    monkeypatch.setattr(kv_cache, "for_drafts", lambda kv, arch: made)
     prompt = f"Repeat this text exactly:\n\n{LONG_TEXT}\n\nRepeated text:\n\n{LONG_TEXT[:40]}"
     engine = Engine(model_path, n_ctx=1024, budget=60 * MIB, speculate="lookup")
     engine.load()
     engine.pin()
     try:
         assert engine.streamer is not None
+        assert engine.kv_cache is made
         prompt_tokens = engine.tokenize(prompt)
         assert len(prompt_tokens) > 300
         (plain, *_), (drafted, result, *_) = _with_and_without_drafts(engine, prompt, 48)
@@ -181,7 +200,7 @@ def test_past_256_tokens_a_reply_with_drafts_is_plain_decodings_and_stock_llama_
         engine.close()
     assert drafted == plain and len(plain) == 48
     assert result.speculation.accepted > 8  # most of the reply came from drafts checked past 256 tokens
-    stock = stock_llama(model_path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, **SPECULATION_CACHE.llama_params)
+    stock = stock_llama(model_path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, **made.llama_params())
     expected = []
     for token in stock.generate(prompt_tokens, temp=0.0):
         expected.append(token)
@@ -198,14 +217,17 @@ def test_quality_measures_what_speculations_cache_costs(model_path, capsys):
     cached = compare(model_path, model_path, BUILT_IN_TEXT, n_ctx=160, speculation_cache=True)
     assert 0.0 < cached.kl_mean < 0.05 and cached.top1_agreement > 0.8  # rounding, not another model
     assert main(["quality", "--model", str(model_path), "--speculation-cache", "--n-ctx", "160"]) == 0
-    assert "in speculation's context (its KV cache q8_0, flash attention)" in capsys.readouterr().out
+    assert "in speculation's context (its KV cache q8_0 with flash attention)" in capsys.readouterr().out
 
 
 def test_a_model_that_fits_never_drafts(model_path):
+    from kimitui.engine import kv_cache
+
     engine = Engine(model_path, n_ctx=1024, speculate="lookup")
     engine.load()
     try:
         assert engine.streamer is None and engine.rollback_snapshots == 0
+        assert engine.kv_cache is kv_cache.PLAIN  # no drafts: llama-cpp-python's own cache
         ids, result = _reply(engine, COPY_PROMPT, 16)
         assert result.speculation is None and engine.metrics.drafts is None
     finally:

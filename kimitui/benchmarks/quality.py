@@ -20,6 +20,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimitui.engine import kv_cache
 from kimitui.errors import UserError
 
 # The built-in text: plain English prose of several registers (narrative, instructions, facts,
@@ -104,10 +105,11 @@ class QualityResult:
 
 
 def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tuple[list[int], int] | None = None,
-            trim: _TrimEverything | None = None, cache: dict | None = None):
+            trim: _TrimEverything | None = None, cache=None):
     """(the text's tokens, the model's logits at every position but the last, its vocabulary
     size). `expected`: the first model's tokens and vocabulary size, which this one must match;
-    `trim`: expert trimming applied while it computes; `cache`: the context's KVCache.llama_params."""
+    `trim`: expert trimming applied while it computes; `cache`: the context's kv_cache.KVCache
+    (default: llama-cpp-python's)."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -118,7 +120,7 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
         with llama_params(None, repack=False, eval_cb=trim.c_callback if trim is not None else None):
             llm = Llama(  # llama.cpp opens a split set at its first file only
                 str(split_set(path)[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), logits_all=True,
-                n_threads=threads, verbose=False, **(cache or {}),
+                n_threads=threads, verbose=False, **(cache or kv_cache.PLAIN).llama_params(),
             )
     except ValueError as exc:
         raise UserError(f"{path}: llama.cpp could not load it ({exc})") from None
@@ -146,8 +148,6 @@ def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads:
             trim=None, speculation_cache: bool = False) -> QualityResult:
     """``trim``: a TrimRule the variant runs with, every routed expert counted as a miss;
     ``speculation_cache``: the variant's context is the one speculation makes."""
-    from kimitui.engine.speculation import SPECULATION_CACHE
-
     import numpy as np
 
     from kimitui.model import read_model_info
@@ -155,7 +155,7 @@ def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads:
     trimming = _TrimEverything(trim, read_model_info(variant).architecture) if trim is not None and trim.on else None
     tokens, base, n_vocab = _logits(model, text, n_ctx, threads)
     _, other, _ = _logits(variant, text, n_ctx, threads, expected=(tokens, n_vocab), trim=trimming,
-                          cache=SPECULATION_CACHE.llama_params if speculation_cache else None)
+                          cache=drafts_cache(variant) if speculation_cache else None)
     targets = np.array(tokens[1:])
     kl = np.empty(len(targets))
     nll_base = np.empty(len(targets))
@@ -181,6 +181,14 @@ def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads:
         ppl_variant=float(np.exp(nll_other.mean())),
         routes_skipped=(trimming.trimmer.routes_skipped / trimming.trimmer.routes) if trimming and trimming.trimmer.routes else None,
     )
+
+
+def drafts_cache(path: Path):
+    """The cache a context that may check drafts of ``path``'s model is made with (kv_cache.py)."""
+    from kimitui.model.gguf_map import load_model_map
+
+    model = load_model_map(path)
+    return kv_cache.for_drafts(model.hparams, model.architecture)
 
 
 def _log_softmax(logits):
@@ -210,7 +218,6 @@ def run(args: argparse.Namespace) -> int:
     from kimitui.model.gguf_map import split_set
 
     from kimitui.config import key_spec
-    from kimitui.engine.speculation import SPECULATION_CACHE
     from kimitui.engine.trimming import TrimRule
     from kimitui.model.gguf_map import load_model_map
 
@@ -244,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"variant: {variant.name} with expert {trim.label()}, every routed expert counted as a miss (the most it can "
               f"cost): {r.routes_skipped or 0:.1%} of the routes skipped")
     if args.speculation_cache:
-        print(f"variant: {variant.name} in speculation's context (its KV cache {SPECULATION_CACHE.name})")
+        print(f"variant: {variant.name} in speculation's context (its KV cache {drafts_cache(variant).name})")
     print(f"KL divergence of the variant from the model: mean {r.kl_mean:.5f}, median {r.kl_median:.5f}, "
           f"p99 {r.kl_p99:.5f}, max {r.kl_max:.5f} nats")
     print(f"top-1 agreement: {r.top1_agreement:.1%}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import os
 
+from kimitui.engine.kv_cache import PLAIN, head_sizes
 from kimitui.engine.state import EngineError
 from kimitui.model.gguf_map import ROUTED_EXPERTS, ModelMap, Shard
 from kimitui.units import format_bytes
@@ -278,10 +279,10 @@ def turn_bytes(model: ModelMap, plan: MemoryPlan, n_tokens: int) -> int:
     return _prompt_bytes(model, trunk, plan.ubatch, n_tokens, n_tokens) + n_tokens * (trunk + reads["expert_bytes_per_token"])
 
 
-def context_bytes(kv: dict, arch: str, n_ctx: int, value_bytes: float = 2.0) -> int:
-    """llama.cpp's KV cache (``value_bytes`` a value: f16's 2 unless the context caches
-    otherwise, speculation.KVCache) and recurrent state (f32) for ``n_ctx`` cells, from the GGUF's
-    keys (``kv``: key -> value), as llama.cpp sizes them (checked against its own log lines)."""
+def context_bytes(kv: dict, arch: str, n_ctx: int, value_bytes: float = PLAIN.value_bytes) -> int:
+    """llama.cpp's KV cache (``value_bytes`` a value: kv_cache.KVCache) and recurrent state (f32)
+    for ``n_ctx`` cells, from the GGUF's keys (``kv``: key -> value), as llama.cpp sizes them
+    (checked against its own log lines)."""
 
     def get(key: str, default=None):
         return kv.get(f"{arch}.{key}", default)
@@ -290,10 +291,7 @@ def context_bytes(kv: dict, arch: str, n_ctx: int, value_bytes: float = 2.0) -> 
     n_head = int(get("attention.head_count", 0) or 0)
     heads_kv = get("attention.head_count_kv", n_head)
     per_layer_kv = list(heads_kv) if isinstance(heads_kv, (list, tuple)) else [heads_kv] * n_layer
-    n_embd = int(get("embedding_length", 0))
-    head_dim = n_embd // n_head if n_head else 0
-    k_len = int(get("attention.key_length", head_dim) or head_dim)
-    v_len = int(get("attention.value_length", head_dim) or head_dim)
+    k_len, v_len = head_sizes(kv, arch)
     mla = get("attention.kv_lora_rank") is not None  # absorbed MLA caches K only; V is a view of it
     total = 0
     kda_dim = get("kda.head_dim")
@@ -320,7 +318,7 @@ MIN_CTX = 256
 
 
 def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0,
-                     value_bytes: float = 2.0) -> int:
+                     value_bytes: float = PLAIN.value_bytes) -> int:
     """llama.cpp's working memory for a context of ``n_ctx`` tokens: cache, state, buffers. With
     several slots llama.cpp's context is one slot's share, and beside it the slots' prompts are
     parked (each up to that share, with a recurrent state of its own; all of them at once while
@@ -347,7 +345,7 @@ MIN_UBATCH = 32
 
 
 def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0,
-                 value_bytes: float = 2.0) -> int | None:
+                 value_bytes: float = PLAIN.value_bytes) -> int | None:
     """The largest context up to ``n_ctx`` (halving, down to MIN_CTX) whose working memory fits
     ``room`` beside ``weights`` bytes of model pages; None when not even the smallest does."""
     ctx = n_ctx
@@ -360,7 +358,7 @@ def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch:
 
 
 def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int, *,
-                fixed: bool, snapshots: int = 0, value_bytes: float = 2.0) -> tuple[int, int | None, str | None]:
+                fixed: bool, snapshots: int = 0, value_bytes: float = PLAIN.value_bytes) -> tuple[int, int | None, str | None]:
     """The context that fits ``room`` beside ``weights`` bytes of model pages: (n_ctx, a smaller
     micro-batch that lets all of ``n_ctx`` fit or None, the note saying n_ctx shrank or None).
     The largest context up to the configured one, or, where the user chose it (``fixed``) or
@@ -387,7 +385,7 @@ def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: 
 
 
 def budget_overflow(model: ModelMap, budget: int, room: int, n_ctx: int, n_ubatch: int, slots: int,
-                    snapshots: int = 0, value_bytes: float = 2.0) -> str | None:
+                    snapshots: int = 0, value_bytes: float = PLAIN.value_bytes) -> str | None:
     """Why ``budget`` would not fit beside llama.cpp's context in ``room`` (the check the load
     makes, ``fit_context``), or None."""
     weights = min(budget, model.tensor_bytes)

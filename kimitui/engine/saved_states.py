@@ -24,6 +24,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimitui.engine.kv_cache import PLAIN
+
 MAGIC = b"kimitui-state 1\n"
 HEADER_LIMIT = 1 << 16  # a header line longer than this is not one of ours
 STALE_TEMP_S = 3600.0  # a temporary file this old is a write that was killed (jetsam, SIGKILL)
@@ -73,9 +75,9 @@ class SavedStates:
     (0: none kept; None: no limit, and ``key`` is the file's whole name, as a saved slot's is)."""
 
     def __init__(self, directory: Path, quota: int | None, identity: str, n_ctx: int, model_name: str,
-                 cache: str = "f16") -> None:
+                 cache: str = PLAIN.name) -> None:
         self.directory = Path(directory)
-        self.cache = cache  # how the context caches keys and values (speculation.KVCache.name)
+        self.cache = cache  # how the context caches keys and values (kv_cache.KVCache.name)
         self.quota = quota
         self.identity = identity
         self.n_ctx = n_ctx
@@ -102,10 +104,9 @@ class SavedStates:
             raise StateRefused(f"{path}: truncated ({size} bytes, its header says more)")
         if header["model"] != self.identity:
             raise StateRefused(f"{path}: saved with another model ({header.get('model_name', '?')}), not {self.model_name}", damaged=False)
-        if header.get("cache", "f16") != self.cache:
-            raise StateRefused(
-                f"{path}: its KV cache is {header.get('cache', 'f16')}, this context's {self.cache} (engine.speculate)", damaged=False,
-            )
+        cache = header.get("cache", PLAIN.name)  # a file from before caches were told apart: a plain context's
+        if cache != self.cache:
+            raise StateRefused(f"{path}: its KV cache is {cache}, this context's {self.cache} (engine.speculate)", damaged=False)
         if header["n_tokens"] > self.n_ctx:
             raise StateRefused(
                 f"{path}: holds {header['n_tokens']} tokens, more than this context's {self.n_ctx}", damaged=False,

@@ -100,7 +100,7 @@ class Engine:
         self.draft_model_path = draft_model  # engine.draft_model: a small model whose drafts replace the lookup's
         self._draft_model = None  # speculation.DraftModel, loaded with the model
         self._draft_bytes: int | None = None  # its weights and context, beside the budget, once worked out
-        self._made_cache = None  # the context's speculation.KVCache, once made
+        self._made_cache = None  # the context's kv_cache.KVCache, once made
         self._rollback_guard = None  # speculation.RollbackGuard, on a recurrent model's context with snapshots
         # Replaces the model's own: Jinja text, or the name of one of llama.cpp's built-in templates.
         self.chat_template = chat_template
@@ -286,11 +286,16 @@ class Engine:
 
     @property
     def kv_cache(self):
-        """How the context caches keys and values (speculation.kv_cache): set by
-        engine.speculate, and once loaded the cache the context was made with."""
-        from kimitui.engine.speculation import kv_cache
+        """How the context caches keys and values (kv_cache.py): where drafts may be checked,
+        a cache that computes a batched token as a lone one; once loaded, the one it was made with."""
+        from kimitui.engine import kv_cache
 
-        return self._made_cache or kv_cache(self.speculate)
+        if self._made_cache is not None:
+            return self._made_cache
+        if not self._drafts_possible:
+            return kv_cache.PLAIN
+        model = self.model_map()
+        return kv_cache.for_drafts(model.hparams, model.architecture)
 
     def _draft_model_path(self) -> Path | None:
         """engine.draft_model where speculation is on; EngineError where it is not a file."""
@@ -339,7 +344,7 @@ class Engine:
             with loadhooks.stock_loads(), llama_params(None, repack=False), templates_checked_later():
                 llm = llama_cpp.Llama(
                     model_path=str(path), n_ctx=self.slot_ctx, n_batch=self.n_batch, n_threads=self.n_threads,
-                    n_threads_batch=self.n_threads, flash_attn=True, verbose=False,  # as the context it drafts for
+                    n_threads_batch=self.n_threads, flash_attn=True, verbose=False,  # F16 cache, as counted: its drafts need not be exact
                 )
         except Exception as exc:  # noqa: BLE001 - llama-cpp-python says only that it failed
             reason = llama_log().reason()
@@ -406,7 +411,6 @@ class Engine:
         its log kept where the first try fails, so the error says why. Returns the hooks' mark
         the mappings are claimed since. EngineError when it fails or is cancelled."""
         from kimitui.engine import loadhooks
-        from kimitui.engine.speculation import kv_cache
 
         mark = hooks.mark() if hooks is not None else 0
         if way.bounded:
@@ -422,7 +426,8 @@ class Engine:
             # A factory, not one context manager: the retry below enters it a second time.
             stock = loadhooks.stock_loads if hooks is None else contextlib.nullcontext
             callbacks = self._stream_callbacks() if way.streams else (None, None)
-            cache = kv_cache(self.speculate)
+            self._made_cache = None  # a context made again is made for what holds now
+            cache = self.kv_cache
 
             def make():
                 with stock(), llama_params(progress if hooks is None else None, self.repack and not way.bounded, *callbacks,
@@ -437,7 +442,7 @@ class Engine:
                         use_mmap=not way.own_buffers,
                         # Speculation checks drafts in a batch: its cache makes a batched token's
                         # logits equal a lone one's (docs/design.md, "Speculative decoding").
-                        **cache.llama_params,
+                        **cache.llama_params(),
                         verbose=False,
                     )
 
@@ -652,9 +657,13 @@ class Engine:
         draft a pass may carry. llama.cpp keeps a batch's last that many + 1 tokens in one
         micro-batch, which must hold one more (it aborts otherwise). 0 where nothing streams:
         nothing is drafted there."""
-        if self.speculate == "off" or not (self.streams or self._may_stream()):
-            return 0
-        return self._draft_limit
+        return self._draft_limit if self._drafts_possible else 0
+
+    @property
+    def _drafts_possible(self) -> bool:
+        """Speculation is on and the model streams (or will): where nothing streams a draft
+        would cost compute and save no read."""
+        return self.speculate != "off" and (self.streams or self._may_stream())
 
     @property
     def _draft_limit(self) -> int:
@@ -665,8 +674,8 @@ class Engine:
     def speculation(self):
         """This reply's drafts: where speculation is on and the model's memory can take rejected
         drafts back; the most drafts a pass carries fit one micro-batch."""
-        if self.speculate == "off" or self._llm is None or self.streamer is None:
-            return None  # nothing streams: a draft would cost compute and save no read
+        if self.speculate == "off" or self._llm is None or self.streamer is None or not self.kv_cache.batch_exact:
+            return None  # nothing streams, or the context was made for no drafts
         import llama_cpp
 
         from kimitui.engine.speculation import DraftPlanner, Speculation
@@ -1320,7 +1329,7 @@ class Engine:
     def slot_file(self, action: str, slot_id: int, directory: Path, name: str = "") -> tuple[int, int]:
         """llama-server's slot actions, in the engine's turn: "save" ``slot_id``'s cached prompt
         as ``directory``/``name``, "restore" it from there (checked as a saved conversation is:
-        model, context, checksum), or "erase" it. Returns (tokens, bytes written or read; 0 for
+        model, context and its cache, checksum), or "erase" it. Returns (tokens, bytes written or read; 0 for
         erase). EngineError or StateRefused say why not, in one line."""
         with self.turns.turn() as served:
             if not served:

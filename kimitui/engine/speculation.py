@@ -7,8 +7,8 @@ k + 1 tokens. llama-cpp-python's generate() already verifies drafts: it evaluate
 token and the drafts in one batch, samples at each position with the reply's own sampler chain,
 and keeps the drafts while they equal what was sampled: one sample per emitted token, the same
 sampler state. The output is plain decoding's token for token where a batched token's logits
-equal a lone one's, which the context's cache (``KVCache``) makes so at any length
-(docs/design.md). What this module adds:
+equal a lone one's, which the cache of a context that may check drafts makes so at any length
+(kv_cache.py). What this module adds:
 
 - ``lookup``: drafts from the conversation itself, as llama.cpp's lookup decoding and
   prompt-lookup decoding do: the longest n-gram at the end of the tokens so far that occurred
@@ -53,33 +53,6 @@ MEMORY = 0.95  # the weight of what acceptance was one pass earlier
 # lone one's 12.8 ms; streamed, the pass's reads and its longer compute share two cores).
 TOKEN_COMPUTE = 0.075
 FROM_DRAFT_MODEL = 0  # the match length of a draft model's drafts: a class of their own
-
-
-@dataclass(frozen=True)
-class KVCache:
-    """How a context caches keys and values: what llama.cpp is told, and what it costs."""
-
-    name: str  # as saved states record it
-    llama_params: dict  # llama_cpp.Llama's keyword arguments
-    value_bytes: float  # bytes a cached value takes
-
-
-GGML_TYPE_Q8_0 = 8
-# llama-cpp-python's default: F16, attention without flash.
-PLAIN_CACHE = KVCache("f16", {"flash_attn": False}, 2.0)
-# Where drafts are checked in a batch. ggml-cpu's flash attention computes a query row by row
-# over every cell, except with F16 (or F32) keys: a lone query past 512 cells is split over the
-# threads and 64 queries or more are tiled, each rounding otherwise. With Q8_0 keys every query,
-# lone or batched, takes the row-by-row loop, so a drafted pass gives plain decoding's logits at
-# any length; Q8_0 values keep that loop fast, and the cache is half the size.
-SPECULATION_CACHE = KVCache(
-    "q8_0, flash attention", {"flash_attn": True, "type_k": GGML_TYPE_Q8_0, "type_v": GGML_TYPE_Q8_0}, 34 / 32,
-)
-
-
-def kv_cache(speculate: str) -> KVCache:
-    """The cache of a context made with engine.speculate at ``speculate``."""
-    return PLAIN_CACHE if speculate == "off" else SPECULATION_CACHE
 
 
 def lookup(tokens: Sequence[int], count: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> tuple[list[int], int]:
