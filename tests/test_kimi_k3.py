@@ -283,6 +283,11 @@ def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monke
     engine = Engine(k3_model, n_ctx=256, budget=budget)
     with pytest.raises(EngineError, match="lower --budget$"):
         engine.load()
+    # With speculation on, the copies of the recurrent state kept for drafts are named as what to lower.
+    engine = Engine(k3_model, n_ctx=256, budget=budget, speculate="lookup", draft_max=8)
+    assert engine.rollback_snapshots == 8
+    with pytest.raises(EngineError, match=r"lower --budget, or engine.draft_max \(8 copies of the recurrent state kept for drafts: .*\)$"):
+        engine.load()
 
 
 def test_the_kda_state_carries_across_chat_turns(k3_model):
