@@ -207,7 +207,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trim-cumulative", type=float, metavar="SHARE",
                         help="the variant skips a token's routed experts past those whose shares reach SHARE (engine.expert_trim_cumulative)")
     parser.add_argument("--speculation-cache", action="store_true",
-                        help="the variant runs in the context engine.speculate makes: keys and values cached as Q8_0, flash attention")
+                        help="the variant runs in the context engine.speculate makes: keys and values cached as Q8_0 (BF16 where heads do not divide into its blocks) with flash attention")
     parser.add_argument("--text", type=Path, help="a UTF-8 text file to score (default: a built-in text of about 400 tokens)")
     parser.add_argument("--n-ctx", type=int, default=512, help="tokens of the text scored, at most (default 512)")
     parser.add_argument("--threads", type=int, help="compute threads (default: llama.cpp's)")

@@ -6,7 +6,8 @@ A file is written whole under a temporary name and renamed, so a reader sees the
 the new one, never half of one. It says what it belongs to (the model's identity, the context's
 size and how it caches keys and values) and carries a checksum of its body; a file that is
 damaged, cut short, or made for another model or context is refused with a line that says which
-and why, and the tokens are evaluated as if there were none. Beyond the quota, the least recently used files go first.
+and why, and the tokens are evaluated as if there were none. Beyond the quota, the least
+recently used files go first.
 
 File layout: MAGIC, one line of JSON (the header), then the tokens (int32, little-endian) and
 llama.cpp's sequence state, the two covered by the header's CRC-32.

@@ -342,9 +342,10 @@ class Engine:
         llama_log().lines.clear()  # its reason, if it fails, is this load's
         try:
             with loadhooks.stock_loads(), llama_params(None, repack=False), templates_checked_later():
+                # Its drafts need not match to the bit: flash attention's F16 cache, as counted.
                 llm = llama_cpp.Llama(
                     model_path=str(path), n_ctx=self.slot_ctx, n_batch=self.n_batch, n_threads=self.n_threads,
-                    n_threads_batch=self.n_threads, flash_attn=True, verbose=False,  # F16 cache, as counted: its drafts need not be exact
+                    n_threads_batch=self.n_threads, flash_attn=True, verbose=False,
                 )
         except Exception as exc:  # noqa: BLE001 - llama-cpp-python says only that it failed
             reason = llama_log().reason()
@@ -1329,8 +1330,8 @@ class Engine:
     def slot_file(self, action: str, slot_id: int, directory: Path, name: str = "") -> tuple[int, int]:
         """llama-server's slot actions, in the engine's turn: "save" ``slot_id``'s cached prompt
         as ``directory``/``name``, "restore" it from there (checked as a saved conversation is:
-        model, context and its cache, checksum), or "erase" it. Returns (tokens, bytes written or read; 0 for
-        erase). EngineError or StateRefused say why not, in one line."""
+        model, context and its cache, checksum), or "erase" it. Returns (tokens, bytes written
+        or read; 0 for erase). EngineError or StateRefused say why not, in one line."""
         with self.turns.turn() as served:
             if not served:
                 raise EngineError("the engine is closing")
