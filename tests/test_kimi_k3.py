@@ -286,8 +286,35 @@ def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monke
     # With speculation on, the copies of the recurrent state kept for drafts are named as what to lower.
     engine = Engine(k3_model, n_ctx=256, budget=budget, speculate="lookup", draft_max=8)
     assert engine.rollback_snapshots == 8
-    with pytest.raises(EngineError, match=r"lower --budget, or engine.draft_max \(8 copies of the recurrent state kept for drafts: .*\)$"):
+    with pytest.raises(EngineError, match=r"lower --budget, or engine.draft_max or engine.speculate "
+                                          r"\(the recurrent state's copies kept for drafts: 1, .*\)$"):
         engine.load()
+
+
+def test_speculation_drafts_fewer_a_pass_before_the_context_shrinks(k3_model, monkeypatch):
+    """Each draft a pass may carry keeps a copy of K3's recurrent state: where eight copies
+    would not fit beside the budget at the context asked for, fewer drafts are carried and the
+    context stays, with a note."""
+    import kimitui.engine.memory as memory
+    from kimitui.engine import kv_cache
+    from kimitui.engine.budget import MIN_UBATCH, PROCESS_RESERVE, working_estimate
+
+    budget, weights, _ = fitting(k3_model)
+    model = load_model_map(k3_model)
+    cache = kv_cache.for_drafts(model.hparams, model.architecture)
+    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, MIN_UBATCH, 1, 3, cache.value_bytes) + 4096
+    monkeypatch.setattr(memory, "available_memory", lambda: room)
+    engine = Engine(k3_model, n_ctx=1024, budget=budget, speculate="lookup", draft_max=8)
+    engine.load()
+    try:
+        assert engine.draft_cap == 3 and engine.rollback_snapshots == 3 and engine.n_ctx == 1024
+        import llama_cpp
+
+        assert llama_cpp.llama_n_rs_seq(engine.llm._ctx.ctx) == 3
+        assert "speculation drafts at most 3 a pass, not engine.draft_max's 8" in " ".join(engine.notices())
+        assert reply_tokens(engine, tokens=4)
+    finally:
+        engine.close()
 
 
 def test_the_kda_state_carries_across_chat_turns(k3_model):

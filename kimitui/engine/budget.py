@@ -379,7 +379,7 @@ def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: 
         lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
         if snapshots:
             copies = snapshots * context_bytes(model.hparams, model.architecture, 0)
-            lower += f", or engine.draft_max ({snapshots} copies of the recurrent state kept for drafts: {format_bytes(copies)})"
+            lower += f", or engine.draft_max or engine.speculate (the recurrent state's copies kept for drafts: {snapshots}, {format_bytes(copies)})"
         raise EngineError(
             f"context of {n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
             f"{format_bytes(weights)} of weights, but {format_bytes(room)} is available (cgroup limits included): lower {lower}"

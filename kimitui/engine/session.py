@@ -139,6 +139,8 @@ class Engine:
         self.plan_note: str | None = None  # what the plan changed of the settings, when it did
         self.n_ctx_fixed = n_ctx_fixed  # the user chose n_ctx: refuse rather than shrink it
         self.fit_note: str | None = None  # why n_ctx is smaller than configured, when it is
+        self.draft_cap: int | None = None  # the most drafts a pass carries whose copies of the recurrent state fit
+        self.draft_note: str | None = None  # why that is fewer than draft_max, when it is
         self.n_ubatch = n_batch
         self.ubatch_cap: int | None = None  # the most n_ubatch whose compute buffers fit beside the context
         self.metrics = metrics or EngineMetrics()
@@ -579,14 +581,26 @@ class Engine:
         budget and llama.cpp's context fit the memory this process may use (budget.fit_context)."""
         if self.budget is None:
             return
-        from kimitui.engine.budget import fit_context
+        from kimitui.engine.budget import MIN_UBATCH, context_fits, fit_context
         from kimitui.engine.memory import available_memory
 
         model = self.model_map()
         room = available_memory() - self._draft_model_bytes()
+        weights, value_bytes = min(self.budget, model.tensor_bytes), self.kv_cache.value_bytes
+        snapshots = self.rollback_snapshots
+        # Each draft a pass may carry keeps a copy of the recurrent state (0.46 GB at K3's full
+        # size): fewer drafts before a smaller context.
+        fewer = next((n for n in range(snapshots, 0, -1) if context_fits(
+            model, weights, room, self.n_ctx, MIN_UBATCH, self.slots.count, n, value_bytes) == self.n_ctx), 1)
+        if fewer < snapshots:
+            self.draft_cap = fewer
+            self.draft_note = (
+                f"speculation drafts at most {fewer} a pass, not engine.draft_max's {self.draft_max}: more copies of "
+                f"{self.model_path.name}'s recurrent state would not fit beside the budget"
+            )
         n_ctx, ubatch_cap, note = fit_context(
-            model, min(self.budget, model.tensor_bytes), room, self.n_ctx, self.n_ubatch, self.slots.count,
-            fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots, value_bytes=self.kv_cache.value_bytes,
+            model, weights, room, self.n_ctx, self.n_ubatch, self.slots.count,
+            fixed=self.n_ctx_fixed, snapshots=self.rollback_snapshots, value_bytes=value_bytes,
         )
         if ubatch_cap is not None:
             self.n_ubatch = self.ubatch_cap = ubatch_cap
@@ -640,7 +654,7 @@ class Engine:
         return info.name, info.file_bytes
 
     def notices(self) -> list[str]:
-        return [note for note in (self.fast_load_note, self.fit_note, self.template_error, self.shift_note) if note]
+        return [note for note in (self.fast_load_note, self.fit_note, self.draft_note, self.template_error, self.shift_note) if note]
 
     @property
     def shift_note(self) -> str | None:
@@ -668,9 +682,10 @@ class Engine:
 
     @property
     def _draft_limit(self) -> int:
-        """The most drafts a pass may carry: draft_max, and a pass is one micro-batch (the one
-        llama.cpp really uses: llama-cpp-python cuts n_batch to the context), two tokens short."""
-        return max(0, min(self.draft_max, self.n_ubatch - 2, self.n_batch - 2, self.slot_ctx - 2))
+        """The most drafts a pass may carry: draft_max, fewer where their copies of the recurrent
+        state would not fit (draft_cap), and a pass is one micro-batch (the one llama.cpp really
+        uses: llama-cpp-python cuts n_batch to the context), two tokens short."""
+        return max(0, min(self.draft_max, self.draft_cap or self.draft_max, self.n_ubatch - 2, self.n_batch - 2, self.slot_ctx - 2))
 
     def speculation(self):
         """This reply's drafts: where speculation is on and the model's memory can take rejected
