@@ -283,11 +283,21 @@ def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monke
     engine = Engine(k3_model, n_ctx=256, budget=budget)
     with pytest.raises(EngineError, match="lower --budget$"):
         engine.load()
-    # With speculation on, the copies of the recurrent state kept for drafts are named as what to lower.
+    # With speculation on, where the context would fit without the recurrent state's copies kept
+    # for drafts and not even one of them fits beside it, turning speculation off is named too.
+    from kimitui.engine import kv_cache
+    from kimitui.engine.budget import MIN_UBATCH, PROCESS_RESERVE, context_bytes, working_estimate
+
+    model = load_model_map(k3_model)
+    cache = kv_cache.for_drafts(model.hparams, model.architecture)
+    ubatch = min(MIN_UBATCH, plan_memory(model, budget, 2, 512).ubatch)  # the smallest the load tries
+    bare = weights + PROCESS_RESERVE + working_estimate(model, 256, ubatch, 1, 0, cache.value_bytes)
+    copy = context_bytes(model.hparams, model.architecture, 0)
+    monkeypatch.setattr(memory, "available_memory", lambda: bare + copy // 2)
     engine = Engine(k3_model, n_ctx=256, budget=budget, speculate="lookup", draft_max=8)
     assert engine.rollback_snapshots == 8
-    with pytest.raises(EngineError, match=r"lower --budget, or engine.draft_max or engine.speculate "
-                                          r"\(the recurrent state's copies kept for drafts: 1, .*\)$"):
+    with pytest.raises(EngineError, match=r"lower --budget, or set engine.speculate off "
+                                          r"\(the recurrent state's 8 copies kept for drafts: .*\)$"):
         engine.load()
 
 
@@ -297,12 +307,13 @@ def test_speculation_drafts_fewer_a_pass_before_the_context_shrinks(k3_model, mo
     context stays, with a note."""
     import kimitui.engine.memory as memory
     from kimitui.engine import kv_cache
-    from kimitui.engine.budget import MIN_UBATCH, PROCESS_RESERVE, working_estimate
+    from kimitui.engine.budget import PROCESS_RESERVE, working_estimate
 
     budget, weights, _ = fitting(k3_model)
     model = load_model_map(k3_model)
     cache = kv_cache.for_drafts(model.hparams, model.architecture)
-    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, MIN_UBATCH, 1, 3, cache.value_bytes) + 4096
+    ubatch = plan_memory(model, budget, 2, 512).ubatch  # the micro-batch the load plans, as fitting()'s
+    room = weights + PROCESS_RESERVE + working_estimate(model, 1024, ubatch, 1, 3, cache.value_bytes) + 4096
     monkeypatch.setattr(memory, "available_memory", lambda: room)
     engine = Engine(k3_model, n_ctx=1024, budget=budget, speculate="lookup", draft_max=8)
     engine.load()
@@ -311,7 +322,7 @@ def test_speculation_drafts_fewer_a_pass_before_the_context_shrinks(k3_model, mo
         import llama_cpp
 
         assert llama_cpp.llama_n_rs_seq(engine.llm._ctx.ctx) == 3
-        assert "speculation drafts at most 3 a pass, not engine.draft_max's 8" in " ".join(engine.notices())
+        assert "speculation drafts at most 3 a pass, not 8: more copies of" in " ".join(engine.notices())
         assert reply_tokens(engine, tokens=4)
     finally:
         engine.close()

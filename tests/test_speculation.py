@@ -313,6 +313,26 @@ def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(model_path
     engine.close()
 
 
+def test_a_model_without_a_recurrent_state_keeps_its_drafts_when_memory_is_short(model_path, monkeypatch):
+    """Copies of a recurrent state cost a model without one nothing: where its context fits
+    only at a smaller micro-batch, the drafts a pass carries stay, and no note speaks of them."""
+    import kimitui.engine.memory as memory
+    from kimitui.engine import kv_cache
+    from kimitui.engine.budget import MIN_UBATCH, PROCESS_RESERVE, working_estimate
+    from kimitui.model.gguf_map import load_model_map
+
+    model = load_model_map(model_path)
+    context = working_estimate(model, 4096, MIN_UBATCH, value_bytes=kv_cache.Q8_0.value_bytes)
+    monkeypatch.setattr(memory, "available_memory", lambda: 60 * MIB + PROCESS_RESERVE + context + 4096)
+    engine = Engine(model_path, n_ctx=4096, budget=60 * MIB, speculate="lookup")
+    engine.load()
+    try:
+        assert engine.n_ctx == 4096 and engine.ubatch_cap is not None  # memory is short
+        assert engine.draft_cap is None and engine.draft_note is None and engine.rollback_snapshots == engine.draft_max
+    finally:
+        engine.close()
+
+
 def test_k3s_tokens_checked_in_one_pass_have_a_lone_tokens_logits_past_256_tokens(k3_model):
     """Synthetic weights leave no near ties for rounding to flip, so K3 is checked where the
     rounding is: after a 320-token prompt (its MLA layers attend over 512 cells), four tokens

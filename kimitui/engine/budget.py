@@ -377,14 +377,32 @@ def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: 
     if fitted is None or fixed:
         need = working_estimate(model, n_ctx, n_ubatch, slots, snapshots, value_bytes)
         lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
-        if snapshots:
-            copies = snapshots * context_bytes(model.hparams, model.architecture, 0)
-            lower += f", or engine.draft_max or engine.speculate (the recurrent state's copies kept for drafts: {snapshots}, {format_bytes(copies)})"
+        copies = snapshots * context_bytes(model.hparams, model.architecture, 0)
+        without = n_ctx if fixed else MIN_CTX  # the context that would then fit
+        if copies and context_fits(model, weights, room, without, min(n_ubatch, MIN_UBATCH), slots, 0, value_bytes) == without:
+            lower += f", or set engine.speculate off (the recurrent state's {snapshots} copies kept for drafts: {format_bytes(copies)})"
         raise EngineError(
             f"context of {n_ctx} tokens needs {format_bytes(need)} of KV cache and buffers beside the "
             f"{format_bytes(weights)} of weights, but {format_bytes(room)} is available (cgroup limits included): lower {lower}"
         )
     return fitted, None, f"context {fitted} tokens instead of {n_ctx}: the KV cache for more would not fit beside the budget"
+
+
+def drafts_that_fit(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int, asked: int,
+                    value_bytes: float = PLAIN.value_bytes) -> int:
+    """How many of the ``asked`` copies of the recurrent state llama.cpp keeps for drafts (one
+    per draft a pass may carry, K3's KDA) fit beside ``weights`` with the whole ``n_ctx``: the
+    most at the planned micro-batch, else at the smallest one; ``asked`` where they all fit,
+    where a copy costs nothing (no recurrent state), or where not even one fits (the context
+    then shrinks, fit_context)."""
+    copy = context_bytes(model.hparams, model.architecture, 0)
+    if not copy:
+        return asked
+    for ubatch in dict.fromkeys((n_ubatch, min(n_ubatch, MIN_UBATCH))):
+        for n in range(asked, 0, -1):
+            if weights + working_estimate(model, n_ctx, ubatch, slots, n, value_bytes) + PROCESS_RESERVE <= room:
+                return n
+    return asked
 
 
 def budget_overflow(model: ModelMap, budget: int, room: int, n_ctx: int, n_ubatch: int, slots: int,

@@ -577,25 +577,25 @@ class Engine:
         return space
 
     def _fit_context(self) -> None:
-        """n_ctx (and where that lets the whole context fit, a smaller micro-batch) so that the
-        budget and llama.cpp's context fit the memory this process may use (budget.fit_context)."""
+        """n_ctx (and where that lets the whole context fit, fewer drafts a pass or a smaller
+        micro-batch) so that the budget and llama.cpp's context fit the memory this process may
+        use (budget.drafts_that_fit, budget.fit_context)."""
         if self.budget is None:
             return
-        from kimitui.engine.budget import MIN_UBATCH, context_fits, fit_context
+        from kimitui.engine.budget import drafts_that_fit, fit_context
         from kimitui.engine.memory import available_memory
 
         model = self.model_map()
         room = available_memory() - self._draft_model_bytes()
         weights, value_bytes = min(self.budget, model.tensor_bytes), self.kv_cache.value_bytes
-        snapshots = self.rollback_snapshots
         # Each draft a pass may carry keeps a copy of the recurrent state (0.46 GB at K3's full
         # size): fewer drafts before a smaller context.
-        fewer = next((n for n in range(snapshots, 0, -1) if context_fits(
-            model, weights, room, self.n_ctx, MIN_UBATCH, self.slots.count, n, value_bytes) == self.n_ctx), 1)
-        if fewer < snapshots:
+        asked = self.rollback_snapshots
+        fewer = drafts_that_fit(model, weights, room, self.n_ctx, self.n_ubatch, self.slots.count, asked, value_bytes)
+        if fewer < asked:
             self.draft_cap = fewer
             self.draft_note = (
-                f"speculation drafts at most {fewer} a pass, not engine.draft_max's {self.draft_max}: more copies of "
+                f"speculation drafts at most {fewer} a pass, not {asked}: more copies of "
                 f"{self.model_path.name}'s recurrent state would not fit beside the budget"
             )
         n_ctx, ubatch_cap, note = fit_context(
@@ -685,7 +685,7 @@ class Engine:
         """The most drafts a pass may carry: draft_max, fewer where their copies of the recurrent
         state would not fit (draft_cap), and a pass is one micro-batch (the one llama.cpp really
         uses: llama-cpp-python cuts n_batch to the context), two tokens short."""
-        return max(0, min(self.draft_max, self.draft_cap or self.draft_max, self.n_ubatch - 2, self.n_batch - 2, self.slot_ctx - 2))
+        return max(0, min(self.draft_max, self.draft_max if self.draft_cap is None else self.draft_cap, self.n_ubatch - 2, self.n_batch - 2, self.slot_ctx - 2))
 
     def speculation(self):
         """This reply's drafts: where speculation is on and the model's memory can take rejected
