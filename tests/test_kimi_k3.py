@@ -286,13 +286,13 @@ def test_a_chosen_context_that_cannot_fit_is_refused_in_one_line(k3_model, monke
     # With speculation on, where the context would fit without the recurrent state's copies kept
     # for drafts and not even one of them fits beside it, turning speculation off is named too.
     from kimitui.engine import kv_cache
-    from kimitui.engine.budget import MIN_UBATCH, PROCESS_RESERVE, context_bytes, working_estimate
+    from kimitui.engine.budget import MIN_UBATCH, PROCESS_RESERVE, state_copy_bytes, working_estimate
 
     model = load_model_map(k3_model)
     cache = kv_cache.for_drafts(model.hparams, model.architecture)
     ubatch = min(MIN_UBATCH, plan_memory(model, budget, 2, 512).ubatch)  # the smallest the load tries
     bare = weights + PROCESS_RESERVE + working_estimate(model, 256, ubatch, 1, 0, cache.value_bytes)
-    copy = context_bytes(model.hparams, model.architecture, 0)
+    copy = state_copy_bytes(model)
     monkeypatch.setattr(memory, "available_memory", lambda: bare + copy // 2)
     engine = Engine(k3_model, n_ctx=256, budget=budget, speculate="lookup", draft_max=8)
     assert engine.rollback_snapshots == 8

@@ -211,10 +211,10 @@ def test_past_256_tokens_a_reply_with_drafts_is_plain_decodings_and_stock_llama_
 
 
 def test_quality_measures_what_speculations_cache_costs(model_path, capsys):
-    from kimitui.benchmarks.quality import BUILT_IN_TEXT, compare
+    from kimitui.benchmarks.quality import BUILT_IN_TEXT, compare, drafts_cache
     from kimitui.cli import main
 
-    cached = compare(model_path, model_path, BUILT_IN_TEXT, n_ctx=160, speculation_cache=True)
+    cached = compare(model_path, model_path, BUILT_IN_TEXT, n_ctx=160, variant_cache=drafts_cache(model_path))
     assert 0.0 < cached.kl_mean < 0.05 and cached.top1_agreement > 0.8  # rounding, not another model
     assert main(["quality", "--model", str(model_path), "--speculation-cache", "--n-ctx", "160"]) == 0
     assert "in speculation's context (its KV cache q8_0 with flash attention)" in capsys.readouterr().out

@@ -145,9 +145,10 @@ def _logits(path: Path, text: str, n_ctx: int, threads: int | None, expected: tu
 
 
 def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads: int | None = None,
-            trim=None, speculation_cache: bool = False) -> QualityResult:
+            trim=None, variant_cache=None) -> QualityResult:
     """``trim``: a TrimRule the variant runs with, every routed expert counted as a miss;
-    ``speculation_cache``: the variant's context is the one speculation makes."""
+    ``variant_cache``: the kv_cache.KVCache the variant's context is made with (drafts_cache:
+    the one speculation makes)."""
     import numpy as np
 
     from kimitui.model import read_model_info
@@ -155,7 +156,7 @@ def compare(model: Path, variant: Path, text: str, *, n_ctx: int = 512, threads:
     trimming = _TrimEverything(trim, read_model_info(variant).architecture) if trim is not None and trim.on else None
     tokens, base, n_vocab = _logits(model, text, n_ctx, threads)
     _, other, _ = _logits(variant, text, n_ctx, threads, expected=(tokens, n_vocab), trim=trimming,
-                          cache=drafts_cache(variant) if speculation_cache else None)
+                          cache=variant_cache)
     targets = np.array(tokens[1:])
     kl = np.empty(len(targets))
     nll_base = np.empty(len(targets))
@@ -245,13 +246,14 @@ def run(args: argparse.Namespace) -> int:
             text = args.text.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"--text {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
-    r = compare(model, variant, text, n_ctx=args.n_ctx, threads=args.threads, trim=trim, speculation_cache=args.speculation_cache)
+    cache = drafts_cache(variant) if args.speculation_cache else None
+    r = compare(model, variant, text, n_ctx=args.n_ctx, threads=args.threads, trim=trim, variant_cache=cache)
     print(f"{r.tokens} positions of {'the built-in text' if args.text is None else args.text}, teacher-forced")
     if trim.on:
         print(f"variant: {variant.name} with expert {trim.label()}, every routed expert counted as a miss (the most it can "
               f"cost): {r.routes_skipped or 0:.1%} of the routes skipped")
-    if args.speculation_cache:
-        print(f"variant: {variant.name} in speculation's context (its KV cache {drafts_cache(variant).name})")
+    if cache is not None:
+        print(f"variant: {variant.name} in speculation's context (its KV cache {cache.name})")
     print(f"KL divergence of the variant from the model: mean {r.kl_mean:.5f}, median {r.kl_median:.5f}, "
           f"p99 {r.kl_p99:.5f}, max {r.kl_max:.5f} nats")
     print(f"top-1 agreement: {r.top1_agreement:.1%}")

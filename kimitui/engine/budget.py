@@ -335,7 +335,7 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1,
     compute = 4 * tokens * (n_vocab + n_head * live + 8 * n_embd)
     cache = context_bytes(kv, arch, live, value_bytes)
     parked = slots * cache if slots > 1 else 0
-    rollback = snapshots * context_bytes(kv, arch, 0)  # no cells: the recurrent state alone
+    rollback = snapshots * state_copy_bytes(model)
     return cache + parked + rollback + int(compute * COMPUTE_MARGIN)
 
 
@@ -344,13 +344,24 @@ def working_estimate(model: ModelMap, n_ctx: int, n_ubatch: int, slots: int = 1,
 MIN_UBATCH = 32
 
 
+def state_copy_bytes(model: ModelMap) -> int:
+    """One copy of the recurrent state (K3's KDA; 0 for a model without one): a context of no
+    cells, which llama.cpp keeps per draft a pass may carry (``n_rs_seq``)."""
+    return context_bytes(model.hparams, model.architecture, 0)
+
+
+def _fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int, snapshots: int,
+          value_bytes: float) -> bool:
+    return weights + working_estimate(model, n_ctx, n_ubatch, slots, snapshots, value_bytes) + PROCESS_RESERVE <= room
+
+
 def context_fits(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: int, slots: int = 1, snapshots: int = 0,
                  value_bytes: float = PLAIN.value_bytes) -> int | None:
     """The largest context up to ``n_ctx`` (halving, down to MIN_CTX) whose working memory fits
     ``room`` beside ``weights`` bytes of model pages; None when not even the smallest does."""
     ctx = n_ctx
     while True:
-        if weights + working_estimate(model, ctx, n_ubatch, slots, snapshots, value_bytes) + PROCESS_RESERVE <= room:
+        if _fits(model, weights, room, ctx, n_ubatch, slots, snapshots, value_bytes):
             return ctx
         if ctx <= MIN_CTX:
             return None
@@ -377,7 +388,7 @@ def fit_context(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubatch: 
     if fitted is None or fixed:
         need = working_estimate(model, n_ctx, n_ubatch, slots, snapshots, value_bytes)
         lower = "--budget" if fitted is None else f"--n-ctx (to {fitted} at most) or --budget"
-        copies = snapshots * context_bytes(model.hparams, model.architecture, 0)
+        copies = snapshots * state_copy_bytes(model)
         without = n_ctx if fixed else MIN_CTX  # the context that would then fit
         if copies and context_fits(model, weights, room, without, min(n_ubatch, MIN_UBATCH), slots, 0, value_bytes) == without:
             lower += f", or set engine.speculate off (the recurrent state's {snapshots} copies kept for drafts: {format_bytes(copies)})"
@@ -395,12 +406,11 @@ def drafts_that_fit(model: ModelMap, weights: int, room: int, n_ctx: int, n_ubat
     most at the planned micro-batch, else at the smallest one; ``asked`` where they all fit,
     where a copy costs nothing (no recurrent state), or where not even one fits (the context
     then shrinks, fit_context)."""
-    copy = context_bytes(model.hparams, model.architecture, 0)
-    if not copy:
+    if not state_copy_bytes(model):
         return asked
     for ubatch in dict.fromkeys((n_ubatch, min(n_ubatch, MIN_UBATCH))):
         for n in range(asked, 0, -1):
-            if weights + working_estimate(model, n_ctx, ubatch, slots, n, value_bytes) + PROCESS_RESERVE <= room:
+            if _fits(model, weights, room, n_ctx, ubatch, slots, n, value_bytes):
                 return n
     return asked
 
