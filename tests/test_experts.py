@@ -940,3 +940,66 @@ def test_a_model_of_small_slices_keeps_no_spare_pages(moe_model):
         assert streamer.spare_bytes == 0
     finally:
         engine.close()
+
+
+def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fit(moe_model):
+    """Where the cache holds most experts, a decoded token's idle link reads experts not cached
+    into its free room (``ExpertCache.warm``), the most used first: nothing is evicted for them,
+    the cache never passes its capacity, each is counted as read ahead, and the greedy tokens are
+    stock llama.cpp's."""
+    expected = stock_texts(moe_model, [PREFILL_PROMPT], 16)
+    engine = expert_engine(moe_model, budget_mib=190)
+    try:
+        cache = engine.streamer.experts
+        assert 4 * cache.capacity >= 3 * cache._unpinned_bytes, "most experts fit at this budget"
+        issued: list[tuple[int, int]] = []
+        counts_then: list[list[int]] = []
+        evicted_for_it, over = [], []
+        warm, evict, read_ahead = cache.warm, cache._evict, cache._read_ahead
+        warming = [False]
+
+        def watched_warm():
+            if cache._warm_order is None:
+                counts_then[:] = [list(c) for c in cache.counts]
+            warming[0] = True
+            try:
+                warm()
+            finally:
+                warming[0] = False
+            if cache.resident_bytes > cache.capacity:
+                over.append(cache.resident_bytes)
+
+        def watched_evict(key):
+            if warming[0]:
+                evicted_for_it.append(key)
+            return evict(key)
+
+        def watched_read_ahead(unit):
+            issued.append((unit.layer, unit.expert))
+            return read_ahead(unit)
+
+        cache.warm, cache._evict, cache._read_ahead = watched_warm, watched_evict, watched_read_ahead
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=16))
+        list(gen)
+        assert gen.result.text == expected[0]
+        assert issued, "the free room was read into"
+        assert cache.prefetch_issued == len(issued)
+        assert not evicted_for_it and not over
+        ranks = [counts_then[layer][e] for layer, e in issued]
+        assert ranks == sorted(ranks, reverse=True), "the most used first"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("budget_mib,depth", [(170, 2), (190, 0)])
+def test_nothing_is_read_ahead_into_free_room_where_few_experts_fit_or_read_ahead_is_off(moe_model, budget_mib, depth):
+    """A cache that holds few experts would only guess (the README's MoE example stalled longer
+    for it), and a prefetch depth of 0 reads nothing it was not asked for."""
+    engine = Engine(moe_model, n_ctx=256, budget=budget_mib * MIB, stream_settings=StreamSettings(prefetch_depth=depth))
+    engine.load()
+    engine.pin()
+    try:
+        list(engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=8)))
+        assert engine.streamer.experts.prefetch_issued == 0
+    finally:
+        engine.close()

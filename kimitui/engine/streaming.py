@@ -1449,6 +1449,13 @@ class Streamer:
             return
         self.on_experts(layer, kept)
 
+    def _link_idle(self) -> bool:
+        """Whether a decoded token leaves the link idle while it computes, so the expert cache's
+        free room may be read into (``ExpertCache.warm``): read-ahead on (a prefetch depth of 0
+        reads nothing it was not asked for), the trunk all pinned (a streamed trunk has the link
+        to itself) and the whole-file layout (slots go to the layers computing)."""
+        return self.settings.prefetch_depth > 0 and not self.space.bounded and not any(self.layer_shards)
+
     def on_router_input(self, layer: int, hidden) -> None:
         """Layer ``layer``'s FFN input (one token's, float32) is ready: read ahead the experts
         the next layer's router would pick for it."""
@@ -1479,6 +1486,8 @@ class Streamer:
                 self.stall_s += self._routed_whole(layer, experts)
             else:
                 self.stall_s += self.experts.ensure(layer, experts)
+            if self._link_idle():
+                self.experts.warm()
             on_route = self.on_route
             if on_route is not None:
                 on_route(layer, sorted(experts), self.experts.hits - hits)
