@@ -223,13 +223,40 @@ def test_quality_measures_what_speculations_cache_costs(model_path, capsys):
 def test_a_model_that_fits_never_drafts(model_path):
     from kimitui.engine import kv_cache
 
-    engine = Engine(model_path, n_ctx=1024, speculate="lookup")
+    engine = Engine(model_path, n_ctx=1024, speculate="lookup", draft_model=str(model_path))
     engine.load()
     try:
         assert engine.streamer is None and engine.rollback_snapshots == 0
         assert engine.kv_cache is kv_cache.PLAIN  # no drafts: llama-cpp-python's own cache
+        assert engine._draft_model is None  # nor a draft model's file and context beside it
         ids, result = _reply(engine, COPY_PROMPT, 16)
         assert result.speculation is None and engine.metrics.drafts is None
+    finally:
+        engine.close()
+
+
+def test_with_a_context_shift_nothing_is_drafted_and_the_drafts_cost_nothing(model_path):
+    """A reply that may shift is decoded a token at a time: the context keeps llama-cpp-python's
+    cache (not the drafts' Q8_0), no draft model is loaded, a note says why, and the reply is
+    the one without speculation."""
+    from kimitui.engine import kv_cache
+
+    plain = Engine(model_path, n_ctx=1024, budget=60 * MIB, context_shift=True)
+    plain.load()
+    plain.pin()
+    try:
+        expected = _reply(plain, COPY_PROMPT, 16)[0]
+    finally:
+        plain.close()
+    engine = Engine(model_path, n_ctx=1024, budget=60 * MIB, speculate="lookup", draft_model=str(model_path), context_shift=True)
+    engine.load()
+    engine.pin()
+    try:
+        assert engine.streamer is not None and engine.context_shift
+        assert engine.kv_cache is kv_cache.PLAIN and engine._draft_model is None and engine.rollback_snapshots == 0
+        assert any(note.startswith("speculation drafts nothing while context shift is on") for note in engine.notices())
+        ids, result = _reply(engine, COPY_PROMPT, 16)
+        assert ids == expected and result.speculation is None
     finally:
         engine.close()
 
@@ -304,7 +331,7 @@ def test_a_draft_model_with_the_same_vocabulary_drafts_and_the_tokens_stay(model
 def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(model_path, tmp_path):
     spec = synth.plan_dense(120 * MIB, "q4_1", with_added_tokens(synth.default_tokenizer(), 64))
     other = synth.write_model(spec, tmp_path / "other.gguf", seed=2, progress=False).paths[0]
-    engine = Engine(model_path, n_ctx=512, speculate="lookup", draft_model=str(other))
+    engine = Engine(model_path, n_ctx=512, budget=60 * MIB, speculate="lookup", draft_model=str(other))
     with pytest.raises(EngineError) as caught:
         engine.load()
     message = str(caught.value)

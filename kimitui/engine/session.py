@@ -300,8 +300,9 @@ class Engine:
         return kv_cache.for_drafts(model.hparams, model.architecture)
 
     def _draft_model_path(self) -> Path | None:
-        """engine.draft_model where speculation is on; EngineError where it is not a file."""
-        if not self.draft_model_path or self.speculate == "off":
+        """engine.draft_model where drafts may be checked (loaded for nothing elsewhere: its file
+        and context would take memory beside the budget); EngineError where it is not a file."""
+        if not self.draft_model_path or not self._drafts_possible:
             return None
         path = Path(self.draft_model_path).expanduser()
         if not path.is_file():
@@ -654,7 +655,7 @@ class Engine:
         return info.name, info.file_bytes
 
     def notices(self) -> list[str]:
-        return [note for note in (self.fast_load_note, self.fit_note, self.draft_note, self.template_error, self.shift_note) if note]
+        return [note for note in (self.fast_load_note, self.fit_note, self.draft_note, self.speculation_note, self.template_error, self.shift_note) if note]
 
     @property
     def shift_note(self) -> str | None:
@@ -676,9 +677,26 @@ class Engine:
 
     @property
     def _drafts_possible(self) -> bool:
-        """Speculation is on and the model streams (or will): where nothing streams a draft
-        would cost compute and save no read."""
-        return self.speculate != "off" and (self.streams or self._may_stream())
+        """Speculation is on, the model streams (or will) and no context shift takes its replies:
+        where nothing streams a draft would cost compute and save no read, and a reply that may
+        shift is decoded a token at a time (its cache need not be the drafts')."""
+        return self.speculate != "off" and (self.streams or self._may_stream()) and not self._shifts
+
+    @property
+    def _shifts(self) -> bool:
+        """A context shift takes the replies (``context_shift``); before the load, where it is
+        asked and the model keeps no recurrent state (Kimi K3's KDA cannot shift)."""
+        if self._llm is not None:
+            return self.context_shift
+        from kimitui.engine.budget import state_copy_bytes
+
+        return self.context_shift_asked and state_copy_bytes(self.model_map()) == 0
+
+    @property
+    def speculation_note(self) -> str | None:
+        if self.speculate != "off" and self._shifts:
+            return "speculation drafts nothing while context shift is on: a reply that may shift is decoded a token at a time"
+        return None
 
     @property
     def _draft_limit(self) -> int:
