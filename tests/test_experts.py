@@ -975,7 +975,8 @@ def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fi
             return evict(key)
 
         def watched_read_ahead(unit):
-            issued.append((unit.layer, unit.expert))
+            if warming[0]:
+                issued.append((unit.layer, unit.expert))
             return read_ahead(unit)
 
         cache.warm, cache._evict, cache._read_ahead = watched_warm, watched_evict, watched_read_ahead
@@ -987,6 +988,13 @@ def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fi
         assert not evicted_for_it and not over
         ranks = [counts_then[layer][e] for layer, e in issued]
         assert ranks == sorted(ranks, reverse=True), "the most used first"
+        for _key, _length, futures in cache._warming:
+            for f in futures:
+                f.result()
+        cache._settle_warming()
+        assert not cache._warming and not cache._inflight, "reads that landed are no longer under way"
+        spare = engine.streamer.placer.spare if engine.streamer.placer is not None else None
+        assert spare is None or spare.allowed == spare.held == 0, "the room went to experts, not to pages faulted in ahead"
     finally:
         engine.close()
 
@@ -999,7 +1007,40 @@ def test_nothing_is_read_ahead_into_free_room_where_few_experts_fit_or_read_ahea
     engine.load()
     engine.pin()
     try:
+        cache = engine.streamer.experts
+        assert (4 * cache.capacity < 3 * cache._unpinned_bytes) == (budget_mib == 170)
         list(engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=8)))
-        assert engine.streamer.experts.prefetch_issued == 0
+        assert cache.capacity - cache.resident_bytes >= cache._smallest_expert, "free room was left"
+        assert cache.prefetch_issued == 0
+    finally:
+        engine.close()
+
+
+def test_a_warm_read_that_failed_is_forgotten_and_read_again_when_routed_to(moe_model, monkeypatch):
+    """A read into the free room is a guess: where it fails the expert leaves the books and its
+    pages go back, and the token that routes to it reads it as a miss, with stock tokens."""
+    import errno
+    import threading
+
+    expected = stock_texts(moe_model, [PREFILL_PROMPT], 12)
+    engine = arena_engine(moe_model, budget_mib=190)
+    try:
+        cache, placer = engine.streamer.experts, engine.streamer.placer
+        read, failed = placer._read, []
+
+        def failing_once_on_the_guess_lane(file, views, offset):
+            if not failed and threading.current_thread().name.startswith("kimitui-guess"):
+                failed.append(offset)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return read(file, views, offset)
+
+        monkeypatch.setattr(placer, "_read", failing_once_on_the_guess_lane)
+        forgotten = []
+        forget = cache._forget
+        monkeypatch.setattr(cache, "_forget", lambda key: (forgotten.append(key), forget(key)))
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=12))
+        list(gen)
+        assert gen.result.error is None and gen.result.text == expected[0]
+        assert failed and forgotten, "the failed guess left the books"
     finally:
         engine.close()

@@ -483,3 +483,19 @@ def test_logprobs_grammar_sampling_and_stops_are_those_of_plain_decoding(model_p
             assert stats.accepted > 0, kind
     finally:
         engine.close()
+
+
+def test_a_recurrent_state_is_known_before_the_load_from_the_models_keys(k3_model, model_path):
+    """Where a context shift is asked, the cache is chosen before llama.cpp says whether the
+    model can shift: a model keeping a recurrent state (K3's KDA; Mamba's ssm.*, RWKV's wkv.*,
+    LFM2's shortconv.* keys) cannot, and keeps its drafts."""
+    from dataclasses import replace
+
+    from kimitui.engine.llama_glue import keeps_recurrent_state
+    from kimitui.model.gguf_map import load_model_map
+
+    assert keeps_recurrent_state(load_model_map(k3_model))
+    dense = load_model_map(model_path)
+    assert not keeps_recurrent_state(dense)
+    for key in ("ssm.conv_kernel", "wkv.head_size", "shortconv.l_cache"):
+        assert keeps_recurrent_state(replace(dense, hparams={**dense.hparams, f"{dense.architecture}.{key}": 4}))

@@ -173,6 +173,7 @@ class ExpertCache:
         drop_units: Callable[[list[ExpertUnit]], None] | None = None,
         spare: SparePages | None = None,
         fill_spare: Callable[[], None] | None = None,
+        link_idle: Callable[[], bool] | None = None,
     ) -> None:
         """``policy``: the eviction policy's name (expert_policies.py). ``read_ahead`` reads what
         look-ahead guesses, apart from the reads compute waits for (default: ``read_unit``);
@@ -185,7 +186,9 @@ class ExpertCache:
         its page-ins left mapped outside their slices. ``drop_units`` gives many experts back as
         one release (default: ``drop_unit`` each): the experts one call evicts. ``spare``: the
         placer's pages faulted in ahead, given the cache's free room once a prompt is done
-        (``fill_spare`` starts faulting in what it was given) and room back as a miss needs it."""
+        (``fill_spare`` starts faulting in what it was given) and room back as a miss needs it.
+        ``link_idle``: whether nothing else has the link while a decoded token computes, so
+        that the free room may be read into instead (``warm``)."""
         self.model = model
         self.capacity = capacity
         self.pinned = {(u.layer, u.expert) for u in pinned}
@@ -200,6 +203,7 @@ class ExpertCache:
         self._cancel_reads = cancel_reads
         self._spare = spare
         self._fill_spare = fill_spare
+        self._link_idle = link_idle
         # What every expert but the pinned ones would take: the most the spare pages can serve.
         self._unpinned_bytes = sum(
             layer.n_expert * layer.expert_bytes for layer in model.layers if layer.is_moe
@@ -238,7 +242,8 @@ class ExpertCache:
         self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
         self.prefetch_wasted_bytes = 0
         self._warm_order: list[tuple[int, int]] | None = None  # see ``warm``: the most used last
-        self._warming: list[tuple[int, list[Future]]] = []  # its reads under way: (bytes, futures)
+        self._warming: list[tuple[tuple[int, int], int, list[Future]]] = []  # its reads under way: (key, bytes, futures)
+        self._smallest_expert = min((layer.expert_bytes for layer in model.layers if layer.is_moe), default=0)
 
     def set_policy(self, policy: str) -> None:
         """Switch the eviction policy live: the new one starts from the experts resident now."""
@@ -323,6 +328,7 @@ class ExpertCache:
         wanted = sorted(set(experts))
         self.last_choice[layer] = set(wanted)
         self.end_stage(strict=False)
+        self._settle_warming()  # a guess whose read failed is a miss here, not the token's error
         unpinned = [e for e in wanted if (layer, e) not in self.pinned]
         # Every expert of a layer has slices of one size: a hit's books need no unit of its own.
         length = self.model.layers[layer].expert_bytes
@@ -398,41 +404,51 @@ class ExpertCache:
         finally:
             if self._spare is not None:
                 self._spare.settle()  # the reads have landed: spare pages they did not take go
-        if self._spare is not None and not self.prefilling:
-            self._lend_spare()
+        if self._spare is not None and not self.prefilling and not self._warms():
+            self._lend_spare()  # where the room is read into, its reads take fresh pages instead
         return time.perf_counter() - started if pending else 0.0
 
     # What ``warm`` has under way at most: a miss's read waits behind no more than this at the disk.
     WARM_IN_FLIGHT = 8 * 2**20
 
+    def _warms(self) -> bool:
+        """Whether ``warm`` reads into the free room now: a decoded token's, with the link idle,
+        where most experts fit. There nearly every one read is used before it is evicted; where
+        the cache holds a few, a guess from the routing counts competed with the misses (on the
+        README's MoE example, a fifth cached, a decoded token stalled 33-38 ms against 29-32)."""
+        return (
+            self._link_idle is not None
+            and not self.prefilling
+            and 4 * self.capacity >= 3 * self._unpinned_bytes
+            and self._link_idle()
+        )
+
     def warm(self) -> None:
-        """Read experts not cached into the cache's free room, the most used first, a few at a
-        time on the look-ahead's lane (the caller's to ask only while nothing else is streamed:
-        the link is idle then, and the room the budget's). A prompt read whole gives each
-        layer's experts back, so a model most of whose experts fit would otherwise miss its way
-        back to a full cache, a stall at a time. Each counts as read ahead (used, or wasted where
-        evicted unused); nothing is evicted for it."""
-        if self.prefilling or self._stage is not None or self._early is not None:
+        """Read experts not cached into the cache's free room, the most used first (the routing
+        counts, the prompt's and the heatmap's), a few at a time on the look-ahead's lane. A
+        prompt read whole gives each layer's experts back, so a model most of whose experts fit
+        would otherwise miss its way back to a full cache, a stall at a time. Each counts as read
+        ahead (used, or wasted where evicted unused); nothing is evicted for it, and one whose
+        read failed is forgotten (read again when routed to)."""
+        self._settle_warming()
+        if (
+            self._stage is not None
+            or self._early is not None
+            or self.capacity - self._resident_bytes < self._smallest_expert
+            or not self._warms()
+        ):
             return
-        # Where most experts fit, nearly every one read is used before it is evicted. Where the
-        # cache holds a few, a guess from the prompt's routing competed with the misses: on the
-        # README's MoE example (a fifth cached) a decoded token stalled 33-38 ms against 29-32.
-        if 4 * self.capacity < 3 * self._unpinned_bytes:
-            return
-        self._warming = [(length, fs) for length, fs in self._warming if not all(f.done() for f in fs)]
-        in_flight = sum(length for length, _ in self._warming)
         if self._warm_order is None:
-            if self.capacity - self._resident_bytes < min(
-                (layer.expert_bytes for layer in self.model.layers if layer.is_moe), default=self.capacity + 1
-            ):
-                return
             counts = self.counts
             self._warm_order = sorted(
-                ((layer, e) for layer, info in enumerate(self.model.layers) if info.is_moe for e in range(info.n_expert)
-                 if (layer, e) not in self.pinned),
+                (
+                    (layer, e) for layer, info in enumerate(self.model.layers) if info.is_moe for e in range(info.n_expert)
+                    if (layer, e) not in self.pinned and (layer, e) not in self._resident
+                ),
                 key=lambda key: (counts[key[0]][key[1]], -key[0], -key[1]),
             )
         order = self._warm_order
+        in_flight = sum(length for _, length, _ in self._warming)
         while order and in_flight < self.WARM_IN_FLIGHT:
             key = order[-1]
             if key in self._resident:
@@ -442,17 +458,28 @@ class ExpertCache:
             if self._resident_bytes + unit.footprint > self.capacity:
                 return
             order.pop()
-            if self._spare is not None:  # it takes spare pages faulted in ahead, not fresh ones
-                self._spare.earmark(unit.length)
-            self._make_room(unit.footprint, set())  # only the spare's room: the books have the rest
+            self._make_room(unit.footprint, set())  # room lent to the spare comes back: nothing is evicted
             futures = self._read_ahead(unit)
             self._inflight[key] = futures
-            self._warming.append((unit.length, futures))
+            self._warming.append((key, unit.length, futures))
             self._touch(key, unit)
             self._resident_bytes += unit.footprint
             self._prefetched.add(key)
             self.prefetch_issued += 1
             in_flight += unit.length
+
+    def _settle_warming(self) -> None:
+        """``warm``'s reads that have landed leave the reads under way (a failed one is forgotten)."""
+        under_way = []
+        for key, length, futures in self._warming:
+            if not all(f.done() for f in futures):
+                under_way.append((key, length, futures))
+            elif self._inflight.get(key) is futures:
+                if any(f.cancelled() or f.exception() is not None for f in futures):
+                    self._forget(key)
+                else:
+                    del self._inflight[key]
+        self._warming = under_way
 
     # Free room is lent to the spare pages in steps of at least this much: the few pages an
     # eviction leaves free are not worth the faulting thread's start.
@@ -922,6 +949,7 @@ class ExpertCache:
         to. A staged layer's slices are waited for and given back too, and an early first matrix."""
         self.end_stage(strict=False)
         self._give_back_early()
+        self._warm_order = None
         for key in list(self._resident):
             self._forget(key)
 

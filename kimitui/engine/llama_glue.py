@@ -368,6 +368,17 @@ def clear_context(llm) -> None:
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
 
 
+def keeps_recurrent_state(model) -> bool:
+    """Before the load, from the GGUF's keys (a ModelMap): the model keeps a recurrent state
+    (Mamba's and the hybrids' ``ssm.*``, RWKV's ``wkv.*``, LFM2's ``shortconv.*``, Kimi K3's KDA),
+    as ``is_recurrent`` says once it is loaded."""
+    from kimitui.engine.budget import state_copy_bytes
+
+    return state_copy_bytes(model) > 0 or any(
+        key.split(".", 1)[1].startswith(("ssm.", "wkv.", "shortconv.")) for key in model.hparams
+    )
+
+
 def is_recurrent(llm) -> bool:
     """The model keeps a recurrent state (Kimi K3's KDA): the context cannot be taken back a
     few tokens, only cleared."""

@@ -301,13 +301,14 @@ class Engine:
 
     def _draft_model_path(self) -> Path | None:
         """engine.draft_model where drafts may be checked (loaded for nothing elsewhere: its file
-        and context would take memory beside the budget); EngineError where it is not a file."""
-        if not self.draft_model_path or not self._drafts_possible:
+        and context would take memory beside the budget); EngineError where speculation is on
+        and it is not a file."""
+        if not self.draft_model_path or self.speculate == "off":
             return None
         path = Path(self.draft_model_path).expanduser()
         if not path.is_file():
             raise EngineError(f"draft model {path}: no such file")
-        return path
+        return path if self._drafts_possible else None
 
     def _draft_model_bytes(self) -> int:
         """What the draft model takes beside the model: its weights, read whole, and its context
@@ -680,21 +681,23 @@ class Engine:
         """Speculation is on, the model streams (or will) and no context shift takes its replies:
         where nothing streams a draft would cost compute and save no read, and a reply that may
         shift is decoded a token at a time (its cache need not be the drafts')."""
+        if self._made_cache is not None and not self._made_cache.batch_exact:
+            return False  # the context was made for none: what was decided then holds
         return self.speculate != "off" and (self.streams or self._may_stream()) and not self._shifts
 
     @property
     def _shifts(self) -> bool:
         """A context shift takes the replies (``context_shift``); before the load, where it is
-        asked and the model keeps no recurrent state (Kimi K3's KDA cannot shift)."""
+        asked and the model keeps no recurrent state (which cannot shift)."""
         if self._llm is not None:
             return self.context_shift
-        from kimitui.engine.budget import state_copy_bytes
+        from kimitui.engine.llama_glue import keeps_recurrent_state
 
-        return self.context_shift_asked and state_copy_bytes(self.model_map()) == 0
+        return self.context_shift_asked and not keeps_recurrent_state(self.model_map())
 
     @property
     def speculation_note(self) -> str | None:
-        if self.speculate != "off" and self._shifts:
+        if self.speculate != "off" and (self.streams or self._may_stream()) and self._shifts:
             return "speculation drafts nothing while context shift is on: a reply that may shift is decoded a token at a time"
         return None
 

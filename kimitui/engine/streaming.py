@@ -1197,6 +1197,7 @@ class Streamer:
             drop_units=drop_units if self.placer is not None and self.placer.reads_in_place else None,
             spare=spare,
             fill_spare=self._fill_spare if spare is not None else None,
+            link_idle=self._link_idle,
         )
         if self.settings.expert_lookahead:
             self.predictor = RouterPredictor.from_mapping(self.model, self.space)
@@ -1486,8 +1487,7 @@ class Streamer:
                 self.stall_s += self._routed_whole(layer, experts)
             else:
                 self.stall_s += self.experts.ensure(layer, experts)
-            if self._link_idle():
-                self.experts.warm()
+            self.experts.warm()
             on_route = self.on_route
             if on_route is not None:
                 on_route(layer, sorted(experts), self.experts.hits - hits)
