@@ -988,6 +988,8 @@ def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fi
         assert not evicted_for_it and not over
         ranks = [counts_then[layer][e] for layer, e in issued]
         assert ranks == sorted(ranks, reverse=True), "the most used first"
+        unused = set(issued) - {(layer, e) for layer in range(len(cache.counts)) for e, n in enumerate(cache.counts[layer]) if n > counts_then[layer][e]}
+        assert unused and next(iter(cache._resident)) in unused, "a guess never used is the oldest: LRU's first victim"
         for _key, _length, futures in cache._warming:
             for f in futures:
                 f.result()

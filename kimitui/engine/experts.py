@@ -462,7 +462,9 @@ class ExpertCache:
             futures = self._read_ahead(unit)
             self._inflight[key] = futures
             self._warming.append((key, unit.length, futures))
-            self._touch(key, unit)
+            self._resident[key] = unit
+            self._resident.move_to_end(key, last=False)  # a guess is older than any use (LRU's first victim)
+            self.policy.used(key)
             self._resident_bytes += unit.footprint
             self._prefetched.add(key)
             self.prefetch_issued += 1
