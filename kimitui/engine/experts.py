@@ -429,8 +429,8 @@ class ExpertCache:
         prompt read whole gives each layer's experts back, so a model most of whose experts fit
         would otherwise miss its way back to a full cache, a stall at a time. Each counts as read
         ahead (used, or wasted where evicted unused); nothing is evicted for it, and one whose
-        read failed is forgotten (read again when routed to)."""
-        self._settle_warming()
+        read failed is forgotten (read again when routed to). Its reads that landed were settled
+        by the ``ensure`` just before."""
         if (
             self._stage is not None
             or self._early is not None

@@ -683,7 +683,12 @@ class Engine:
         shift is decoded a token at a time (its cache need not be the drafts')."""
         if self._made_cache is not None and not self._made_cache.batch_exact:
             return False  # the context was made for none: what was decided then holds
-        return self.speculate != "off" and (self.streams or self._may_stream()) and not self._shifts
+        return self._drafts_wanted and not self._shifts
+
+    @property
+    def _drafts_wanted(self) -> bool:
+        """Speculation is on and the model streams (or will), a context shift aside."""
+        return self.speculate != "off" and (self.streams or self._may_stream())
 
     @property
     def _shifts(self) -> bool:
@@ -697,7 +702,7 @@ class Engine:
 
     @property
     def speculation_note(self) -> str | None:
-        if self.speculate != "off" and (self.streams or self._may_stream()) and self._shifts:
+        if self._drafts_wanted and self._shifts:
             return "speculation drafts nothing while context shift is on: a reply that may shift is decoded a token at a time"
         return None
 
