@@ -757,6 +757,35 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
         engine.close()
 
 
+def test_where_most_experts_fit_a_prompt_reads_into_the_cache_and_decode_starts_with_its_experts(moe_model):
+    """Where the cache holds most experts, a prompt's layers are not read whole (each piece went
+    back after its layer, and decode read them again): its experts are read once each, into the
+    cache, and stay there for decode. Greedy tokens are stock llama.cpp's."""
+    expected = stock_texts(moe_model, [PREFILL_PROMPT], 6)
+    engine = arena_engine(moe_model, budget_mib=190)
+    try:
+        streamer, cache = engine.streamer, engine.streamer.experts
+        assert streamer._whole_ranges and cache.holds_most
+        whole: list[int] = []
+        routed_whole = streamer._routed_whole
+        streamer._routed_whole = lambda layer, experts: whole.append(layer) or routed_whole(layer, experts)
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=1))
+        list(gen)
+        assert gen.result.text == expected[0][: len(gen.result.text)]
+        assert whole == [], "no layer read whole"
+        seen_by_prompt = {key for key in cache.prefill_seen if key not in cache.pinned}
+        size = cache.model.layers[next(iter(seen_by_prompt))[0]].expert_bytes
+        assert cache.prefill_bound_bytes == len(seen_by_prompt) * size, "one chunk: each expert it used counted once"
+        assert cache.prefill_read_bytes - cache.prefill_gap_bytes == cache.prefill_bound_bytes, "each read once (and the gaps between neighbours read through)"
+        assert seen_by_prompt <= cache.resident_keys(), "the prompt's experts stay cached"
+        assert cache.resident_bytes <= cache.capacity
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=6))
+        list(gen)
+        assert gen.result.text == expected[0]
+    finally:
+        engine.close()
+
+
 def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_the_next_one_works(moe_model, monkeypatch):
     """A layer read whole whose read fails ends the reply with the layer and file named; nothing
     of it stays placed, and with the drive back the next reply gives stock llama.cpp's tokens."""
@@ -954,13 +983,14 @@ def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fi
         assert 4 * cache.capacity >= 3 * cache._unpinned_bytes, "most experts fit at this budget"
         issued: list[tuple[int, int]] = []
         counts_then: list[list[int]] = []
-        evicted_for_it, over = [], []
+        evicted_for_it, over, not_oldest = [], [], []
         warm, evict, read_ahead = cache.warm, cache._evict, cache._read_ahead
         warming = [False]
 
         def watched_warm():
             if cache._warm_order is None:
                 counts_then[:] = [list(c) for c in cache.counts]
+            before = len(issued)
             warming[0] = True
             try:
                 warm()
@@ -968,6 +998,9 @@ def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fi
                 warming[0] = False
             if cache.resident_bytes > cache.capacity:
                 over.append(cache.resident_bytes)
+            guesses = set(issued[before:])
+            if set(list(cache._resident)[:len(guesses)]) != guesses:
+                not_oldest.append(guesses)
 
         def watched_evict(key):
             if warming[0]:
@@ -988,8 +1021,7 @@ def test_decoding_reads_the_free_room_full_most_used_first_where_most_experts_fi
         assert not evicted_for_it and not over
         ranks = [counts_then[layer][e] for layer, e in issued]
         assert ranks == sorted(ranks, reverse=True), "the most used first"
-        unused = set(issued) - {(layer, e) for layer in range(len(cache.counts)) for e, n in enumerate(cache.counts[layer]) if n > counts_then[layer][e]}
-        assert unused and next(iter(cache._resident)) in unused, "a guess never used is the oldest: LRU's first victim"
+        assert not not_oldest, "a guess is older than any expert used (LRU's first victim)"
         for _key, _length, futures in cache._warming:
             for f in futures:
                 f.result()

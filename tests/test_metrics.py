@@ -174,3 +174,39 @@ def test_turn_queue_is_first_come_first_served():
         t.join(5)
     assert order == [tickets[0], tickets[2]]
     assert queue.waiting == 0
+
+
+def test_resident_pages_are_counted_alike_by_page_runs_and_by_each_pages_entry(monkeypatch):
+    """pagemap_resident_bytes counts the present pages of a range: by PAGEMAP_SCAN's runs where
+    the kernel has it, else from each page's entry; both give the pages touched, holes left out."""
+    import ctypes
+    import errno
+    import fcntl
+    import mmap
+    import re
+
+    from kimitui.engine import memory
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    area = mmap.mmap(-1, 4096 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        for at in [*range(0, 1000 * page, page), *range(2000 * page, 3000 * page, 2 * page), 4095 * page]:
+            area[at] = 1
+        start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        # Ends inside a page count that page, as the pages a tensor's bytes touch.
+        ranges = [(start, start + 4096 * page), (start + 10, start + 5 * page + 1), (start + 3000 * page, start + 4000 * page)]
+        expected = (1000 + 500 + 1) * page + 6 * page
+        scans = []
+        real_ioctl = fcntl.ioctl
+        monkeypatch.setattr(fcntl, "ioctl", lambda *args: scans.append(real_ioctl(*args)) or scans[-1])
+        assert memory.pagemap_resident_bytes(ranges) == expected
+        release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+        assert scans or release < (6, 7), "Linux 6.7 and later answer PAGEMAP_SCAN"
+
+        def no_scan(*_args):
+            raise OSError(errno.ENOTTY, "no PAGEMAP_SCAN")
+
+        monkeypatch.setattr(fcntl, "ioctl", no_scan)
+        assert memory.pagemap_resident_bytes(ranges) == expected
+    finally:
+        area.close()

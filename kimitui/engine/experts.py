@@ -416,21 +416,22 @@ class ExpertCache:
         where most experts fit. There nearly every one read is used before it is evicted; where
         the cache holds a few, a guess from the routing counts competed with the misses (on the
         README's MoE example, a fifth cached, a decoded token stalled 33-38 ms against 29-32)."""
-        return (
-            self._link_idle is not None
-            and not self.prefilling
-            and 4 * self.capacity >= 3 * self._unpinned_bytes
-            and self._link_idle()
-        )
+        return self._link_idle is not None and not self.prefilling and self.holds_most and self._link_idle()
+
+    @property
+    def holds_most(self) -> bool:
+        """Whether the cache holds at least three quarters of the experts not pinned: then what
+        a prompt reads is kept for decode, and the free room is read into."""
+        return 4 * self.capacity >= 3 * self._unpinned_bytes
 
     def warm(self) -> None:
         """Read experts not cached into the cache's free room, the most used first (the routing
         counts, the prompt's and the heatmap's), a few at a time on the look-ahead's lane. A
-        prompt read whole gives each layer's experts back, so a model most of whose experts fit
-        would otherwise miss its way back to a full cache, a stall at a time. Each counts as read
-        ahead (used, or wasted where evicted unused); nothing is evicted for it, and one whose
-        read failed is forgotten (read again when routed to). Its reads that landed were settled
-        by the ``ensure`` just before."""
+        model most of whose experts fit would otherwise miss its way to a full cache, a stall at
+        a time, after a prompt that used some of them. Each counts as read ahead (used, or
+        wasted where evicted unused); nothing is evicted for it, and one whose read failed is
+        forgotten (read again when routed to). Its reads that landed were settled by the
+        ``ensure`` just before."""
         if (
             self._stage is not None
             or self._early is not None
