@@ -188,14 +188,15 @@ def test_resident_pages_are_counted_alike_by_page_runs_and_by_each_pages_entry(m
     from kimitui.engine import memory
 
     page = os.sysconf("SC_PAGE_SIZE")
-    area = mmap.mmap(-1, 4096 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area = mmap.mmap(-1, 20000 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        for at in [*range(0, 1000 * page, page), *range(2000 * page, 3000 * page, 2 * page), 4095 * page]:
+        # Runs of every length, more than one scan's vector holds (1,024).
+        for at in [*range(0, 1000 * page, page), *range(2000 * page, 20000 * page, 2 * page), 19999 * page]:
             area[at] = 1
         start = ctypes.addressof(ctypes.c_char.from_buffer(area))
         # Ends inside a page count that page, as the pages a tensor's bytes touch.
-        ranges = [(start, start + 4096 * page), (start + 10, start + 5 * page + 1), (start + 3000 * page, start + 4000 * page)]
-        expected = (1000 + 500 + 1) * page + 6 * page
+        ranges = [(start, start + 20000 * page), (start + 10, start + 5 * page + 1), (start + 3000 * page, start + 4000 * page)]
+        expected = (1000 + 9000 + 1) * page + 6 * page + 500 * page
         scans = []
         real_ioctl = fcntl.ioctl
         monkeypatch.setattr(fcntl, "ioctl", lambda *args: scans.append(real_ioctl(*args)) or scans[-1])

@@ -316,10 +316,17 @@ def _scanned_present(fd: int, ranges: list[tuple[int, int]]) -> int | None:
                 if exc.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
                     return None
                 raise
-            present += sum(region.end - region.start for region in regions[:found])
-            if args.walk_end <= at:
+            # Runs come in address order. A walk that did not fill the vector is complete: its
+            # walk_end may lag its last run (Linux 6.18 put one 1,024 pages before it): never rescan.
+            walked_from = at
+            for region in regions[:found]:
+                present += max(0, region.end - max(region.start, at))
+                at = max(at, region.end)
+            if found < _SCAN_REGIONS:
                 break
-            at = args.walk_end
+            at = max(at, args.walk_end)
+            if at <= walked_from:
+                break
     return present
 
 

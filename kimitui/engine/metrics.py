@@ -276,10 +276,9 @@ class DutyLimited:
     """A costly reading (the model's resident pages: a walk of the process's page tables) taken
     at most ``duty`` of the time: after a reading that took t seconds the next one comes t /
     duty later at the earliest, and calls before then get the last value. The panels and the
-    bench's peak sample it often; unlimited, its cost would be the engine's stall. A hundredth
-    of one core: on two, each taken by compute, a twentieth was a twentieth of compute's own."""
+    bench's peak sample it often; unlimited, its cost would be the engine's stall."""
 
-    def __init__(self, read: Callable[[], int | None], duty: float = 0.01) -> None:
+    def __init__(self, read: Callable[[], int | None], duty: float = 0.05) -> None:
         self._read = read
         self._duty = duty
         self._lock = threading.Lock()
