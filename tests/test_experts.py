@@ -720,7 +720,7 @@ def test_a_prompt_routing_to_most_experts_reads_its_layers_whole_with_the_stock_
         placer, cache = streamer.placer, streamer.experts
         model = load_model_map(moe_model)
         moe_layers = [i for i, info in enumerate(model.layers) if info.is_moe]
-        assert sorted(streamer._whole_ranges) == moe_layers
+        assert sorted(streamer._whole_ranges) == moe_layers and not cache.holds_most  # few experts fit
         capacity = cache.capacity
         whole: list[int] = []
         routed_whole = streamer._routed_whole
@@ -798,6 +798,7 @@ def test_a_failed_read_of_a_layer_read_whole_stops_the_reply_with_its_line_and_t
     engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
+        assert not streamer.experts.holds_most  # few experts fit: layers are read whole
         placer = streamer.placer
         layer = sorted(streamer._whole_ranges)[1]
         lo = streamer._whole_ranges[layer][0].offset
@@ -832,6 +833,7 @@ def test_layers_read_whole_for_a_graph_cut_short_go_back_when_the_next_graph_sta
     engine = arena_engine(moe_model)
     try:
         streamer = engine.streamer
+        assert not streamer.experts.holds_most  # few experts fit: layers are read whole
         cache = streamer.experts
         cache.prefilling, streamer.chunk_tokens = True, 64  # as a prompt's graph at its first layer
         streamer._read_layers_whole(0)

@@ -189,8 +189,9 @@ def test_resident_pages_are_counted_alike_by_page_runs_and_by_each_pages_entry(m
 
     page = os.sysconf("SC_PAGE_SIZE")
     area = mmap.mmap(-1, 20000 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_NOHUGEPAGE)  # one byte would make a huge page's 512 present
     try:
-        # Runs of every length, more than one scan's vector holds (1,024).
+        # Runs of 1,000 pages, 1 page and 9,000 single pages: more than one scan's vector (1,024).
         for at in [*range(0, 1000 * page, page), *range(2000 * page, 20000 * page, 2 * page), 19999 * page]:
             area[at] = 1
         start = ctypes.addressof(ctypes.c_char.from_buffer(area))

@@ -208,6 +208,10 @@ class ExpertCache:
         self._unpinned_bytes = sum(
             layer.n_expert * layer.expert_bytes for layer in model.layers if layer.is_moe
         ) - sum(model.layers[layer].expert_bytes for layer, _ in self.pinned)
+        # Whether the cache holds at least three quarters of them, by its own capacity (not what
+        # it lends a prompt or borrows from the window): then what a prompt reads is kept for
+        # decode, and the free room is read into.
+        self.holds_most = 4 * capacity >= 3 * self._unpinned_bytes
         self._resident: OrderedDict[tuple[int, int], ExpertUnit] = OrderedDict()  # oldest use first
         self.policy: ExpertPolicy = make_policy(policy, self._resident, counts)
         self._resident_bytes = 0
@@ -417,12 +421,6 @@ class ExpertCache:
         the cache holds a few, a guess from the routing counts competed with the misses (on the
         README's MoE example, a fifth cached, a decoded token stalled 33-38 ms against 29-32)."""
         return self._link_idle is not None and not self.prefilling and self.holds_most and self._link_idle()
-
-    @property
-    def holds_most(self) -> bool:
-        """Whether the cache holds at least three quarters of the experts not pinned: then what
-        a prompt reads is kept for decode, and the free room is read into."""
-        return 4 * self.capacity >= 3 * self._unpinned_bytes
 
     def warm(self) -> None:
         """Read experts not cached into the cache's free room, the most used first (the routing

@@ -251,11 +251,11 @@ def tensor_data_spans(model, space) -> list[tuple[int, int]]:
     ]
 
 
-# The most address range pagemap_resident_bytes reads (8 bytes a page: 32 MiB of entries at
-# 16 GiB, where the kernel has no PAGEMAP_SCAN); beyond it smaps is cheaper, since a model that
-# large has large experts and so fewer areas.
+# The most address range pagemap_resident_bytes reads (without PAGEMAP_SCAN, 8 bytes a page:
+# 32 MiB of entries at 16 GiB; with it, still a walk of every page table there); beyond it smaps
+# is cheaper, since a model that large has large experts and so fewer areas.
 PAGEMAP_MOST = 16 * 2**30
-_PAGEMAP_CHUNK = 1 << 16  # entries per read: 64 Ki read 4 GiB in 19 ms here, 1 Mi in 37 ms
+_PAGEMAP_CHUNK = 1 << 16  # entries per read: 64 Ki read 4 GiB in 16-19 ms here, 1 Mi in 37 ms
 
 
 class _ScanArgs(ctypes.Structure):  # struct pm_scan_arg (linux/fs.h)
@@ -280,9 +280,8 @@ def pagemap_resident_bytes(ranges: list[tuple[int, int]], pagemap: str = "/proc/
     the ranges' length, not the number of areas, where smaps walks and prints every area of the
     process: with a small-expert MoE's tens of thousands of placed slices one smaps read took
     0.8 s and held the mappings' lock meanwhile, stalling compute's page faults. Linux 6.7's
-    PAGEMAP_SCAN hands back runs of present pages (4 GiB resident: 5 ms here); an older kernel
-    has each page's entry read (25 ms), which the bench's and the panels' samples took from
-    compute. None where there is no pagemap."""
+    PAGEMAP_SCAN hands back runs of present pages (4 GiB resident: 2-5 ms here); an older
+    kernel has each page's entry read (16-19 ms). None where there is no pagemap."""
     try:
         fd = os.open(pagemap, os.O_RDONLY)
     except OSError:
@@ -316,17 +315,12 @@ def _scanned_present(fd: int, ranges: list[tuple[int, int]]) -> int | None:
                 if exc.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
                     return None
                 raise
-            # Runs come in address order. A walk that did not fill the vector is complete: its
-            # walk_end may lag its last run (Linux 6.18 put one 1,024 pages before it): never rescan.
-            walked_from = at
-            for region in regions[:found]:
-                present += max(0, region.end - max(region.start, at))
-                at = max(at, region.end)
+            present += sum(region.end - region.start for region in regions[:found])
+            # A walk that did not fill the vector is complete, and its walk_end is not followed:
+            # it may lag the last run (Linux 6.18 put one 1,024 pages before it).
             if found < _SCAN_REGIONS:
                 break
-            at = max(at, args.walk_end)
-            if at <= walked_from:
-                break
+            at = max(regions[found - 1].end, args.walk_end)
     return present
 
 
