@@ -1164,6 +1164,7 @@ class Streamer:
         """Stream MoE layers by expert: their routed shards leave the layer-by-layer stream."""
         for layer in range(self.model.n_layers):
             self.layer_shards[layer] = [s for s in self.layer_shards[layer] if not s.routed]
+        self._trunk_streams = any(self.layer_shards)  # fixed from here on: read by _link_idle each decoded MoE layer
         self._layer_most = self._most_layer_bytes()
 
         # Locked in anonymous memory by the pin: never read here, never given back.
@@ -1459,7 +1460,7 @@ class Streamer:
         free room may be read into (``ExpertCache.warm``): read-ahead on (a prefetch depth of 0
         reads nothing it was not asked for), the trunk all pinned (a streamed trunk has the link
         to itself) and the whole-file layout (slots go to the layers computing)."""
-        return self.settings.prefetch_depth > 0 and not self.space.bounded and not any(self.layer_shards)
+        return self.settings.prefetch_depth > 0 and not self.space.bounded and not self._trunk_streams
 
     def on_router_input(self, layer: int, hidden) -> None:
         """Layer ``layer``'s FFN input (one token's, float32) is ready: read ahead the experts
