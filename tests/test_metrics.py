@@ -52,10 +52,15 @@ def test_streaming_counters_absent_until_reported():
     sampler = Sampler(metrics)
     snap = sampler.sample()
     assert snap.streaming is None and snap.cache_hit_rate is None
-    metrics.update_streaming(cache_hits=3, cache_misses=1, prefetch_queue_depth=2)
+    counts = {"cache_hits": 3, "cache_misses": 1, "prefetch_queue_depth": 2}
+    metrics.attach_streamer(lambda: dict(counts))
     snap = sampler.sample()
     assert snap.streaming.cache_hits == 3 and snap.cache_hit_rate == 0.75
-    assert snap.streaming.prefetch_queue_depth == 2
+    assert snap.streaming.prefetch_queue_depth == 2 and snap.streaming.generation == 1
+    counts["cache_hits"] = 7  # read when sampled: what the streamer counts now
+    assert sampler.sample().streaming.cache_hits == 7
+    metrics.attach_streamer(lambda: {"cache_hits": 0})  # a new streamer's counts: a new generation
+    assert sampler.sample().streaming.generation == 2
 
 
 def test_token_events_give_latency_window_and_rates():

@@ -222,12 +222,12 @@ def test_remote_snapshot_reads_the_servers_metrics(served, remote):
     second = remote.remote_snapshot()
     assert second.process_read_rate is not None and second.process_read_rate >= 0
     assert len(second.rss_history) == 2
-    served.engine.metrics.update_streaming(cache_hits=9, cache_misses=1, stall_s=0.25)
+    served.engine.metrics.streaming_source = lambda: dict(cache_hits=9, cache_misses=1, stall_s=0.25)
     try:
         streaming = remote.remote_snapshot().streaming
         assert (streaming.cache_hits, streaming.cache_misses, streaming.stall_s) == (9, 1, 0.25)
     finally:
-        served.engine.metrics.streaming = None
+        served.engine.metrics.streaming_source = None
 
 
 def test_plain_openai_server(served):

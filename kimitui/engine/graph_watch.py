@@ -10,7 +10,7 @@ callback then reports, so the token stops instead of computing on wrong weights.
 from __future__ import annotations
 
 import ctypes
-import time
+from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from kimitui.engine.addressing import SRC_OFFSET
@@ -39,8 +39,10 @@ class GraphWatch:
     def __init__(self, host: GraphHost, ggml) -> None:
         self._host = host
         self._ggml = ggml  # ggml's base library (llama_glue.ggml_base)
+        self._get_name = ggml.ggml_get_name
         self._staged_nodes: dict[int, bytes] = {}  # graph node -> the staged routed tensor it computes with
         self._routes: dict[int, int] = {}  # layer -> its ffn_moe_topk node, while expert trimming waits for the weights
+        self._watched: tuple[bytes, ...] | None = None  # this graph's (``_numbered_nodes``), None until found
 
     def c_callbacks(self) -> tuple:
         """(eval callback, abort callback), as llama.cpp's context parameters take them."""
@@ -53,23 +55,25 @@ class GraphWatch:
         # asking costs (pure overhead) and what the observed nodes cost (the streaming work,
         # stalls included) are counted apart (kimitui bench-scale shows both per token). Asking
         # about a staged matrix node reads or waits for its slices: that is streaming work too.
-        started = time.perf_counter()
-        try:
-            name = self._ggml.ggml_get_name(tensor) or b""
-            return self._ask(tensor, name) if ask else self._observed(tensor, name)
-        finally:
+        # Neither path raises: each hands its failures to the streamer.
+        started = perf_counter()
+        name = self._get_name(tensor) or b""
+        if not ask:
+            go_on = self._observed(tensor, name)
             streamer = self._host.streamer
             if streamer is not None:
-                spent = time.perf_counter() - started
-                if not ask:
-                    streamer.eval_observed += 1
-                    streamer.eval_observe_s += spent
-                else:
-                    streamer.eval_asks += 1
-                    if tensor in self._staged_nodes:
-                        streamer.eval_observe_s += spent
-                    else:
-                        streamer.eval_ask_s += spent
+                streamer.eval_observed += 1
+                streamer.eval_observe_s += perf_counter() - started
+            return go_on
+        wanted = self._ask(tensor, name)
+        streamer = self._host.streamer
+        if streamer is not None:
+            streamer.eval_asks += 1
+            if wanted and tensor in self._staged_nodes:
+                streamer.eval_observe_s += perf_counter() - started
+            else:
+                streamer.eval_ask_s += perf_counter() - started
+        return wanted
 
     def _ask(self, tensor: int, name: bytes) -> bool:
         """Whether to observe ``tensor`` once computed: the node before each layer (the
@@ -97,14 +101,25 @@ class GraphWatch:
         if name in LAYER_ZERO_NODES:
             self._staged_nodes.clear()  # a graph cut short left its nodes here
             self._routes.clear()
+            self._watched = None  # found at the next node: live tuning applies when layer 0 is observed
             return True
-        if name.startswith(WATCHED_NODES) and name.partition(b"-")[2].isdigit():
-            return True
+        watched = self._watched
+        if watched is None:
+            watched = self._watched = self._numbered_nodes(streamer)
+        return name.startswith(watched) and name.partition(b"-")[2].isdigit()
+
+    @staticmethod
+    def _numbered_nodes(streamer: Streamer | None) -> tuple[bytes, ...]:
+        """The prefixes of the numbered nodes a graph observes (each followed by its layer
+        number): the layer ends and routers', with expert trimming the routing weights, with
+        router look-ahead each MoE layer's FFN input."""
         if streamer is None:
-            return False
-        if streamer.trimmer is not None and numbered(name, b"ffn_moe_weights-") is not None:
-            return True
-        return streamer.predictor is not None and numbered(name, b"ffn_norm-") is not None
+            return WATCHED_NODES
+        return (
+            WATCHED_NODES
+            + ((b"ffn_moe_weights-",) if streamer.trimmer is not None else ())
+            + ((b"ffn_norm-",) if streamer.predictor is not None else ())
+        )
 
     def _staged(self, streamer: Streamer, tensor: int, name: bytes) -> bool:
         """A staged layer's routed matrix node: its experts' slices read just before it."""

@@ -86,7 +86,6 @@ class EngineMetrics:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.last_decode_tok_s: float | None = None
-        self.streaming: StreamingCounters | None = None
         # Set by the engine: its budget as it is now (live tuning changes it), never a copy.
         self.budget_source: Callable[[], int | None] | None = None
         # Set by the streaming engine: one state per layer (pinned / resident / in flight / cold).
@@ -100,6 +99,9 @@ class EngineMetrics:
         # Set by the engine: the model bytes it has read itself (pinned set, shards, experts).
         # What the SSD panel shows where the OS keeps no per-process I/O counters (iOS, macOS).
         self.engine_read_source: Callable[[], int] | None = None
+        # Set by the streaming engine: its counters as they are now, read when a panel asks (the
+        # engine no longer copies them here at every layer: 30-120 copies a token were overhead).
+        self.streaming_source: Callable[[], dict] | None = None
         self.streamer_generation = 0
         # Speculative decoding, cumulative: decode passes, drafts, drafts kept, tokens the passes gave.
         self.drafts: DraftCounts | None = None
@@ -151,24 +153,23 @@ class EngineMetrics:
         with self._lock:
             self._request_start = None
 
-    def update_streaming(self, **counters: float) -> None:
-        """Called by the streaming engine; the first call makes the panels show real values."""
-        with self._lock:
-            if self.streaming is None:
-                self.streaming = StreamingCounters()
-            for name, value in counters.items():
-                setattr(self.streaming, name, value)
-            self.streaming.generation = self.streamer_generation
-
-    def new_streamer(self) -> None:
-        """A streamer replaced the last one: its counts start from zero."""
+    def attach_streamer(self, counters: Callable[[], dict]) -> None:
+        """A streamer (the first, or one that replaced the last, whose counts start from zero)
+        reports through ``counters``: from now on the panels show real values."""
         with self._lock:
             self.streamer_generation += 1
+            self.streaming_source = counters
+
+    @property
+    def streaming(self) -> StreamingCounters | None:
+        with self._lock:
+            source, generation = self.streaming_source, self.streamer_generation
+        return None if source is None else StreamingCounters(**source(), generation=generation)
 
     def view(self) -> dict:
+        streaming = self.streaming  # outside the lock: the streamer's counters are read under it
         with self._lock:
             lat = list(self.latencies)
-            streaming = None if self.streaming is None else StreamingCounters(**vars(self.streaming))
             drafts = None if self.drafts is None else DraftCounts(**vars(self.drafts))
             return {
                 "drafts": drafts,

@@ -831,7 +831,7 @@ class Engine:
 
         plan = self.plan
         streamer = Streamer(
-            model, self.space, pinned, settings, self.metrics,
+            model, self.space, pinned, settings,
             mapping_fds={i: m.fd for i, m in self.mappings.items() if m.fd >= 0},
             window_limit=plan.window_bytes + unpinned, pool_limit=plan.pool_buffers + unpinned // PIECE_BYTES,
         )
@@ -848,7 +848,7 @@ class Engine:
 
             self.metrics.expert_residency_source = resident_per_layer
         self.metrics.residency_source = streamer.residency_by_layer
-        self.metrics.new_streamer()
+        self.metrics.attach_streamer(streamer.panel_counters)
         self.streamer = streamer  # complete, experts attached, before the eval callback sees it
         settle_collector()
         self.set_tracer(self.tracer)

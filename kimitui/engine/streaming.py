@@ -34,7 +34,6 @@ from typing import Callable
 from kimitui.engine.budget import PIECE_BYTES, pool_buffers
 from kimitui.engine.direct import read_gaps, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
-from kimitui.engine.metrics import EngineMetrics
 from kimitui.engine.placers import make_placer
 from kimitui.engine.platform import HUGE_ALIGN, PlatformIO
 from kimitui.engine.settings import StreamSettings, check_changes
@@ -278,7 +277,6 @@ class Streamer:
         space,
         pinned: set[int],
         settings: StreamSettings,
-        metrics: EngineMetrics,
         platform_io: PlatformIO | None = None,
         mapping_fds: dict[int, int] | None = None,
         window_limit: int | None = None,
@@ -295,7 +293,6 @@ class Streamer:
         self.model = model
         self.space = space
         self.settings = settings
-        self.metrics = metrics
         self.io = platform_io or PlatformIO()
         self.fds = {i: os.open(path, os.O_RDONLY) for i, path in enumerate(model.files)}
         for fd in self.fds.values():
@@ -375,7 +372,6 @@ class Streamer:
         self.experts: ExpertCache | None = None
         self.trimmer: RouteTrimmer | None = None  # set while expert trimming is on (trimming.py)
         self._trimmer_seen: RouteTrimmer | None = None  # the last one, whose counts the panels keep showing
-        self._report()
 
     def _hold_pinned_edges(self, pinned: set[int]) -> None:
         """Pinned pages are locked in place (anonymous, see Engine.pin): the end pages a pinned
@@ -919,7 +915,6 @@ class Streamer:
             self.fail(str(exc))
         except OSError as exc:
             self.fail(f"cannot read the model: {exc}")
-        self._report()
         return self.error is None
 
     def _layer_start(self, layer: int) -> None:
@@ -1484,7 +1479,6 @@ class Streamer:
         if min(experts) < 0 or max(experts) >= n_expert:
             # ggml's tensor layout moved under us: stop rather than guess which bytes to read.
             self.fail(f"layer {layer}: router ids {sorted(experts)[:8]} are not experts 0..{n_expert - 1} (unsupported llama.cpp build?)")
-            self._report()
             return
         try:
             hits = self.experts.hits
@@ -1510,7 +1504,6 @@ class Streamer:
             self.fail(str(exc))
         except OSError as exc:
             self.fail(f"cannot read the model: {exc}")
-        self._report()
 
     @property
     def staging(self) -> bool:
@@ -1533,7 +1526,6 @@ class Streamer:
         if waited is None:
             return False
         self.stall_s += waited
-        self._report()
         return True
 
     def on_expert_matrix_done(self, name: bytes) -> None:
@@ -1593,10 +1585,12 @@ class Streamer:
                 out.append(Residency.PINNED.value)
         return out
 
-    def _report(self) -> None:
-        inflight = [i for i in self._futures if self.state[i] == Residency.INFLIGHT]  # only shards with reads
+    def panel_counters(self) -> dict:
+        """What the panels show, as it is now: read from the sampler's thread when it asks.
+        ``list`` copies the shard reads at once (the compute thread adds to them meanwhile)."""
+        inflight = [i for i in list(self._futures) if self.state[i] == Residency.INFLIGHT]  # only shards with reads
         experts = self.experts
-        self.metrics.update_streaming(
+        return dict(
             cache_hits=self.hits,
             cache_misses=self.misses,
             expert_hits=None if experts is None else experts.hits,
