@@ -4,6 +4,7 @@ back after, with stock llama.cpp's greedy tokens, the budget holding and the rea
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import Future
@@ -22,6 +23,8 @@ from kimitui.model.gguf_map import ROUTED_EXPERTS, load_model_map
 from helpers import peak_while
 
 MIB = 2**20
+HUGE_PAGE = 2 * MIB
+MADV_NOHUGEPAGE = 15
 PROMPT = "The quick brown fox jumps over the lazy dog while seven wizards quietly juggle " * 2
 
 
@@ -238,6 +241,14 @@ def test_a_staged_layers_sweep_gives_back_every_file_page_of_its_routed_tensors_
                 for r in model.expert_ranges(layer, expert)
             )
 
+        # Small pages only: where the page cache holds a 2 MiB folio the kernel may map it whole,
+        # and giving back part of such a mapping unmaps all of it (file pages fault in again),
+        # which would take the pages this test expects to stay.
+        routed = model.routed_tensors(layer)
+        lo = min(engine.space.at(t.file, t.offset) for t in routed) // HUGE_PAGE * HUGE_PAGE
+        hi = -(-max(engine.space.at(t.file, t.offset + t.n_bytes) for t in routed) // HUGE_PAGE) * HUGE_PAGE
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_NOHUGEPAGE) == 0, os.strerror(ctypes.get_errno())
         for expert in (kept, stray):  # mapped from the page cache, as fault-around leaves them
             for r in model.expert_ranges(layer, expert):
                 assert streamer.io.populate(streamer.fds[r.file], streamer._base(r.file, r.offset), r.offset, r.length)
@@ -245,11 +256,23 @@ def test_a_staged_layers_sweep_gives_back_every_file_page_of_its_routed_tensors_
         # A shared end page a slice still holds may be a placed copy it counts on: left alone.
         held = next(r for r in model.expert_ranges(layer, stray) if r.offset % page)
         edge = held.offset // page * page
+        dropped: list[tuple[int, int]] = []
+        real_drop = streamer.io.drop
+
+        def drop(fd, mapping_address, offset, length):
+            dropped.append((offset, offset + length))
+            real_drop(fd, mapping_address, offset, length)
+
         streamer._edge_refs[(held.file, edge)] = 1
+        streamer.io.drop = drop
         try:
             streamer._sweep_layer(layer, {kept})
         finally:
             del streamer._edge_refs[(held.file, edge)]
+            streamer.io.drop = real_drop
+        # What the sweep gives back never holds the held page or a kept expert's.
+        spared = [(edge, edge + page)] + [(r.offset, r.end) for r in model.expert_ranges(layer, kept)]
+        assert not [(a, b) for a, b in dropped for c, d in spared if a < d and c < b]
         assert resident(stray) == page
         assert pagemap_resident_bytes([(engine.space.at(held.file, edge), engine.space.at(held.file, edge) + page)]) == page
         assert resident(kept) >= model.bytes_per_expert  # a kept expert's pages are never touched
