@@ -112,7 +112,8 @@ class GraphWatch:
     def _numbered_nodes(streamer: Streamer | None) -> tuple[bytes, ...]:
         """The prefixes of the numbered nodes a graph observes (each followed by its layer
         number): the layer ends and routers', with expert trimming the routing weights, with
-        router look-ahead each MoE layer's FFN input."""
+        router look-ahead each MoE layer's FFN input. Each prefix's one "-" is its last
+        character, which the layer-number test in ``_ask`` counts on."""
         if streamer is None:
             return WATCHED_NODES
         return (
@@ -125,7 +126,7 @@ class GraphWatch:
         """A staged layer's routed matrix node: its experts' slices read just before it."""
         try:
             weight = ctypes.c_void_p.from_address(tensor + SRC_OFFSET).value
-            weight_name = self._ggml.ggml_get_name(weight) if weight else None
+            weight_name = self._get_name(weight) if weight else None
             if weight_name and streamer.on_expert_matrix(weight_name):
                 self._staged_nodes[tensor] = weight_name
                 return True

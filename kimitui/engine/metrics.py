@@ -1,8 +1,8 @@
 """One metrics module for the TUI, bench and the HTTP API.
 
 Two sources meet here: a sampler reading the process through psutil at an interval, and
-events the engine reports (tokens, requests, and the streaming counters of the streaming
-engine). A value nobody has measured stays ``None`` so every consumer shows "—" instead of
+what the engine reports (tokens and requests as they happen; the streaming engine's counters,
+read from it when sampled). A value nobody has measured stays ``None`` so every consumer shows "—" instead of
 inventing a number.
 """
 
@@ -76,7 +76,8 @@ class DraftCounts:
 
 
 class EngineMetrics:
-    """Thread-safe record of engine events. Written by the engine thread, read by samplers."""
+    """Thread-safe record of engine events, written by the engine thread, and the sources
+    (the streamer's counters among them) that samplers read through."""
 
     def __init__(self, latency_window: int = 64) -> None:
         self._lock = threading.Lock()
@@ -167,7 +168,7 @@ class EngineMetrics:
         return None if source is None else StreamingCounters(**source(), generation=generation)
 
     def view(self) -> dict:
-        streaming = self.streaming  # outside the lock: the streamer's counters are read under it
+        streaming = self.streaming  # before the lock: the property takes it (and reads the streamer outside it)
         with self._lock:
             lat = list(self.latencies)
             drafts = None if self.drafts is None else DraftCounts(**vars(self.drafts))

@@ -1587,7 +1587,7 @@ class Streamer:
 
     def panel_counters(self) -> dict:
         """What the panels show, as it is now: read from the sampler's thread when it asks.
-        ``list`` copies the shard reads at once (the compute thread adds to them meanwhile)."""
+        ``list`` copies the shard reads at once (the engine thread adds to them meanwhile)."""
         inflight = [i for i in list(self._futures) if self.state[i] == Residency.INFLIGHT]  # only shards with reads
         experts = self.experts
         return dict(
