@@ -100,7 +100,10 @@ def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
     model = tmp_path / "moe.gguf"
     synth.write_model(synth.plan_moe(200 * MIB, "q4_1", synth.default_tokenizer()), model, progress=False)
     out = tmp_path / "bench.json"
-    done = run_cli("bench", "--model", str(model), "--budget", "100MiB", "--tokens", "6", "--prompt-tokens", "8", "--expert-lookahead", "--json", str(out))
+    done = run_cli(
+        "bench", "--model", str(model), "--budget", "100MiB", "--tokens", "6", "--prompt-tokens", "8", "--expert-lookahead",
+        "--replies", "2", "--json", str(out),
+    )
     assert done.returncode == 0, done.stderr + done.stdout
     report = json.loads(out.read_text())
     run = report["runs"]["kimitui"]
@@ -116,6 +119,11 @@ def test_bench_streaming_moe_reports_experts_and_needed_bytes(tmp_path):
     assert run["expert_prefetch_wasted_bytes_per_token"] >= 0
     assert set(report["targets"]) == {"decode_vs_plain_at_least_4x", "read_vs_needed_at_most_1.15x"}
     assert "targets (MoE streaming)" in done.stdout and "expert hit rate" in done.stdout
+    # A second reply in the same engine, to a prompt of its own, its caches as the first left them.
+    (second,) = run["later_replies"]
+    assert second["ttft_s"] > 0 and second["decode_tok_s"] > 0 and second["completion_tokens"] == 6
+    assert 0 <= second["expert_hit_rate"] <= 1 and second["share_of_io_limit"] > 0
+    assert "kimitui reply 2, the same engine, a prompt of its own" in done.stdout
     # The pinned set's reading showed its progress (bytes, MB/s, ETA) while the bench ran.
     assert "pinning" in done.stderr and "MB/s" in done.stderr and "ETA" in done.stderr
 
@@ -196,6 +204,7 @@ def test_bench_resume_compares_a_saved_state_with_evaluating_again(model_path, t
         (["bench-resume", "--conversation-tokens", "4"], "--conversation-tokens: at least 16"),
         (["bench-resume", "--cgroup-limit", "2XB"], "--cgroup-limit: unknown size unit"),
         (["bench", "--rounds", "0"], "--rounds: at least 1"),
+        (["bench", "--replies", "0"], "--replies: at least 1"),
         (["bench", "--budget", "4MiB"], "--budget: budget 4.0 MiB is below the minimum working set of SmolLM2"),
     ],
 )

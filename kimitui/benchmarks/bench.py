@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="compute threads for every run (default: one per physical core)")
     parser.add_argument("--n-ctx", type=int, help=f"context length (default: prompt + tokens, rounded up to {CTX_STEP})")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each kind, alternating; each kind's median run (by decode tok/s) is reported (default 1)")
+    parser.add_argument(
+        "--replies", type=int, default=1,
+        help="replies the engine run gives, one after another in one engine, each to a prompt of its own; the first is the "
+             "one measured against the baseline, later ones show a conversation's next replies, the caches as the first left "
+             "them (default 1)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure to FILE as JSON")
     parser.add_argument(
         "--trace", type=Path, metavar="FILE",
@@ -92,6 +98,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--prefetch-depth: {depth.low:g}..{depth.high:g}")
     if args.rounds < 1:
         raise UserError("--rounds: at least 1")
+    if args.replies < 1:
+        raise UserError("--replies: at least 1")
     io_threads = key_spec("engine.io_threads")
     if args.io_threads is not None and not io_threads.low <= args.io_threads <= io_threads.high:
         raise UserError(f"--io-threads: {io_threads.low:g}..{io_threads.high:g}")
@@ -294,6 +302,7 @@ def _spec(args: argparse.Namespace, path: Path, budget: int | None, threads: int
         "expert_trim_below": args.expert_trim_below,
         "expert_trim_cumulative": args.expert_trim_cumulative,
         "n_batch": args.n_batch,
+        "replies": args.replies,
         "trace": str(args.trace) if args.trace else None,
         "address_space": size_option(args.address_space, "--address-space") if args.address_space else "auto",
     }
@@ -367,6 +376,7 @@ def _report(args: argparse.Namespace, path: Path, model_map, spec: dict, limit: 
             "prompt_tokens": args.prompt_tokens,
             "tokens": args.tokens,
             "n_batch": args.n_batch,
+        "replies": args.replies,
             "threads": spec["threads"],
             "n_ctx": spec["n_ctx"],
             "budget_bytes": spec["budget"],
@@ -449,6 +459,9 @@ def run(args: argparse.Namespace) -> int:
     )
     for figures in runs.values():
         _against_limits(figures, limit_figures, disk, compute)
+        for later in figures.get("later_replies") or ():
+            later["decode_tok_s_p50"] = _median_rate(later)
+            _against_limits(later, limit_figures, disk, compute)
     report = _report(args, path, model_map, spec, limit, cgroups, disk, compute, limit_figures, rounds, runs, interleaved)
     report["targets"] = targets(report)
     print(render(report))
@@ -627,6 +640,13 @@ def _rounds(report: dict, names: list[tuple[str, str]]) -> list[str]:
                 + " tok/s; plain " + ", ".join(cell(v, ".1f") for v in inter["plain"])
                 + f" tok/s; median of the paired ratios {inter['ratio']:.3f}x"
             )
+    for number, later in enumerate(report["runs"]["kimitui"].get("later_replies") or (), start=2):
+        lines.append(
+            f"kimitui reply {number}, the same engine, a prompt of its own: TTFT {format_ms(later['ttft_s'])}, "
+            f"decode {cell(later['decode_tok_s'], '.2f')} tok/s ({cell(later['decode_tok_s_p50'], '.2f')} at the median token), "
+            f"{_share(later.get('share_of_io_limit'))} of the decode I/O limit, expert hits {_share(later.get('expert_hit_rate'))}, "
+            f"stall {format_ms(later.get('stall_s_per_token'))}/token, read {format_bytes(later.get('read_bytes_per_token'))}/token"
+        )
     if len(next(iter(report["rounds"].values()))) > 1:
         each = "; ".join(
             f"{label} " + ", ".join(cell(v, ".2f") for v in report["rounds"][name]) for name, label in names

@@ -55,12 +55,14 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def prompt_tokens(llm, n: int) -> list[int]:
+def prompt_tokens(llm, n: int, later: int = 0) -> list[int]:
+    """``n`` tokens of the bench's text, the model's first (BOS) included; ``later``: the text
+    taken from that many tokens on, after the first (a later reply's prompt of its own)."""
     copies = 1
     while True:
         tokens = llm.tokenize((PROMPT_TEXT * copies).encode(), add_bos=True, special=False)
-        if len(tokens) >= n:
-            return tokens[:n]
+        if len(tokens) >= n + later:
+            return tokens[:1] + tokens[1 + later : n + later] if n > 1 else tokens[:n]
         copies *= 2
 
 
@@ -254,10 +256,12 @@ def _random_reads(path: str, slice_bytes: int, threads: int, sample_bytes: int) 
     }
 
 
-def _engine_generation(engine, spec: dict) -> dict:
+def _engine_generation(engine, spec: dict, reply: int = 0) -> dict:
+    """One reply, timed: ``reply`` counts the replies this engine gave before (each later one
+    answers a prompt of its own, from further on in the bench's text)."""
     from kimitui.engine.generation import Sampling
 
-    tokens = prompt_tokens(engine.llm, spec["prompt_tokens"])
+    tokens = prompt_tokens(engine.llm, spec["prompt_tokens"], later=reply * spec["prompt_tokens"])
     generation = engine.complete(tokens, Sampling(temperature=0.0, max_tokens=spec["tokens"]))
     ids = (event.token_id for event in generation if event.token_id >= 0)  # -1: a final text flush
     return measure_decode(ids, len(tokens), streaming=lambda: engine.streamer.counters() if engine.streamer else None)
@@ -310,6 +314,8 @@ def phase_engine(spec: dict) -> None:
         writer.attach(engine)
     with _ModelResidentPeak(engine) as resident:
         figures = _engine_generation(engine, spec)
+        # A conversation's next replies: the same engine, its caches as the replies before left them.
+        later = [_later_reply(_engine_generation(engine, spec, reply)) for reply in range(1, spec.get("replies", 1))]
     if writer is not None:
         writer.close()
     prefill = {}
@@ -355,7 +361,17 @@ def phase_engine(spec: dict) -> None:
         slot_wait_s=engine.streamer.slot_wait_s if engine.streamer is not None and engine.space is not None and engine.space.bounded else None,
         **prefill,
         **figures,
+        later_replies=later,
     )
+
+
+def _later_reply(figures: dict) -> dict:
+    """What the bench shows of a later reply: its times, hits and stalls, and what it read."""
+    keys = (
+        "ttft_s", "decode_tok_s", "token_p50_s", "completion_tokens", "expert_hit_rate", "hit_rate", "stall_s_per_token",
+        "read_bytes_per_token", "needed_bytes_per_token", "expert_needed_bytes_per_token", "tokens",
+    )
+    return {key: figures.get(key) for key in keys}
 
 
 class _ModelResidentPeak:
