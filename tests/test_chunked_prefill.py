@@ -283,6 +283,34 @@ def test_a_staged_layers_sweep_gives_back_every_file_page_of_its_routed_tensors_
         engine.close()
 
 
+def test_the_next_layers_residual_attention_scores_are_in_memory_when_a_layer_starts(k3_large_slices, large_slices_stock):
+    """llama.cpp scores K3's banked stack with layer L+1's attn_res_score inside layer L: with
+    the trunk streamed in the whole-file layout, those pages are read when layer L starts, so
+    compute never faults them in from the file behind every counter's back."""
+    model = load_model_map(k3_large_slices)
+    engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
+    try:
+        streamer, page = engine.streamer, os.sysconf("SC_PAGE_SIZE")
+        assert not engine.space.bounded and streamer._floating  # streamed shards hold them
+        missing: list[tuple[int, int]] = []
+        real_start = streamer.on_layer_start
+
+        def on_layer_start(layer: int) -> bool:
+            go_on = real_start(layer)
+            for _shard, file, offset, length in streamer._floating.get(layer + 1, ()):
+                lo = engine.space.at(file, offset) // page * page
+                hi = -(-engine.space.at(file, offset + length) // page) * page
+                if pagemap_resident_bytes([(lo, hi)]) != hi - lo:
+                    missing.append((layer + 1, offset))
+            return go_on
+
+        streamer.on_layer_start = on_layer_start
+        assert reply(engine, tokens=4) == large_slices_stock
+        assert not missing
+    finally:
+        engine.close()
+
+
 def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
     from kimitui.engine.state import EngineError
 

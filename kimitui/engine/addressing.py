@@ -133,11 +133,16 @@ def _placed(runs, page: int) -> tuple[list[Run], int]:
     return out, cursor
 
 
+def is_floating(tensor) -> bool:
+    """A layer tensor ggml may read before its layer starts (``FLOATING``)."""
+    return tensor.layer is not None and tensor.name.split(".")[2:3] != [] and tensor.name.split(".")[2] in FLOATING
+
+
 def _floating(model: ModelMap) -> list[tuple[int, int, int, None]]:
     return [
         (t.file, t.offset, t.offset + t.n_bytes, None)
         for t in sorted(model.tensors, key=lambda t: (t.file, t.offset))
-        if t.layer is not None and t.name.split(".")[2:3] and t.name.split(".")[2] in FLOATING
+        if is_floating(t)
     ]
 
 

@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from kimitui.engine.addressing import is_floating
 from kimitui.engine.budget import PIECE_BYTES, pool_buffers
 from kimitui.engine.direct import read_gaps, split_pieces
 from kimitui.engine.experts import ExpertCache, ExpertUnit, RouterPredictor, StagingError
@@ -306,6 +307,16 @@ class Streamer:
         for shard in model.shards:
             ends = self._file_ends.setdefault(shard.layer, {})
             ends[shard.file] = max(ends.get(shard.file, 0), shard.offset + shard.length)
+        # Layer -> its FLOATING tensors in streamed shards, (shard, file, offset, length): the
+        # graph reads them inside the layer before (K3's res_mix), so they are read when that
+        # layer starts. The bounded layout gives them a fixed place instead.
+        self._floating: dict[int, list[tuple[int, int, int, int]]] = {}
+        if not space.bounded:
+            for shard in model.shards:
+                for i in shard.tensors if shard.index not in pinned else ():
+                    t = model.tensors[i]
+                    if is_floating(t):
+                        self._floating.setdefault(t.layer, []).append((shard.index, t.file, t.offset, t.n_bytes))
         self._futures: dict[int, list[Future]] = {}
         self._paged_in: set[int] = set()  # shards a prompt's layer pages in under compute (_submit)
         self._prefetched: set[int] = set()  # read ahead, not yet reached by compute
@@ -985,9 +996,26 @@ class Streamer:
             self._read_layers_whole(layer)
             self._lend_idle_window(layer)
             self.experts.read_first_matrices(layer, self.chunk_tokens, self._early_room(layer))
+        self._read_floating(layer + 1)
         self._prefetch_from(layer + 1)
         if layer + 1 < n:
             self._claim_ahead(layer + 1)
+
+    def _read_floating(self, layer: int) -> None:
+        """``layer``'s FLOATING tensors into the mapping now, where their shard's bytes have not
+        landed: the layer computing reads them (K3's residual attention scores the banked stack
+        one layer early). Missing, each was a fault compute waited on, a read from the file no
+        counter saw (on a 4-layer K3 with its trunk streamed, one a layer and token). The wait
+        is a stall; a few pages each."""
+        ranges = self._floating.get(layer)
+        if not ranges:
+            return
+        started = time.perf_counter()
+        for index, file, offset, length in ranges:
+            if self.state[index] != Residency.RESIDENT and self.io.populate(self.fds[file], self._base(file, offset), offset, length):
+                with self._lock:
+                    self.bytes_read += length
+        self.stall_s += time.perf_counter() - started
 
     def _finish_layer(self, layer: int) -> None:
         if layer >= self.model.n_layers:
