@@ -285,19 +285,21 @@ def test_a_staged_layers_sweep_gives_back_every_file_page_of_its_routed_tensors_
 
 def test_the_next_layers_residual_attention_scores_are_in_memory_when_a_layer_starts(k3_large_slices, large_slices_stock):
     """llama.cpp scores K3's banked stack with layer L+1's attn_res_score inside layer L: with
-    the trunk streamed in the whole-file layout, those pages are read when layer L starts, so
-    compute never faults them in from the file behind every counter's back."""
+    the trunk streamed in the whole-file layout (Linux), those pages are read when layer L
+    starts, so compute does not fault them in from the file behind every counter's back."""
     model = load_model_map(k3_large_slices)
     engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
     try:
         streamer, page = engine.streamer, os.sysconf("SC_PAGE_SIZE")
-        assert not engine.space.bounded and streamer._floating  # streamed shards hold them
+        assert not engine.space.bounded and streamer._floating.get(1)  # layer 1's shards stream and hold them
         missing: list[tuple[int, int]] = []
+        checked = [0]
         real_start = streamer.on_layer_start
 
         def on_layer_start(layer: int) -> bool:
             go_on = real_start(layer)
-            for _shard, file, offset, length in streamer._floating.get(layer + 1, ()):
+            for _shard, file, offset, length, _name in streamer._floating.get(layer + 1, ()):
+                checked[0] += 1
                 lo = engine.space.at(file, offset) // page * page
                 hi = -(-engine.space.at(file, offset + length) // page) * page
                 if pagemap_resident_bytes([(lo, hi)]) != hi - lo:
@@ -306,7 +308,32 @@ def test_the_next_layers_residual_attention_scores_are_in_memory_when_a_layer_st
 
         streamer.on_layer_start = on_layer_start
         assert reply(engine, tokens=4) == large_slices_stock
-        assert not missing
+        assert checked[0] and not missing
+    finally:
+        engine.close()
+
+
+def test_a_failed_read_of_the_next_layers_scores_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
+    from kimitui.engine.state import EngineError
+
+    model = load_model_map(k3_large_slices)
+    engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
+    try:
+        io = engine.streamer.io
+        real_populate = io.populate
+        scores = {offset for _shard, _file, offset, _length, _name in engine.streamer._floating[1]}
+
+        def failing_populate(fd, address, offset, length):
+            if offset in scores:  # the drive fails under the scores' pages
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_populate(fd, address, offset, length)
+
+        io.populate = failing_populate
+        gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=8))
+        with pytest.raises(EngineError, match=r"cannot read blk\.1\.(attn|ffn)_res_score\.weight from model file k3l\.gguf at byte \d+: Input/output error"):
+            list(gen)
+        io.populate = real_populate  # the drive is back
+        assert reply(engine, tokens=4) == large_slices_stock
     finally:
         engine.close()
 

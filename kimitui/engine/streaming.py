@@ -184,6 +184,11 @@ class Dropper:
             self._released.notify_all()
             return kept
 
+    def queued(self, key) -> bool:
+        """Whether ``key``'s release is still waiting (one under way holds the lock: waited for)."""
+        with self._lock:
+            return key in self._pending
+
     def mark(self) -> int:
         """The releases queued so far. Read without the lock, which a release holds while it runs
         (a batch of an eviction's experts): the caller's own ``later`` calls came before it."""
@@ -307,16 +312,16 @@ class Streamer:
         for shard in model.shards:
             ends = self._file_ends.setdefault(shard.layer, {})
             ends[shard.file] = max(ends.get(shard.file, 0), shard.offset + shard.length)
-        # Layer -> its FLOATING tensors in streamed shards, (shard, file, offset, length): the
+        # Layer -> its FLOATING tensors in streamed shards, (shard, file, offset, length, name): the
         # graph reads them inside the layer before (K3's res_mix), so they are read when that
         # layer starts. The bounded layout gives them a fixed place instead.
-        self._floating: dict[int, list[tuple[int, int, int, int]]] = {}
+        self._floating: dict[int, list[tuple[int, int, int, int, str]]] = {}
         if not space.bounded:
             for shard in model.shards:
                 for i in shard.tensors if shard.index not in pinned else ():
                     t = model.tensors[i]
                     if is_floating(t):
-                        self._floating.setdefault(t.layer, []).append((shard.index, t.file, t.offset, t.n_bytes))
+                        self._floating.setdefault(t.layer, []).append((shard.index, t.file, t.offset, t.n_bytes, t.name))
         self._futures: dict[int, list[Future]] = {}
         self._paged_in: set[int] = set()  # shards a prompt's layer pages in under compute (_submit)
         self._prefetched: set[int] = set()  # read ahead, not yet reached by compute
@@ -1011,11 +1016,27 @@ class Streamer:
         if not ranges:
             return
         started = time.perf_counter()
-        for index, file, offset, length in ranges:
-            if self.state[index] != Residency.RESIDENT and self.io.populate(self.fds[file], self._base(file, offset), offset, length):
-                with self._lock:
-                    self.bytes_read += length
-        self.stall_s += time.perf_counter() - started
+        try:
+            for index, file, offset, length, name in ranges:
+                state, futures = self.state[index], self._futures.get(index, [])
+                if state == Residency.RESIDENT or (
+                    state == Residency.INFLIGHT and all(f.done() and not f.cancelled() and f.exception() is None for f in futures)
+                ):
+                    continue  # the shard's bytes are in place
+                if self._dropper.queued(("shard", index)):  # its release would take back what is read here
+                    self._dropper.wait_released(self._dropper.mark())
+                try:
+                    read = self.io.populate(self.fds[file], self._base(file, offset), offset, length)
+                except OSError as exc:
+                    raise StreamAbort(
+                        f"cannot read {name} from model file {os.path.basename(self.model.files[file])} at byte {offset}: "
+                        f"{exc.strerror or exc} (drive removed or failing?)"
+                    ) from None
+                if read:
+                    with self._lock:
+                        self.bytes_read += length
+        finally:
+            self.stall_s += time.perf_counter() - started
 
     def _finish_layer(self, layer: int) -> None:
         if layer >= self.model.n_layers:
