@@ -313,55 +313,51 @@ def test_the_next_layers_residual_attention_scores_are_in_memory_when_a_layer_st
         engine.close()
 
 
-def test_a_failed_read_of_the_next_layers_scores_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
+def fails_in_one_line_then_recovers(path: Path, stock: list[int], failing, message: str) -> None:
+    """A reply whose reads fail where ``failing(model, streamer, offset)`` says (the drive fails
+    there) ends in ``message``; with the drive back, the next reply gives ``stock``."""
     from kimitui.engine.state import EngineError
 
-    model = load_model_map(k3_large_slices)
-    engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
+    model = load_model_map(path)
+    engine = engine_for(path, minimum_budget(model) + 2 * MIB)
     try:
         io = engine.streamer.io
         real_populate = io.populate
-        scores = {offset for _shard, _file, offset, _length, _name in engine.streamer._floating[1]}
 
         def failing_populate(fd, address, offset, length):
-            if offset in scores:  # the drive fails under the scores' pages
+            if failing(model, engine.streamer, offset):
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return real_populate(fd, address, offset, length)
 
         io.populate = failing_populate
         gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=8))
-        with pytest.raises(EngineError, match=r"cannot read blk\.1\.(attn|ffn)_res_score\.weight from model file k3l\.gguf at byte \d+: Input/output error"):
-            list(gen)
-        io.populate = real_populate  # the drive is back
-        assert reply(engine, tokens=4) == large_slices_stock
-    finally:
-        engine.close()
-
-
-def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
-    from kimitui.engine.state import EngineError
-
-    model = load_model_map(k3_large_slices)
-    engine = engine_for(k3_large_slices, minimum_budget(model) + 2 * MIB)
-    try:
-        io = engine.streamer.io
-        real_populate = io.populate
-        routed = [(t.offset, t.offset + t.n_bytes) for t in model.tensors if t.role == ROUTED_EXPERTS]
-
-        def failing_populate(fd, address, offset, length):
-            if any(lo <= offset < hi for lo, hi in routed):  # the drive fails under a staged slice
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real_populate(fd, address, offset, length)
-
-        io.populate = failing_populate
-        gen = engine.complete(PROMPT, Sampling(temperature=0.0, max_tokens=8))
-        with pytest.raises(EngineError, match=r"cannot read expert \d+ of layer \d+ from model file k3l\.gguf at byte \d+: Input/output error"):
+        with pytest.raises(EngineError, match=message):
             list(gen)
         assert gen.result.finish_reason == "error"
         io.populate = real_populate  # the drive is back
-        assert reply(engine, tokens=4) == large_slices_stock
+        assert reply(engine, tokens=4) == stock
     finally:
         engine.close()
+
+
+def test_a_failed_read_of_the_next_layers_scores_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
+    def under_the_scores(model, streamer, offset) -> bool:
+        return offset in {at for _shard, _file, at, _length, _name in streamer._floating[1]}
+
+    fails_in_one_line_then_recovers(
+        k3_large_slices, large_slices_stock, under_the_scores,
+        r"cannot read blk\.1\.(attn|ffn)_res_score\.weight from model file k3l\.gguf at byte \d+: Input/output error",
+    )
+
+
+def test_a_page_in_that_fails_ends_the_reply_in_one_line_and_the_next_reply_gives_the_stock_tokens(k3_large_slices, large_slices_stock):
+    def under_a_staged_slice(model, streamer, offset) -> bool:
+        return any(t.offset <= offset < t.offset + t.n_bytes for t in model.tensors if t.role == ROUTED_EXPERTS)
+
+    fails_in_one_line_then_recovers(
+        k3_large_slices, large_slices_stock, under_a_staged_slice,
+        r"cannot read expert \d+ of layer \d+ from model file k3l\.gguf at byte \d+: Input/output error",
+    )
 
 
 def staged_layer_parts(path: Path):
