@@ -376,7 +376,7 @@ def _report(args: argparse.Namespace, path: Path, model_map, spec: dict, limit: 
             "prompt_tokens": args.prompt_tokens,
             "tokens": args.tokens,
             "n_batch": args.n_batch,
-        "replies": args.replies,
+            "replies": args.replies,
             "threads": spec["threads"],
             "n_ctx": spec["n_ctx"],
             "budget_bytes": spec["budget"],

@@ -62,7 +62,7 @@ def prompt_tokens(llm, n: int, later: int = 0) -> list[int]:
     while True:
         tokens = llm.tokenize((PROMPT_TEXT * copies).encode(), add_bos=True, special=False)
         if len(tokens) >= n + later:
-            return tokens[:1] + tokens[1 + later : n + later] if n > 1 else tokens[:n]
+            return tokens[: min(n, 1)] + tokens[1 + later : n + later]
         copies *= 2
 
 

@@ -135,7 +135,8 @@ def _placed(runs, page: int) -> tuple[list[Run], int]:
 
 def is_floating(tensor) -> bool:
     """A layer tensor ggml may read before its layer starts (``FLOATING``)."""
-    return tensor.layer is not None and tensor.name.split(".")[2:3] != [] and tensor.name.split(".")[2] in FLOATING
+    parts = tensor.name.split(".")
+    return tensor.layer is not None and len(parts) > 2 and parts[2] in FLOATING
 
 
 def _floating(model: ModelMap) -> list[tuple[int, int, int, None]]:
