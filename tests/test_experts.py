@@ -651,6 +651,123 @@ def test_prefill_under_a_small_budget_is_cut_to_what_the_cache_holds(moe_model):
         engine.close()
 
 
+def _failed(exc: BaseException | None = None):
+    from concurrent.futures import Future
+
+    future = Future()
+    if exc is not None:
+        future.set_exception(exc)
+    return future
+
+
+@pytest.mark.parametrize("landed_before", [True, False])
+def test_a_look_ahead_guess_whose_read_failed_is_read_again_when_routed_to(moe_model, landed_before):
+    """A guess is nobody's error: where its read failed (before the layer asked for it, or while
+    the layer waited for it) the expert's pages go back and it is read again as a miss, after
+    the layer's other misses; the cache's books hold it once."""
+    import errno
+    import threading
+    from concurrent.futures import Future
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    footprint = ExpertUnit(layer, 0, model.expert_ranges(layer, 0)).footprint
+    reads, dropped = [], []
+    guess = _failed(OSError(errno.EIO, "I/O error") if landed_before else None)
+
+    def read_unit(unit):
+        reads.append(("read", unit.expert))
+        done = Future()
+        done.set_result(unit.length)
+        return [done]
+
+    def read_ahead(unit):
+        reads.append(("guess", unit.expert))
+        return [guess]
+
+    counts = [[0] * model.n_expert for _ in model.layers]
+    cache = ExpertCache(model, 8 * footprint, [], counts, read_unit, lambda unit: dropped.append(unit.expert), "lfu", read_ahead=read_ahead)
+    cache.prefetch(layer, [5])
+    if not landed_before:
+        threading.Timer(0.05, lambda: guess.set_exception(OSError(errno.EIO, "I/O error"))).start()
+    cache.ensure(layer, [5, 6])
+    assert reads == [("guess", 5), ("read", 6), ("read", 5)]
+    assert dropped == [5], "the failed guess's pages went back before it was read again"
+    both = sum(ExpertUnit(layer, e, model.expert_ranges(layer, e)).footprint for e in (5, 6))
+    assert {(layer, 5), (layer, 6)} <= cache.resident_keys() and cache.resident_bytes == both
+    assert cache.misses == 2 and cache.hits == 0
+
+
+def test_a_miss_that_waited_on_a_guess_that_failed_is_read_again_and_its_own_failure_stops_the_token(moe_model):
+    """A miss waits for the shared end pages other reads bring: where a guess was bringing one and
+    failed, the miss is read again; where the miss's own read failed, the token stops on it."""
+    from concurrent.futures import Future
+
+    from kimitui.engine.streaming import StreamAbort
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    failures = {6: [StreamAbort("a guess's read failed", guess=True)], 7: [StreamAbort("cannot read expert 7")] * 2}
+    reads = []
+
+    def read_unit(unit):
+        reads.append(unit.expert)
+        done = Future()
+        pending = failures.get(unit.expert)
+        if pending:
+            done.set_exception(pending.pop())
+        else:
+            done.set_result(unit.length)
+        return [done]
+
+    counts = [[0] * model.n_expert for _ in model.layers]
+    footprint = ExpertUnit(layer, 0, model.expert_ranges(layer, 0)).footprint
+    cache = ExpertCache(model, 8 * footprint, [], counts, read_unit, lambda unit: None, "lfu")
+    cache.ensure(layer, [6])
+    assert reads == [6, 6] and (layer, 6) in cache.resident_keys()
+    with pytest.raises(StreamAbort, match="cannot read expert 7"):
+        cache.ensure(layer, [7])
+    assert reads == [6, 6, 7] and (layer, 7) not in cache.resident_keys()
+
+
+def test_look_ahead_whose_every_read_fails_costs_no_reply(moe_model, monkeypatch):
+    """With router look-ahead on, every read on the guess lane fails: the experts it guessed and
+    the next token routes to are read again as misses, and the reply gives stock's tokens."""
+    import errno
+    import threading
+
+    expected = stock_texts(moe_model, [PREFILL_PROMPT], 12)
+    engine = expert_engine(moe_model, lookahead=True)
+    try:
+        streamer, cache = engine.streamer, engine.streamer.experts
+        placer = streamer.placer
+        if placer is None or not placer.reads_in_place:
+            pytest.skip("no arena here (no direct reads)")
+        read, failed = placer._read, []
+
+        def failing_on_the_guess_lane(file, views, offset):
+            if threading.current_thread().name.startswith("kimitui-guess"):
+                failed.append(offset)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return read(file, views, offset)
+
+        monkeypatch.setattr(placer, "_read", failing_on_the_guess_lane)
+        events: list[tuple[str, object]] = []
+        read_ahead, on_experts = cache._read_ahead, streamer.on_experts
+        monkeypatch.setattr(cache, "_read_ahead", lambda unit: (events.append(("guess", (unit.layer, unit.expert))), read_ahead(unit))[1])
+        monkeypatch.setattr(streamer, "on_experts", lambda layer, ids: (events.append(("route", {(layer, e) for e in ids})), on_experts(layer, ids))[1])
+        gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=12))
+        list(gen)
+        assert gen.result.error is None and gen.result.text == expected[0]
+        guessed_then_routed = [
+            key for i, (kind, key) in enumerate(events)
+            if kind == "guess" and any(kind2 == "route" and key in keys for kind2, keys in events[i + 1:])
+        ]
+        assert failed and guessed_then_routed, "a guess whose read failed was routed to"
+    finally:
+        engine.close()
+
+
 def test_an_expert_read_ahead_and_evicted_is_released_only_after_its_read(moe_model):
     """Evicting an expert whose look-ahead read is still running waits for that read: released
     first, its pages would land afterwards and stay in memory, counted nowhere."""

@@ -153,6 +153,19 @@ def hot_experts(model: ModelMap, counts: list[list[int]], byte_budget: int) -> l
     return chosen
 
 
+def _landed(futures: list[Future]) -> bool:
+    """Whether every read of ``futures`` brought its bytes; waits for the ones under way."""
+    return all(not f.cancelled() and f.exception() is None for f in futures)
+
+
+def _guesses_failed(futures: list[Future]) -> bool:
+    """Whether each read of ``futures`` that failed was a guess's (the streamer's failure says
+    so: ``StreamAbort.guess``), such as a shared end page a guess was bringing."""
+    return all(
+        not f.cancelled() and getattr(f.exception(), "guess", False) for f in futures if f.cancelled() or f.exception() is not None
+    )
+
+
 class ExpertCache:
     """Resident experts beyond the pinned hot set, within ``capacity`` bytes."""
 
@@ -346,6 +359,7 @@ class ExpertCache:
             return self._begin_stage(layer, wanted)
         self._give_back_early()  # not staged after all
         pending: list[tuple[ExpertUnit, list[Future]]] = []
+        guessed = 0  # the first ``guessed`` of ``pending`` were read ahead: one that fails is read again
         missed: list[ExpertUnit] = []  # read below, together
         needed = self._in_use = {(layer, e) for e in wanted}
         if self.prefilling:
@@ -364,7 +378,8 @@ class ExpertCache:
                     self.misses += 1
                     self.layer_misses[layer] += 1
                     self.bytes_needed += self._resident[key].length
-                    pending.append((self._resident[key], futures))
+                    pending.append((self._resident[key], futures))  # before any miss's: the first ``guessed``
+                    guessed += 1
                     self._touch(key)
                     continue
             if key in self.pinned or key in self._resident:
@@ -396,9 +411,25 @@ class ExpertCache:
             pending += zip(missed, self._read_units(missed))
         started = time.perf_counter()
         try:
-            for _unit, futures in pending:
-                for f in futures:
-                    f.result()  # a failed read raises here, before the expert matmuls run
+            again = []  # a guess's failure is nobody's error: what it failed to bring is read now
+            for index, (unit, futures) in enumerate(pending):
+                if not _landed(futures):
+                    if index >= guessed and not _guesses_failed(futures):
+                        for f in futures:
+                            f.result()  # a failed read raises here, before the expert matmuls run
+                    again.append(unit)
+            if again:
+                for unit in again:
+                    self._forget((unit.layer, unit.expert))
+                    self._touch((unit.layer, unit.expert), unit)
+                    self._resident_bytes += unit.footprint
+                if self._spare is not None:
+                    self._spare.earmark(sum(u.length for u in again))
+                read_again = list(zip(again, self._read_units(again)))
+                pending += read_again
+                for _unit, futures in read_again:
+                    for f in futures:
+                        f.result()
         except BaseException:
             # Nothing half-read may count as resident: the next reply reads it again.
             for unit, futures in pending:

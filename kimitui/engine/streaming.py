@@ -134,7 +134,13 @@ class _LayerRead:
 
 
 class StreamAbort(Exception):
-    """A model read failed; the message is what the user sees."""
+    """A model read failed; the message is what the user sees. ``guess``: the read was a guess
+    (on the look-ahead's lane), whose failure is nobody's error: whoever waited for it, its own
+    expert or a neighbour sharing an end page it was bringing, is read again."""
+
+    def __init__(self, message: str, guess: bool = False) -> None:
+        super().__init__(message)
+        self.guess = guess
 
 
 class Dropper:
@@ -453,12 +459,13 @@ class Streamer:
 
     def _read_chunk(
         self, unit, file: int, offset: int, length: int, whole: _WholeRead | None = None, placed=False,
-        room: int | None = None,
+        room: int | None = None, guess: bool = False,
     ) -> int:
         """Read one piece of a shard or an expert (``unit``, for messages and the trace);
         ``whole`` gathers an expert's slices into one read for the trace; ``placed``: whole
         pages that go to the mapping by direct read (None back: the pool is spent, or O_DIRECT
-        was refused); ``room``: the dropper's mark to wait for before reading."""
+        was refused); ``room``: the dropper's mark to wait for before reading; ``guess``: read
+        ahead on the look-ahead's lane (see ``StreamAbort``)."""
         if room is not None and not self._dropper.wait_released(room):
             raise StreamAbort(self.error or "streaming stopped: the releases this read waits for are held back")
         started = time.perf_counter()
@@ -512,7 +519,7 @@ class Streamer:
         if failure is not None:
             if placed == PAGE_IN:  # compute may be reaching for these pages now: shield them at once
                 self.fail(failure)
-            raise StreamAbort(failure)
+            raise StreamAbort(failure, guess)
         with self._lock:
             self.bytes_read += expected
             if placed == PAGE_IN:
@@ -579,9 +586,10 @@ class Streamer:
         if expert and len(pieces) > 1 and self.on_read is not None:
             whole = _WholeRead(pieces[0][1], sum(p[2] for p in pieces), len(pieces))
         room = self._dropper.mark()  # the releases that made room for these reads
+        guess = pool is not None and pool is self._guess_pool
         futures = []
         for file, start, length, placed in pieces:
-            future = (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed, room)
+            future = (pool or self._pool).submit(self._read_chunk, unit, file, start, length, whole, placed, room, guess)
             futures.append(future)
             if expert and placed:
                 self._reading_edges(file, placed[2], future)
