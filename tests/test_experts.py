@@ -698,6 +698,74 @@ def test_a_look_ahead_guess_whose_read_failed_is_read_again_when_routed_to(moe_m
     assert cache.misses == 2 and cache.hits == 0
 
 
+def test_a_failed_guess_goes_back_only_once_its_other_reads_are_done(moe_model):
+    """A guess is several reads (a slice each, shared end pages): where one failed, its release
+    and the read again wait until the others are done too, so no read of the old guess lands on
+    pages given back or read anew."""
+    import errno
+    import threading
+    from concurrent.futures import Future
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    events = []
+    slow = Future()
+
+    def read_unit(unit):
+        events.append("read again")
+        done = Future()
+        done.set_result(unit.length)
+        return [done]
+
+    def land_slowly():
+        events.append("last guess read done")
+        slow.set_result(0)
+
+    counts = [[0] * model.n_expert for _ in model.layers]
+    footprint = ExpertUnit(layer, 0, model.expert_ranges(layer, 0)).footprint
+    cache = ExpertCache(
+        model, 8 * footprint, [], counts, read_unit, lambda unit: events.append("released"), "lfu",
+        read_ahead=lambda unit: [_failed(OSError(errno.EIO, "I/O error")), slow],
+    )
+    cache.prefetch(layer, [5])
+    threading.Timer(0.1, land_slowly).start()
+    cache.ensure(layer, [5])
+    assert events == ["last guess read done", "released", "read again"]
+    assert (layer, 5) in cache.resident_keys()
+
+
+def test_a_failed_read_again_settles_every_read_before_any_release(moe_model):
+    """Where the read again fails too, the token stops; the releases of the expert (in the
+    books twice then: the guess and its read again) wait for every read of both."""
+    import errno
+    import threading
+    from concurrent.futures import Future
+
+    from kimitui.engine.streaming import StreamAbort
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    events = []
+    slow = Future()
+
+    def read_unit(unit):
+        threading.Timer(0.1, lambda: (events.append("last read done"), slow.set_result(0))).start()
+        return [_failed(StreamAbort("cannot read expert 5")), slow]
+
+    counts = [[0] * model.n_expert for _ in model.layers]
+    footprint = ExpertUnit(layer, 0, model.expert_ranges(layer, 0)).footprint
+    cache = ExpertCache(
+        model, 8 * footprint, [], counts, read_unit, lambda unit: events.append("released"), "lfu",
+        read_ahead=lambda unit: [_failed(OSError(errno.EIO, "I/O error"))],
+        cancel_reads=False,  # as in the arena: a read may bring pages others wait for
+    )
+    cache.prefetch(layer, [5])
+    with pytest.raises(StreamAbort, match="cannot read expert 5"):
+        cache.ensure(layer, [5])
+    assert events[0] == "released" and events[1:] == ["last read done", "released"]
+    assert (layer, 5) not in cache.resident_keys() and cache.resident_bytes == 0
+
+
 def test_a_miss_that_waited_on_a_guess_that_failed_is_read_again_and_its_own_failure_stops_the_token(moe_model):
     """A miss waits for the shared end pages other reads bring: where a guess was bringing one and
     failed, the miss is read again; where the miss's own read failed, the token stops on it."""
@@ -752,18 +820,22 @@ def test_look_ahead_whose_every_read_fails_costs_no_reply(moe_model, monkeypatch
             return read(file, views, offset)
 
         monkeypatch.setattr(placer, "_read", failing_on_the_guess_lane)
-        events: list[tuple[str, object]] = []
-        read_ahead, on_experts = cache._read_ahead, streamer.on_experts
-        monkeypatch.setattr(cache, "_read_ahead", lambda unit: (events.append(("guess", (unit.layer, unit.expert))), read_ahead(unit))[1])
-        monkeypatch.setattr(streamer, "on_experts", lambda layer, ids: (events.append(("route", {(layer, e) for e in ids})), on_experts(layer, ids))[1])
+        guessed = set()
+        read_ahead = cache._read_ahead
+        monkeypatch.setattr(cache, "_read_ahead", lambda unit: (guessed.add((unit.layer, unit.expert)), read_ahead(unit))[1])
+        held_when_routed = []  # routed while its guess (every one fails) was still held: read again
+        ensure = cache.ensure
+
+        def watched_ensure(layer, ids):
+            ids = list(ids)
+            held_when_routed.extend((layer, e) for e in ids if (layer, e) in cache._inflight)
+            return ensure(layer, ids)
+
+        monkeypatch.setattr(cache, "ensure", watched_ensure)
         gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=12))
         list(gen)
         assert gen.result.error is None and gen.result.text == expected[0]
-        guessed_then_routed = [
-            key for i, (kind, key) in enumerate(events)
-            if kind == "guess" and any(kind2 == "route" and key in keys for kind2, keys in events[i + 1:])
-        ]
-        assert failed and guessed_then_routed, "a guess whose read failed was routed to"
+        assert failed and held_when_routed and set(held_when_routed) <= guessed, "a guess whose read failed was routed to"
     finally:
         engine.close()
 

@@ -24,7 +24,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -154,7 +154,9 @@ def hot_experts(model: ModelMap, counts: list[list[int]], byte_budget: int) -> l
 
 
 def _landed(futures: list[Future]) -> bool:
-    """Whether every read of ``futures`` brought its bytes; waits for the ones under way."""
+    """Whether every read of ``futures`` brought its bytes; waits for all of them first, so that
+    nothing of a read that failed is still under way when its pages go back."""
+    wait(futures)
     return all(not f.cancelled() and f.exception() is None for f in futures)
 
 
@@ -431,9 +433,11 @@ class ExpertCache:
                     for f in futures:
                         f.result()
         except BaseException:
-            # Nothing half-read may count as resident: the next reply reads it again.
-            for unit, futures in pending:
+            # Nothing half-read may count as resident: the next reply reads it again. Every read
+            # settles before any release (an expert read again is in ``pending`` twice).
+            for _unit, futures in pending:
                 self._settle(futures)
+            for unit, _futures in pending:
                 self._forget((unit.layer, unit.expert))
             raise
         finally:

@@ -135,8 +135,8 @@ class _LayerRead:
 
 class StreamAbort(Exception):
     """A model read failed; the message is what the user sees. ``guess``: the read was a guess
-    (on the look-ahead's lane), whose failure is nobody's error: whoever waited for it, its own
-    expert or a neighbour sharing an end page it was bringing, is read again."""
+    (on the look-ahead's lane), whose failure is nobody's error: a decoded layer that waited for
+    it, for its own expert or a neighbour sharing an end page it was bringing, reads that again."""
 
     def __init__(self, message: str, guess: bool = False) -> None:
         super().__init__(message)
