@@ -698,6 +698,50 @@ def test_a_look_ahead_guess_whose_read_failed_is_read_again_when_routed_to(moe_m
     assert cache.misses == 2 and cache.hits == 0
 
 
+def test_a_read_again_that_waited_on_another_failed_guess_goes_round_a_bounded_number_of_times(moe_model):
+    """A read again may wait for a shared end page another guess was bringing; where that guess
+    fails too, the expert is read once more, and where only guesses keep failing the token stops
+    after a few rounds instead of reading for ever."""
+    import errno
+    from concurrent.futures import Future
+
+    from kimitui.engine.streaming import StreamAbort
+
+    model = load_model_map(moe_model)
+    layer = next(i for i, info in enumerate(model.layers) if info.is_moe)
+    counts = [[0] * model.n_expert for _ in model.layers]
+    footprint = ExpertUnit(layer, 0, model.expert_ranges(layer, 0)).footprint
+
+    def cache_reading(outcomes):
+        reads = []
+
+        def read_unit(unit):
+            reads.append(unit.expert)
+            done = Future()
+            outcome = outcomes.pop(0) if outcomes else None
+            if outcome is None:
+                done.set_result(unit.length)
+            else:
+                done.set_exception(outcome)
+            return [done]
+
+        cache = ExpertCache(
+            model, 8 * footprint, [], counts, read_unit, lambda unit: None, "lfu",
+            read_ahead=lambda unit: [_failed(OSError(errno.EIO, "I/O error"))], cancel_reads=False,
+        )
+        cache.prefetch(layer, [5])
+        return cache, reads
+
+    cache, reads = cache_reading([StreamAbort("another guess's read failed", guess=True)])
+    cache.ensure(layer, [5])
+    assert reads == [5, 5] and (layer, 5) in cache.resident_keys()
+    always = [StreamAbort("another guess's read failed", guess=True)] * 100
+    cache, reads = cache_reading(always)
+    with pytest.raises(StreamAbort, match="another guess's read failed"):
+        cache.ensure(layer, [5])
+    assert len(reads) == ExpertCache.READ_AGAIN_ROUNDS and (layer, 5) not in cache.resident_keys()
+
+
 def test_a_failed_guess_goes_back_only_once_its_other_reads_are_done(moe_model):
     """A guess is several reads (a slice each, shared end pages): where one failed, its release
     and the read again wait until the others are done too, so no read of the old guess lands on
@@ -823,19 +867,27 @@ def test_look_ahead_whose_every_read_fails_costs_no_reply(moe_model, monkeypatch
         guessed = set()
         read_ahead = cache._read_ahead
         monkeypatch.setattr(cache, "_read_ahead", lambda unit: (guessed.add((unit.layer, unit.expert)), read_ahead(unit))[1])
-        held_when_routed = []  # routed while its guess (every one fails) was still held: read again
-        ensure = cache.ensure
+        assert not cache.holds_most, "no free-room reads here: every guess is the look-ahead's"
+        read_again = []  # routed experts a decoded layer gave back and read again: failed guesses, and misses they tainted
+        ensure, forget, routed = cache.ensure, cache._forget, set()
 
         def watched_ensure(layer, ids):
             ids = list(ids)
-            held_when_routed.extend((layer, e) for e in ids if (layer, e) in cache._inflight)
+            routed.clear()
+            routed.update((layer, e) for e in ids)
             return ensure(layer, ids)
 
+        def watched_forget(key):
+            if key in routed and not cache.prefilling:
+                read_again.append(key)
+            forget(key)
+
         monkeypatch.setattr(cache, "ensure", watched_ensure)
+        monkeypatch.setattr(cache, "_forget", watched_forget)
         gen = engine.complete(PREFILL_PROMPT, Sampling(temperature=0.0, max_tokens=12))
         list(gen)
         assert gen.result.error is None and gen.result.text == expected[0]
-        assert failed and held_when_routed and set(held_when_routed) <= guessed, "a guess whose read failed was routed to"
+        assert failed and set(read_again) & guessed, "a guess whose read failed was routed to and read again"
     finally:
         engine.close()
 

@@ -413,25 +413,29 @@ class ExpertCache:
             pending += zip(missed, self._read_units(missed))
         started = time.perf_counter()
         try:
-            again = []  # a guess's failure is nobody's error: what it failed to bring is read now
-            for index, (unit, futures) in enumerate(pending):
-                if not _landed(futures):
-                    if index >= guessed and not _guesses_failed(futures):
+            # A guess's failure is nobody's error: what it failed to bring is read now. A read
+            # again may wait for a shared end page another guess is bringing, so it goes round
+            # while only guesses fail (each a read started before this call: a few rounds).
+            waited, rounds = pending, 0
+            while waited:
+                again = []
+                for index, (unit, futures) in enumerate(waited):
+                    if _landed(futures):
+                        continue
+                    a_guess = rounds == 0 and index < guessed  # its own reads failed, whatever the cause
+                    if not a_guess and (rounds >= self.READ_AGAIN_ROUNDS or not _guesses_failed(futures)):
                         for f in futures:
                             f.result()  # a failed read raises here, before the expert matmuls run
                     again.append(unit)
-            if again:
                 for unit in again:
                     self._forget((unit.layer, unit.expert))
                     self._touch((unit.layer, unit.expert), unit)
                     self._resident_bytes += unit.footprint
-                if self._spare is not None:
+                if again and self._spare is not None:
                     self._spare.earmark(sum(u.length for u in again))
-                read_again = list(zip(again, self._read_units(again)))
-                pending += read_again
-                for _unit, futures in read_again:
-                    for f in futures:
-                        f.result()
+                waited = list(zip(again, self._read_units(again))) if again else []
+                pending += waited
+                rounds += 1
         except BaseException:
             # Nothing half-read may count as resident: the next reply reads it again. Every read
             # settles before any release (an expert read again is in ``pending`` twice).
@@ -446,6 +450,9 @@ class ExpertCache:
         if self._spare is not None and not self.prefilling and not self._warms():
             self._lend_spare()  # where the room is read into, its reads take fresh pages instead
         return time.perf_counter() - started if pending else 0.0
+
+    # How many times a decoded layer reads again what failed guesses did not bring (``ensure``).
+    READ_AGAIN_ROUNDS = 4
 
     # What ``warm`` has under way at most: a miss's read waits behind no more than this at the disk.
     WARM_IN_FLIGHT = 8 * 2**20
