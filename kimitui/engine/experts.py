@@ -24,7 +24,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -156,8 +156,11 @@ def hot_experts(model: ModelMap, counts: list[list[int]], byte_budget: int) -> l
 def _landed(futures: list[Future]) -> bool:
     """Whether every read of ``futures`` brought its bytes; waits for all of them first, so that
     nothing of a read that failed is still under way when its pages go back."""
-    wait(futures)
-    return all(not f.cancelled() and f.exception() is None for f in futures)
+    landed = True
+    for f in futures:
+        if f.cancelled() or f.exception() is not None:  # exception() waits for the read
+            landed = False
+    return landed
 
 
 def _guesses_failed(futures: list[Future]) -> bool:
