@@ -100,8 +100,8 @@ class EngineMetrics:
         # Set by the engine: the model bytes it has read itself (pinned set, shards, experts).
         # What the SSD panel shows where the OS keeps no per-process I/O counters (iOS, macOS).
         self.engine_read_source: Callable[[], int] | None = None
-        # Set by the streaming engine: its counters as they are now, read when a panel asks (the
-        # engine no longer copies them here at every layer: 30-120 copies a token were overhead).
+        # Set by the streaming engine: its counters as they are now, read when a panel asks
+        # rather than copied here at every layer (30-120 copies a token, all overhead).
         self.streaming_source: Callable[[], dict] | None = None
         self.streamer_generation = 0
         # Speculative decoding, cumulative: decode passes, drafts, drafts kept, tokens the passes gave.
